@@ -1,0 +1,63 @@
+"""The one error hierarchy of kvdepot.
+
+Every error raised to a caller is a :class:`KVDepotError`; the subclass says
+what the caller should do about it. Third-party errors (gRPC, sockets) are
+translated at the boundary with :func:`from_grpc` and the transport code.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class KVDepotError(Exception):
+    """Root of every error kvdepot raises."""
+
+    grpc_code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+
+
+class InvalidArgument(KVDepotError):
+    """The request itself is wrong; retrying it unchanged will fail again."""
+
+    grpc_code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFound(KVDepotError):
+    """The chunk or node does not exist (a cache miss)."""
+
+    grpc_code = grpc.StatusCode.NOT_FOUND
+
+
+class CapacityExceeded(KVDepotError):
+    """The store cannot fit the data even after evicting everything it may."""
+
+    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(KVDepotError):
+    """A peer could not be reached or went away; retry elsewhere or later."""
+
+    grpc_code = grpc.StatusCode.UNAVAILABLE
+
+
+class Corrupt(KVDepotError):
+    """Bytes failed their checksum or a frame was malformed; treat as a miss."""
+
+    grpc_code = grpc.StatusCode.DATA_LOSS
+
+
+_BY_CODE: dict[grpc.StatusCode, type[KVDepotError]] = {
+    cls.grpc_code: cls
+    for cls in (InvalidArgument, NotFound, CapacityExceeded, Unavailable, Corrupt)
+}
+_BY_CODE[grpc.StatusCode.DEADLINE_EXCEEDED] = Unavailable
+_BY_CODE[grpc.StatusCode.FAILED_PRECONDITION] = InvalidArgument
+
+
+def from_grpc(exc: grpc.RpcError, what: str = "") -> KVDepotError:
+    """Translate a gRPC error into the matching :class:`KVDepotError`."""
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    cls = _BY_CODE.get(code, KVDepotError)
+    prefix = f"{what}: " if what else ""
+    return cls(f"{prefix}{details or code.name}")

@@ -1,0 +1,1 @@
+"""The metadata service: node registry, chunk index, placement and lookup."""

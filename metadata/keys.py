@@ -1,0 +1,128 @@
+"""Chained prefix hashing of token chunks.
+
+A chunk is ``chunk_tokens`` consecutive tokens; its key covers the whole prefix
+up to and including it::
+
+    ns   = digest(model, kv dtype, kv layout, tp size, tp rank, chunk_tokens, extra)
+    h[0] = xxh3_128(ns || tokens[0:C])
+    h[i] = xxh3_128(h[i-1] || tokens[i*C:(i+1)*C])
+
+Tokens are encoded as little-endian uint32 and digests as big-endian 16-byte
+strings, so the keys depend on nothing but the inputs: not on
+``PYTHONHASHSEED``, the process or the machine.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NewType
+
+import numpy as np
+import xxhash
+
+from kvdepot.errors import InvalidArgument
+
+ChunkKey = NewType("ChunkKey", bytes)
+"""16-byte chained digest of a prefix of chunks."""
+
+NamespaceDigest = NewType("NamespaceDigest", bytes)
+"""16-byte digest of everything that makes KV bytes incompatible."""
+
+KEY_BYTES = 16
+_SCHEME_VERSION = b"kvdepot-keys-v1"
+_MAX_TOKEN = 2**32 - 1
+
+
+def _field(data: bytes) -> bytes:
+    # Length-prefixed so that ("ab", "c") and ("a", "bc") never collide.
+    return struct.pack("<I", len(data)) + data
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    """Everything that must match for two engines to exchange KV bytes.
+
+    Attributes:
+        model: Model identifier (name or path, plus revision if any).
+        kv_dtype: Data type of the stored KV, e.g. ``"bfloat16"``.
+        kv_layout: Layout signature of the KV bytes (device, kernel path, shape).
+        tp_size: Tensor-parallel world size of the engine.
+        tp_rank: Tensor-parallel rank whose shard this is.
+        chunk_tokens: Tokens per chunk.
+        extra: Further salts: LoRA id, cache salt, tenant. Order matters.
+    """
+
+    model: str
+    kv_dtype: str = "bfloat16"
+    kv_layout: str = "default"
+    tp_size: int = 1
+    tp_rank: int = 0
+    chunk_tokens: int = 256
+    extra: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise InvalidArgument("namespace model must not be empty")
+        if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
+            raise InvalidArgument(f"bad tensor parallel rank {self.tp_rank}/{self.tp_size}")
+        if self.chunk_tokens < 1:
+            raise InvalidArgument("chunk_tokens must be positive")
+
+    def digest(self) -> NamespaceDigest:
+        """The 16-byte namespace digest that seeds the key chain."""
+        parts = [
+            _SCHEME_VERSION,
+            self.model.encode(),
+            self.kv_dtype.encode(),
+            self.kv_layout.encode(),
+            struct.pack("<III", self.tp_size, self.tp_rank, self.chunk_tokens),
+            struct.pack("<I", len(self.extra)),
+            *(e.encode() for e in self.extra),
+        ]
+        return NamespaceDigest(xxhash.xxh3_128_digest(b"".join(_field(p) for p in parts)))
+
+
+def encode_tokens(tokens: Sequence[int] | np.ndarray) -> bytes:
+    """Encode token ids as little-endian uint32, rejecting what does not fit."""
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise InvalidArgument("tokens must be a flat sequence")
+    if arr.size and (arr.dtype.kind not in "iu" or int(arr.min()) < 0 or int(arr.max()) > _MAX_TOKEN):
+        raise InvalidArgument("token ids must be integers in [0, 2**32)")
+    return arr.astype("<u4", copy=False).tobytes()
+
+
+def chunk_keys(
+    namespace: Namespace, tokens: Sequence[int] | np.ndarray, *, full_only: bool = True
+) -> list[ChunkKey]:
+    """Keys of the chunks of ``tokens``, one per chunk.
+
+    Args:
+        namespace: The namespace the chain is seeded with.
+        tokens: The prompt's token ids.
+        full_only: Drop a trailing partial chunk (the default: only whole
+            chunks are stored, as only whole blocks are shared by engines).
+
+    Returns:
+        One key per chunk, in prompt order.
+    """
+    data = encode_tokens(tokens)
+    n = len(data) // 4
+    c = namespace.chunk_tokens
+    count = n // c if full_only else -(-n // c)
+    keys: list[ChunkKey] = []
+    prev: bytes = namespace.digest()
+    step = c * 4
+    for i in range(count):
+        prev = xxhash.xxh3_128_digest(prev + data[i * step : (i + 1) * step])
+        keys.append(ChunkKey(prev))
+    return keys
+
+
+def validate_key(key: bytes) -> ChunkKey:
+    """Return ``key`` as a :data:`ChunkKey`, or raise if it has the wrong size."""
+    if not isinstance(key, bytes | bytearray) or len(key) != KEY_BYTES:
+        raise InvalidArgument(f"chunk keys are {KEY_BYTES} bytes")
+    return ChunkKey(bytes(key))

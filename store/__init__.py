@@ -1,0 +1,1 @@
+"""The store daemon: tiers, the data plane server, heartbeats to the metadata service."""
