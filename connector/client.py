@@ -1,0 +1,288 @@
+"""``KVDepotClient``: publish, look up and pull KV chunks from a user's process.
+
+The client speaks gRPC to the metadata service (synchronously: it lives in
+engine processes that are not asyncio) and moves bytes over a data-plane
+transport straight from and into caller-owned buffers.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from kvdepot.connector.transport import create_transport
+from kvdepot.connector.transport.base import GetItem, PutItem, PutStatus, Transport
+from kvdepot.errors import InvalidArgument, from_grpc
+from kvdepot.metadata.keys import KEY_BYTES, ChunkKey
+from kvdepot.proto.gen import metadata_pb2, metadata_pb2_grpc
+from kvdepot.store.chunks import checksum
+
+logger = logging.getLogger(__name__)
+
+Buffer = Any  # anything exporting the buffer protocol: bytes, bytearray, numpy, memoryview
+
+
+@dataclass(frozen=True, slots=True)
+class ClientConfig:
+    """Configuration of a :class:`KVDepotClient`.
+
+    Attributes:
+        metadata: Metadata service address ``host:port``.
+        node_id: The store node on this host, if any: puts go there first
+            and lookups list its replicas first.
+        transport: Data-plane transport name (``tcp``).
+        tokens_per_chunk: Tokens a chunk covers, for hit-rate statistics.
+        rpc_timeout_s: Deadline of each metadata call.
+        connect_timeout_s: Deadline to connect to a store.
+        io_timeout_s: Deadline for a stalled data-plane transfer.
+    """
+
+    metadata: str = "127.0.0.1:7700"
+    node_id: str = ""
+    transport: str = "tcp"
+    tokens_per_chunk: int = 0
+    rpc_timeout_s: float = 10.0
+    connect_timeout_s: float = 5.0
+    io_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if ":" not in self.metadata:
+            raise InvalidArgument(f"metadata address {self.metadata!r} must be host:port")
+        if min(self.rpc_timeout_s, self.connect_timeout_s, self.io_timeout_s) <= 0:
+            raise InvalidArgument("timeouts must be positive")
+        if self.tokens_per_chunk < 0:
+            raise InvalidArgument("tokens_per_chunk must not be negative")
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    """What a put did, key by key summed up."""
+
+    stored: int
+    skipped: int
+    failed: int
+    bytes_sent: int
+    bytes_skipped: int
+
+
+@dataclass(frozen=True, slots=True)
+class GetResult:
+    """Which keys were loaded into their buffers (verified) and which missed."""
+
+    loaded: tuple[bool, ...]
+    bytes_received: int
+
+    @property
+    def leading(self) -> int:
+        """Number of leading keys loaded: the usable prefix."""
+        n = 0
+        for ok in self.loaded:
+            if not ok:
+                break
+            n += 1
+        return n
+
+
+def _as_view(buf: Buffer, writable: bool) -> memoryview:
+    view = memoryview(buf)
+    if not view.c_contiguous:
+        raise InvalidArgument("buffers must be C-contiguous")
+    if writable and view.readonly:
+        raise InvalidArgument("get_into needs writable buffers")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def _check_keys(keys: Sequence[bytes]) -> list[ChunkKey]:
+    for i, k in enumerate(keys):
+        if len(k) != KEY_BYTES:
+            raise InvalidArgument(f"key {i} is {len(k)} bytes; chunk keys are {KEY_BYTES}")
+    return [ChunkKey(bytes(k)) for k in keys]
+
+
+class KVDepotClient:
+    """Publish chunks, look up prefixes and pull chunks into caller buffers.
+
+    Thread-safe: one client may be shared by the threads of an engine.
+    """
+
+    def __init__(self, config: ClientConfig, transport: Transport | None = None) -> None:
+        self.config = config
+        self._channel = grpc.insecure_channel(
+            config.metadata, options=[("grpc.max_receive_message_length", 64 << 20)]
+        )
+        self._stub = metadata_pb2_grpc.MetadataStub(self._channel)
+        self._transport = transport or create_transport(
+            config.transport,
+            connect_timeout_s=config.connect_timeout_s,
+            io_timeout_s=config.io_timeout_s,
+        )
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> KVDepotClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the metadata channel and the data-plane connections."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._transport.close()
+        self._channel.close()
+
+    def _call(self, method: str, request: Any) -> Any:
+        try:
+            return getattr(self._stub, method)(request, timeout=self.config.rpc_timeout_s)
+        except grpc.RpcError as exc:
+            raise from_grpc(exc, f"metadata {method}") from None
+
+    # -- publish ----------------------------------------------------------------
+    def put(self, keys: Sequence[bytes], buffers: Sequence[Buffer]) -> PutResult:
+        """Publish chunks; keys already stored (or being stored) are not sent.
+
+        Args:
+            keys: Chunk keys, e.g. from :func:`kvdepot.metadata.keys.chunk_keys`.
+            buffers: One buffer per key with the chunk's bytes.
+
+        Returns:
+            Counts of chunks stored, skipped as already present, and failed.
+
+        Raises:
+            InvalidArgument: mismatched keys and buffers, or bad keys.
+            Unavailable: the metadata service cannot be reached.
+        """
+        if len(keys) != len(buffers):
+            raise InvalidArgument(f"{len(keys)} keys but {len(buffers)} buffers")
+        ckeys = _check_keys(keys)
+        views = [_as_view(b, writable=False) for b in buffers]
+        if any(v.nbytes == 0 for v in views):
+            raise InvalidArgument("chunks must not be empty")
+        if not ckeys:
+            return PutResult(0, 0, 0, 0, 0)
+        reply = self._call(
+            "PutStart",
+            metadata_pb2.PutStartRequest(
+                keys=ckeys, sizes=[v.nbytes for v in views], writer_node_id=self.config.node_id
+            ),
+        )
+        groups: dict[tuple[str, str], list[int]] = defaultdict(list)
+        skipped = bytes_skipped = 0
+        for i, alloc in enumerate(reply.allocations):
+            if alloc.action == metadata_pb2.Allocation.WRITE:
+                groups[(alloc.node.node_id, alloc.node.address)].append(i)
+            else:
+                skipped += 1
+                bytes_skipped += views[i].nbytes
+        stored = failed = bytes_sent = 0
+        for (node_id, address), idx in groups.items():
+            items = [PutItem(ckeys[i], views[i], checksum(views[i])) for i in idx]
+            statuses = self._transport.put(address, items)
+            done = [i for i, s in zip(idx, statuses, strict=True) if s in _WRITTEN]
+            lost = [i for i, s in zip(idx, statuses, strict=True) if s not in _WRITTEN]
+            if done:
+                self._call(
+                    "PutEnd",
+                    metadata_pb2.PutEndRequest(
+                        keys=[ckeys[i] for i in done],
+                        node_id=node_id,
+                        sizes=[views[i].nbytes for i in done],
+                    ),
+                )
+            if lost:
+                logger.warning(
+                    "put of %d chunks to %s failed: %s",
+                    len(lost),
+                    address,
+                    sorted({s.name for s in statuses if s not in _WRITTEN}),
+                )
+                self._call(
+                    "PutRevoke",
+                    metadata_pb2.PutRevokeRequest(keys=[ckeys[i] for i in lost], node_id=node_id),
+                )
+            stored += len(done)
+            failed += len(lost)
+            bytes_sent += sum(
+                views[i].nbytes for i, s in zip(idx, statuses, strict=True) if s is PutStatus.OK
+            )
+        return PutResult(stored, skipped, failed, bytes_sent, bytes_skipped)
+
+    # -- lookup -----------------------------------------------------------------
+    def lookup_locations(self, keys: Sequence[bytes]) -> metadata_pb2.LookupResponse:
+        """The raw lookup answer: leading hits and the replicas of each."""
+        return self._call(
+            "Lookup",
+            metadata_pb2.LookupRequest(
+                keys=_check_keys(keys),
+                client_node_id=self.config.node_id,
+                tokens_per_key=self.config.tokens_per_chunk,
+            ),
+        )
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """Number of leading keys that are stored somewhere in the cluster."""
+        if not keys:
+            return 0
+        return int(self.lookup_locations(keys).hits)
+
+    # -- pull ---------------------------------------------------------------------
+    def get_into(self, keys: Sequence[bytes], buffers: Sequence[Buffer]) -> GetResult:
+        """Pull the leading cached chunks of ``keys`` into ``buffers``.
+
+        Each loaded chunk has been verified against its checksum. A chunk that
+        is missing, evicted meanwhile, corrupt, or on a store that died is a
+        miss (``loaded[i]`` is False) and its buffer content is undefined.
+
+        Raises:
+            InvalidArgument: mismatched keys and buffers, or bad keys.
+            Unavailable: the metadata service cannot be reached.
+        """
+        if len(keys) != len(buffers):
+            raise InvalidArgument(f"{len(keys)} keys but {len(buffers)} buffers")
+        views = [_as_view(b, writable=True) for b in buffers]
+        if not keys:
+            return GetResult((), 0)
+        reply = self.lookup_locations(keys)
+        loaded = [False] * len(keys)
+        received = 0
+        # Each round tries the next replica of every key that is still missing.
+        attempt = 0
+        todo = [i for i in range(reply.hits) if views[i].nbytes >= reply.locations[i].size]
+        while todo:
+            groups: dict[str, list[int]] = defaultdict(list)
+            for i in todo:
+                reps = reply.locations[i].replicas
+                if attempt < len(reps):
+                    groups[reps[attempt].address].append(i)
+            if not groups:
+                break
+            for address, idx in groups.items():
+                items = [
+                    GetItem(ckey, views[i][: reply.locations[i].size])
+                    for i in idx
+                    for ckey in (ChunkKey(bytes(keys[i])),)
+                ]
+                outcomes = self._transport.get_into(address, items)
+                for i, out in zip(idx, outcomes, strict=True):
+                    if out.ok and out.length == reply.locations[i].size:
+                        loaded[i] = True
+                        received += out.length
+            todo = [i for i in todo if not loaded[i]]
+            attempt += 1
+        return GetResult(tuple(loaded), received)
+
+    def stats(self) -> metadata_pb2.ClusterStats:
+        """Cluster-wide statistics from the metadata service."""
+        return self._call("GetStats", metadata_pb2.GetStatsRequest())
+
+
+_WRITTEN = (PutStatus.OK, PutStatus.EXISTS)

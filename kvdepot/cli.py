@@ -1,0 +1,292 @@
+"""The ``kvdepot`` command: daemons, a local cluster, stats and the demo.
+
+This is the only place that reads the environment: each component's config
+is built here from CLI flags > ``KVDEPOT_*`` environment > ``--config`` file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
+
+from kvdepot.config import load_config
+from kvdepot.errors import KVDepotError
+
+logger = logging.getLogger("kvdepot")
+
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _announce(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def _run_until_signal(main: Callable[[], Coroutine[Any, Any, None]]) -> int:
+    async def runner() -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, task.cancel)
+        with contextlib.suppress(asyncio.CancelledError):
+            await main()
+
+    asyncio.run(runner())
+    return 0
+
+
+# -- metadata -----------------------------------------------------------------
+def cmd_metadata(args: argparse.Namespace) -> int:
+    from kvdepot.metadata.config import MetadataConfig
+    from kvdepot.metadata.service import MetadataServer
+
+    config = load_config(
+        MetadataConfig,
+        prefix="KVDEPOT_METADATA_",
+        env=os.environ,
+        file=args.config,
+        section="metadata",
+        overrides={
+            "host": args.host,
+            "port": args.port,
+            "index": args.index,
+            "lease_ttl_s": args.lease_ttl,
+            "heartbeat_interval_s": args.heartbeat_interval,
+            "allocation_ttl_s": args.allocation_ttl,
+        },
+    )
+    if args.check:
+        print(json.dumps({"metadata": _asdict(config)}))
+        return 0
+
+    async def main() -> None:
+        server = MetadataServer(config)
+        port = await server.start()
+        _announce("KVDEPOT READY " + json.dumps({"role": "metadata", "port": port}))
+        try:
+            await server.wait()
+        finally:
+            await server.stop()
+
+    return _run_until_signal(main)
+
+
+# -- store --------------------------------------------------------------------
+def cmd_store(args: argparse.Namespace) -> int:
+    from kvdepot.store.config import StoreConfig
+    from kvdepot.store.daemon import run_store
+
+    config = load_config(
+        StoreConfig,
+        prefix="KVDEPOT_STORE_",
+        env=os.environ,
+        file=args.config,
+        section="store",
+        overrides={
+            "node_id": args.node_id,
+            "host": args.host,
+            "port": args.port,
+            "grpc_port": args.grpc_port,
+            "advertise_host": args.advertise_host,
+            "metadata": args.metadata,
+            "capacity_bytes": args.capacity,
+            "arena_path": args.arena_path,
+            "max_chunk_bytes": args.max_chunk,
+        },
+    )
+    if args.check:
+        print(json.dumps({"store": _asdict(config)}))
+        return 0
+    return _run_until_signal(lambda: run_store(config, announce=_announce))
+
+
+# -- up -----------------------------------------------------------------------
+def cmd_up(args: argparse.Namespace) -> int:
+    from kvdepot.cluster import LocalCluster
+
+    if args.nodes < 1:
+        raise KVDepotError("--nodes must be at least 1")
+    cluster = LocalCluster(
+        nodes=args.nodes,
+        metadata_port=args.metadata_port,
+        capacity=args.capacity,
+        host=args.host,
+    )
+    # Children get SIGINT from the terminal too; we only wait and clean up.
+    stop = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    cluster.start()
+    try:
+        print(f"kvdepot cluster up: metadata {cluster.metadata_address}", flush=True)
+        for s in cluster.stores:
+            print(
+                f"  store {s.info['node_id']}: data {s.info['address']}, "
+                f"gRPC {s.info['grpc_address']}, pid {s.pid}",
+                flush=True,
+            )
+        print("Ctrl-C stops all.", flush=True)
+        while not stop:
+            for d in [cluster.metadata, *cluster.stores]:
+                if d is not None and d.proc.poll() is not None:
+                    print(f"kvdepot: {d.name} exited ({d.proc.returncode})", file=sys.stderr)
+                    stop = True
+            time.sleep(0.2)
+    finally:
+        cluster.stop()
+    return 0
+
+
+# -- stats --------------------------------------------------------------------
+def cmd_stats(args: argparse.Namespace) -> int:
+    from kvdepot.connector.client import ClientConfig, KVDepotClient
+    from kvdepot.stats import render_table, stats_to_dict
+
+    config = load_config(
+        ClientConfig,
+        prefix="KVDEPOT_CLIENT_",
+        env=os.environ,
+        overrides={"metadata": args.metadata, "rpc_timeout_s": args.timeout},
+    )
+    with KVDepotClient(config) as client:
+        while True:
+            data = stats_to_dict(client.stats())
+            if args.json:
+                print(json.dumps(data), flush=True)
+            else:
+                if args.watch and sys.stdout.isatty():
+                    sys.stdout.write("\x1b[H\x1b[2J")
+                print(render_table(data), flush=True)
+            if not args.watch:
+                return 0
+            time.sleep(args.interval)
+
+
+# -- demo ---------------------------------------------------------------------
+def cmd_demo(args: argparse.Namespace) -> int:
+    from kvdepot.demo import DemoOptions, run_demo
+
+    options = DemoOptions(
+        prompts=args.prompts,
+        shared_prefixes=args.shared_prefixes,
+        prefix_chunks=args.prefix_chunks,
+        suffix_chunks=args.suffix_chunks,
+        chunk_bytes=args.chunk_bytes,
+        nodes=args.nodes,
+        metadata=args.metadata or "",
+        progress=sys.stderr.isatty() and not args.json,
+    )
+    summary = run_demo(options)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        from kvdepot.demo import render_summary
+
+        print(render_summary(summary))
+    return 0 if summary["verified"] else EXIT_ERROR
+
+
+def _asdict(obj: Any) -> dict[str, Any]:
+    import dataclasses
+
+    return dataclasses.asdict(obj)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvdepot", description="KV cache store for LLM inference")
+    p.add_argument("--log-level", default="INFO", help="daemon log level (default INFO)")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    m = sub.add_parser("metadata", help="run the metadata service")
+    m.add_argument("--config", help="TOML/JSON file with a [metadata] table")
+    m.add_argument("--host", help="bind address (default 127.0.0.1)")
+    m.add_argument("--port", type=int, help="gRPC port (default 7700; 0 picks one)")
+    m.add_argument("--index", help="index backend URL (default memory://)")
+    m.add_argument("--lease-ttl", type=float, help="store lease in seconds (default 5)")
+    m.add_argument("--heartbeat-interval", type=float, help="store heartbeat seconds (default 1)")
+    m.add_argument("--allocation-ttl", type=float, help="uncommitted put lifetime (default 30)")
+    m.add_argument("--check", action="store_true", help="validate the config, print it, exit")
+    m.set_defaults(func=cmd_metadata)
+
+    s = sub.add_parser("store", help="run a store daemon")
+    s.add_argument("--config", help="TOML/JSON file with a [store] table")
+    s.add_argument("--node-id", help="node name (default derived from the address)")
+    s.add_argument("--host", help="bind address (default 127.0.0.1)")
+    s.add_argument("--port", type=int, help="data-plane port (default 7800; 0 picks one)")
+    s.add_argument("--grpc-port", type=int, help="gRPC stats port (default 0: pick one)")
+    s.add_argument("--advertise-host", help="host other nodes reach this one at")
+    s.add_argument("--metadata", help="metadata service host:port (default 127.0.0.1:7700)")
+    s.add_argument("--capacity", help="DRAM arena size, e.g. 4GiB (default 1GiB)")
+    s.add_argument("--arena-path", help="file backing the arena, e.g. /dev/shm/kvdepot")
+    s.add_argument("--max-chunk", help="largest chunk accepted (default: the arena size)")
+    s.add_argument("--check", action="store_true", help="validate the config, print it, exit")
+    s.set_defaults(func=cmd_store)
+
+    u = sub.add_parser("up", help="run a local cluster: metadata + N stores")
+    u.add_argument("--nodes", type=int, default=2, help="store daemons (default 2)")
+    u.add_argument("--metadata-port", type=int, default=7700, help="metadata port (default 7700)")
+    u.add_argument("--capacity", default="512MiB", help="arena per store (default 512MiB)")
+    u.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    u.set_defaults(func=cmd_up)
+
+    st = sub.add_parser("stats", help="cluster statistics over gRPC")
+    st.add_argument("--metadata", help="metadata host:port (default 127.0.0.1:7700)")
+    st.add_argument("--json", action="store_true", help="print one JSON object")
+    st.add_argument("--watch", action="store_true", help="refresh until interrupted")
+    st.add_argument("--interval", type=float, default=2.0, help="--watch period in seconds")
+    st.add_argument("--timeout", type=float, default=5.0, help="RPC deadline in seconds")
+    st.set_defaults(func=cmd_stats)
+
+    d = sub.add_parser("demo", help="publish and pull KV across processes, verify every byte")
+    d.add_argument("--json", action="store_true", help="print one JSON object")
+    d.add_argument("--metadata", help="use an existing cluster instead of starting one")
+    d.add_argument("--nodes", type=int, default=2, help="stores of the local cluster (default 2)")
+    d.add_argument("--prompts", type=int, default=16, help="prompts published (default 16)")
+    d.add_argument("--shared-prefixes", type=int, default=4, help="distinct system prompts")
+    d.add_argument("--prefix-chunks", type=int, default=4, help="chunks per system prompt")
+    d.add_argument("--suffix-chunks", type=int, default=2, help="unique chunks per prompt")
+    d.add_argument("--chunk-bytes", default="1MiB", help="bytes of KV per chunk (default 1MiB)")
+    d.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _setup_logging(args.log_level)
+    try:
+        code: int = args.func(args)
+        return code
+    except KVDepotError as exc:
+        print(f"kvdepot: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,211 @@
+"""A local cluster of real daemon processes: one metadata service, N stores.
+
+Used by ``kvdepot up``, ``kvdepot demo`` and the integration tests. Each daemon
+prints one ``KVDEPOT READY {json}`` line on stdout once it listens; its logs go
+to stderr.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import grpc
+
+from kvdepot.errors import Unavailable
+from kvdepot.proto.gen import metadata_pb2, metadata_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+READY_PREFIX = "KVDEPOT READY "
+
+
+@dataclass(slots=True)
+class DaemonProcess:
+    """A started daemon and what it announced."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+
+def wait_ready(proc: subprocess.Popen[bytes], name: str, timeout_s: float) -> dict[str, Any]:
+    """Read ``proc``'s stdout until its READY line; raise if it dies or stalls."""
+    assert proc.stdout is not None
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout_s
+    buf = b""
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise Unavailable(f"{name} did not become ready within {timeout_s:.0f} s")
+            if not sel.select(min(left, 0.2)):
+                if proc.poll() is not None:
+                    raise Unavailable(f"{name} exited with status {proc.returncode}")
+                continue
+            chunk = os.read(proc.stdout.fileno(), 65536)
+            if not chunk:
+                proc.wait(timeout=5)
+                raise Unavailable(f"{name} exited with status {proc.returncode}")
+            buf += chunk
+            for line in buf.decode(errors="replace").splitlines():
+                if line.startswith(READY_PREFIX):
+                    info: dict[str, Any] = json.loads(line[len(READY_PREFIX):])
+                    return info
+    finally:
+        sel.close()
+
+
+def wait_nodes(metadata: str, count: int, timeout_s: float = 30.0) -> None:
+    """Wait until the metadata service at ``metadata`` lists ``count`` nodes."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(metadata) as channel:
+        stub = metadata_pb2_grpc.MetadataStub(channel)
+        seen = -1
+        while time.monotonic() < deadline:
+            try:
+                seen = len(stub.GetStats(metadata_pb2.GetStatsRequest(), timeout=2).nodes)
+                if seen >= count:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.05)
+    raise Unavailable(f"only {max(seen, 0)} of {count} stores registered within {timeout_s:.0f} s")
+
+
+class LocalCluster:
+    """Metadata service and stores as local processes on loopback."""
+
+    def __init__(
+        self,
+        *,
+        nodes: int = 2,
+        metadata_port: int = 0,
+        capacity: str = "256MiB",
+        host: str = "127.0.0.1",
+        lease_ttl_s: float = 5.0,
+        heartbeat_interval_s: float = 1.0,
+        log_dir: Path | None = None,
+        stderr: IO[bytes] | int | None = None,
+        extra_store_args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+        ready_timeout_s: float = 60.0,
+    ) -> None:
+        self.nodes = nodes
+        self.metadata_port = metadata_port
+        self.capacity = capacity
+        self.host = host
+        self.lease_ttl_s = lease_ttl_s
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.log_dir = log_dir
+        self._stderr = stderr
+        self.extra_store_args = extra_store_args
+        self.env = env
+        self.ready_timeout_s = ready_timeout_s
+        self.metadata: DaemonProcess | None = None
+        self.stores: list[DaemonProcess] = []
+        self._logs: list[IO[bytes]] = []
+
+    @property
+    def metadata_address(self) -> str:
+        assert self.metadata is not None
+        return f"{self.host}:{self.metadata.info['port']}"
+
+    def _spawn(self, name: str, args: list[str]) -> DaemonProcess:
+        stderr: IO[bytes] | int | None = self._stderr
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - closed in stop()
+            self._logs.append(log)
+            stderr = log
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvdepot.cli", *args],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            stdin=subprocess.DEVNULL,
+            env=self.env,
+        )
+        return DaemonProcess(name, proc)
+
+    def start(self) -> LocalCluster:
+        try:
+            self.metadata = self._spawn(
+                "metadata",
+                [
+                    "metadata",
+                    "--host", self.host,
+                    "--port", str(self.metadata_port),
+                    "--lease-ttl", str(self.lease_ttl_s),
+                    "--heartbeat-interval", str(self.heartbeat_interval_s),
+                ],
+            )
+            self.metadata.info = wait_ready(self.metadata.proc, "metadata", self.ready_timeout_s)
+            for i in range(self.nodes):
+                self.add_store(f"store-{i}")
+            wait_nodes(self.metadata_address, self.nodes, self.ready_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def add_store(self, name: str, *extra: str) -> DaemonProcess:
+        store = self._spawn(
+            name,
+            [
+                "store",
+                "--node-id", name,
+                "--host", self.host,
+                "--port", "0",
+                "--grpc-port", "0",
+                "--metadata", self.metadata_address,
+                "--capacity", self.capacity,
+                *self.extra_store_args,
+                *extra,
+            ],
+        )
+        self.stores.append(store)
+        store.info = wait_ready(store.proc, name, self.ready_timeout_s)
+        return store
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        procs = [s.proc for s in self.stores]
+        if self.metadata is not None:
+            procs.append(self.metadata.proc)
+        for p in procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            if p.stdout is not None:
+                p.stdout.close()
+        for log in self._logs:
+            log.close()
+        self._logs.clear()
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,92 @@
+"""Rendering of cluster statistics for ``kvdepot stats``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvdepot.proto.gen import metadata_pb2
+
+
+def _tier(t: Any) -> dict[str, Any]:
+    return {
+        "name": t.name,
+        "capacity_bytes": t.capacity_bytes,
+        "used_bytes": t.used_bytes,
+        "chunks": t.chunks,
+        "hits": t.hits,
+        "misses": t.misses,
+        "evictions": t.evictions,
+        "promotions": t.promotions,
+        "demotions": t.demotions,
+    }
+
+
+def stats_to_dict(s: metadata_pb2.ClusterStats) -> dict[str, Any]:
+    """The JSON shape of ``kvdepot stats --json``."""
+    looked = s.hit_keys + s.miss_keys
+    tokens = s.hit_tokens + s.miss_tokens
+    return {
+        "nodes": [
+            {
+                "node_id": n.node_id,
+                "address": n.address,
+                "grpc_address": n.grpc_address,
+                "chunks_indexed": n.chunks_indexed,
+                "lease_remaining_s": round(n.lease_remaining_s, 3),
+                "tiers": [_tier(t) for t in n.tiers],
+            }
+            for n in s.nodes
+        ],
+        "chunks": s.chunks,
+        "lookups": s.lookups,
+        "hit_keys": s.hit_keys,
+        "miss_keys": s.miss_keys,
+        "hit_tokens": s.hit_tokens,
+        "miss_tokens": s.miss_tokens,
+        "hit_rate": (s.hit_keys / looked) if looked else 0.0,
+        "token_hit_rate": (s.hit_tokens / tokens) if tokens else 0.0,
+        "puts_committed": s.puts_committed,
+        "bytes_committed": s.bytes_committed,
+        "chunks_deduplicated": s.chunks_deduplicated,
+        "bytes_saved": s.bytes_saved,
+        "nodes_expired": s.nodes_expired,
+        "allocations_expired": s.allocations_expired,
+    }
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def render_table(d: dict[str, Any]) -> str:
+    """A fixed-width table of the nodes and the cluster counters."""
+    rows = [("node", "address", "tier", "capacity", "used", "use%", "chunks", "hits", "misses",
+             "evict")]
+    for n in d["nodes"]:
+        for t in n["tiers"] or [{"name": "-", "capacity_bytes": 0, "used_bytes": 0, "chunks": 0,
+                                  "hits": 0, "misses": 0, "evictions": 0}]:
+            cap = t["capacity_bytes"]
+            rows.append((
+                n["node_id"], n["address"], t["name"], human_bytes(cap),
+                human_bytes(t["used_bytes"]),
+                f"{100 * t['used_bytes'] / cap:.0f}%" if cap else "-",
+                str(t["chunks"]), str(t["hits"]), str(t["misses"]), str(t["evictions"]),
+            ))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    lines.append("")
+    lines.append(
+        f"chunks {d['chunks']}  lookups {d['lookups']}  "
+        f"hit rate {100 * d['hit_rate']:.1f}% ({d['hit_keys']} hit / {d['miss_keys']} miss chunks)"
+    )
+    lines.append(
+        f"committed {d['puts_committed']} chunks ({human_bytes(d['bytes_committed'])})  "
+        f"deduplicated {d['chunks_deduplicated']} chunks, saved {human_bytes(d['bytes_saved'])}"
+    )
+    if not d["nodes"]:
+        lines.insert(0, "(no store nodes registered)")
+    return "\n".join(lines)

@@ -1,0 +1,248 @@
+"""The embedded in-memory index: one process, nothing else to start.
+
+All methods run on the metadata service's event loop and never await while
+changing state, so each call is atomic without a lock.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvdepot.errors import Unavailable
+from kvdepot.metadata.index.base import IndexBackend, IndexConfig
+from kvdepot.metadata.keys import ChunkKey
+from kvdepot.metadata.placement import choose_node
+from kvdepot.metadata.types import (
+    TIER_RANK,
+    Action,
+    Allocation,
+    IndexStats,
+    InventoryItem,
+    KeyLocation,
+    LookupResult,
+    NodeId,
+    NodeInfo,
+    NodeStatus,
+    Replica,
+    TierUsage,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Node:
+    info: NodeInfo
+    expires_at: float
+    keys: set[ChunkKey] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class _Chunk:
+    size: int
+    replicas: dict[NodeId, str] = field(default_factory=dict)  # node -> tier
+
+
+@dataclass(slots=True)
+class _Pending:
+    node_id: NodeId
+    size: int
+    expires_at: float
+
+
+@dataclass(slots=True)
+class _Counters:
+    lookups: int = 0
+    hit_keys: int = 0
+    miss_keys: int = 0
+    hit_tokens: int = 0
+    miss_tokens: int = 0
+    puts_committed: int = 0
+    chunks_deduplicated: int = 0
+    bytes_saved: int = 0
+    bytes_committed: int = 0
+    nodes_expired: int = 0
+    allocations_expired: int = 0
+
+
+class MemoryIndex(IndexBackend):
+    """Dictionaries keyed by chunk key and node id."""
+
+    def __init__(self, config: IndexConfig) -> None:
+        self._config = config
+        self._nodes: dict[NodeId, _Node] = {}
+        self._chunks: dict[ChunkKey, _Chunk] = {}
+        self._pending: dict[ChunkKey, _Pending] = {}
+        self._c = _Counters()
+
+    async def register_node(
+        self, node: NodeInfo, inventory: Sequence[InventoryItem], now: float
+    ) -> None:
+        old = self._nodes.pop(node.node_id, None)
+        if old is not None:
+            self._drop_replicas(node.node_id, old.keys)
+        entry = _Node(info=node, expires_at=now + self._config.lease_ttl_s)
+        self._nodes[node.node_id] = entry
+        for item in inventory:
+            self._add_replica(entry, item.key, item.size, item.tier)
+        logger.info(
+            "node %s registered at %s with %d chunks", node.node_id, node.address, len(inventory)
+        )
+
+    async def heartbeat(self, node_id: NodeId, tiers: Sequence[TierUsage], now: float) -> bool:
+        entry = self._nodes.get(node_id)
+        if entry is None:
+            return False
+        entry.expires_at = now + self._config.lease_ttl_s
+        if tiers:
+            info = entry.info
+            entry.info = NodeInfo(info.node_id, info.address, info.grpc_address, tuple(tiers))
+        return True
+
+    async def remove_replicas(self, node_id: NodeId, keys: Sequence[ChunkKey]) -> int:
+        entry = self._nodes.get(node_id)
+        if entry is None:
+            return 0
+        held = [k for k in keys if k in entry.keys]
+        entry.keys.difference_update(held)
+        self._drop_replicas(node_id, held)
+        return len(held)
+
+    async def put_start(
+        self,
+        keys: Sequence[ChunkKey],
+        sizes: Sequence[int],
+        writer_node_id: NodeId,
+        now: float,
+    ) -> list[Allocation]:
+        out: list[Allocation] = []
+        planned: dict[NodeId, int] = {}
+        batch: set[ChunkKey] = set()
+        for key, size in zip(keys, sizes, strict=True):
+            chunk = self._chunks.get(key)
+            pending = self._pending.get(key)
+            if chunk is not None and chunk.replicas:
+                out.append(Allocation(Action.SKIP_EXISTS))
+                self._c.chunks_deduplicated += 1
+                self._c.bytes_saved += size
+                continue
+            if key in batch or (pending is not None and pending.expires_at > now):
+                out.append(Allocation(Action.SKIP_PENDING))
+                self._c.chunks_deduplicated += 1
+                self._c.bytes_saved += size
+                continue
+            infos = [n.info for n in self._nodes.values()]
+            node = choose_node(infos, writer_node_id, size, planned)
+            if node is None:
+                raise Unavailable("no store node is registered to place chunks on")
+            planned[node.node_id] = planned.get(node.node_id, 0) + size
+            self._pending[key] = _Pending(node.node_id, size, now + self._config.allocation_ttl_s)
+            batch.add(key)
+            out.append(Allocation(Action.WRITE, Replica(node.node_id, node.address, "cpu")))
+        return out
+
+    async def put_end(
+        self, node_id: NodeId, keys: Sequence[ChunkKey], sizes: Sequence[int]
+    ) -> int:
+        entry = self._nodes.get(node_id)
+        committed = 0
+        for key, size in zip(keys, sizes, strict=True):
+            pending = self._pending.get(key)
+            if pending is not None and pending.node_id == node_id:
+                del self._pending[key]
+            if entry is None:
+                continue  # the node died meanwhile: its bytes are gone with it
+            if self._add_replica(entry, key, size, "cpu"):
+                committed += 1
+                self._c.puts_committed += 1
+                self._c.bytes_committed += size
+        return committed
+
+    async def put_revoke(self, node_id: NodeId, keys: Sequence[ChunkKey]) -> int:
+        revoked = 0
+        for key in keys:
+            pending = self._pending.get(key)
+            if pending is not None and pending.node_id == node_id:
+                del self._pending[key]
+                revoked += 1
+        return revoked
+
+    async def lookup(
+        self, keys: Sequence[ChunkKey], client_node_id: NodeId, tokens_per_key: int
+    ) -> LookupResult:
+        locations: list[KeyLocation] = []
+        for key in keys:
+            chunk = self._chunks.get(key)
+            if chunk is None or not chunk.replicas:
+                break
+            replicas = [
+                Replica(nid, self._nodes[nid].info.address, tier)
+                for nid, tier in chunk.replicas.items()
+            ]
+            replicas.sort(key=lambda r: (r.node_id != client_node_id, TIER_RANK.get(r.tier, 9)))
+            locations.append(KeyLocation(chunk.size, tuple(replicas)))
+        hits = len(locations)
+        c = self._c
+        c.lookups += 1
+        c.hit_keys += hits
+        c.miss_keys += len(keys) - hits
+        c.hit_tokens += hits * tokens_per_key
+        c.miss_tokens += (len(keys) - hits) * tokens_per_key
+        return LookupResult(hits, tuple(locations))
+
+    async def expire(self, now: float) -> tuple[int, int]:
+        dead = [nid for nid, n in self._nodes.items() if n.expires_at <= now]
+        for nid in dead:
+            entry = self._nodes.pop(nid)
+            self._drop_replicas(nid, entry.keys)
+            logger.warning(
+                "node %s lease expired: dropped with %d chunks", nid, len(entry.keys)
+            )
+        stale = [k for k, p in self._pending.items() if p.expires_at <= now]
+        for key in stale:
+            del self._pending[key]
+        self._c.nodes_expired += len(dead)
+        self._c.allocations_expired += len(stale)
+        return len(dead), len(stale)
+
+    async def stats(self, now: float) -> IndexStats:
+        c = self._c
+        nodes = tuple(
+            NodeStatus(n.info, len(n.keys), max(0.0, n.expires_at - now))
+            for n in self._nodes.values()
+        )
+        return IndexStats(
+            nodes=nodes,
+            chunks=len(self._chunks),
+            lookups=c.lookups,
+            hit_keys=c.hit_keys,
+            miss_keys=c.miss_keys,
+            hit_tokens=c.hit_tokens,
+            miss_tokens=c.miss_tokens,
+            puts_committed=c.puts_committed,
+            chunks_deduplicated=c.chunks_deduplicated,
+            bytes_saved=c.bytes_saved,
+            bytes_committed=c.bytes_committed,
+            nodes_expired=c.nodes_expired,
+            allocations_expired=c.allocations_expired,
+        )
+
+    def _add_replica(self, node: _Node, key: ChunkKey, size: int, tier: str) -> bool:
+        chunk = self._chunks.get(key)
+        if chunk is None:
+            chunk = self._chunks[key] = _Chunk(size)
+        is_new = node.info.node_id not in chunk.replicas
+        chunk.replicas[node.info.node_id] = tier
+        node.keys.add(key)
+        return is_new
+
+    def _drop_replicas(self, node_id: NodeId, keys: Sequence[ChunkKey] | set[ChunkKey]) -> None:
+        for key in keys:
+            chunk = self._chunks.get(key)
+            if chunk is None:
+                continue
+            chunk.replicas.pop(node_id, None)
+            if not chunk.replicas:
+                del self._chunks[key]

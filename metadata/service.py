@@ -1,0 +1,323 @@
+"""The gRPC ``Metadata`` service over an index backend (``grpc.aio``)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvdepot.errors import InvalidArgument, KVDepotError
+from kvdepot.metadata.config import MetadataConfig
+from kvdepot.metadata.index import IndexBackend, IndexConfig, create_backend
+from kvdepot.metadata.keys import KEY_BYTES, ChunkKey
+from kvdepot.metadata.types import (
+    Action,
+    IndexStats,
+    InventoryItem,
+    NodeInfo,
+    Replica,
+    TierUsage,
+)
+from kvdepot.proto.gen import common_pb2, metadata_pb2, metadata_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+_ACTIONS = {
+    Action.WRITE: metadata_pb2.Allocation.WRITE,
+    Action.SKIP_EXISTS: metadata_pb2.Allocation.SKIP_EXISTS,
+    Action.SKIP_PENDING: metadata_pb2.Allocation.SKIP_PENDING,
+}
+_MAX_ID = 256
+
+
+def tiers_from_proto(tiers: Sequence[common_pb2.TierStats]) -> tuple[TierUsage, ...]:
+    return tuple(
+        TierUsage(
+            name=t.name,
+            capacity_bytes=t.capacity_bytes,
+            used_bytes=t.used_bytes,
+            chunks=t.chunks,
+            hits=t.hits,
+            misses=t.misses,
+            evictions=t.evictions,
+            promotions=t.promotions,
+            demotions=t.demotions,
+        )
+        for t in tiers
+    )
+
+
+def tiers_to_proto(tiers: Sequence[TierUsage]) -> list[common_pb2.TierStats]:
+    return [
+        common_pb2.TierStats(
+            name=t.name,
+            capacity_bytes=t.capacity_bytes,
+            used_bytes=t.used_bytes,
+            chunks=t.chunks,
+            hits=t.hits,
+            misses=t.misses,
+            evictions=t.evictions,
+            promotions=t.promotions,
+            demotions=t.demotions,
+        )
+        for t in tiers
+    ]
+
+
+def _replica_pb(r: Replica) -> common_pb2.Replica:
+    return common_pb2.Replica(node_id=r.node_id, address=r.address, tier=r.tier)
+
+
+def stats_to_proto(s: IndexStats) -> metadata_pb2.ClusterStats:
+    return metadata_pb2.ClusterStats(
+        nodes=[
+            metadata_pb2.NodeStats(
+                node_id=n.info.node_id,
+                address=n.info.address,
+                grpc_address=n.info.grpc_address,
+                tiers=tiers_to_proto(n.info.tiers),
+                chunks_indexed=n.chunks_indexed,
+                lease_remaining_s=n.lease_remaining_s,
+            )
+            for n in s.nodes
+        ],
+        chunks=s.chunks,
+        lookups=s.lookups,
+        hit_keys=s.hit_keys,
+        miss_keys=s.miss_keys,
+        hit_tokens=s.hit_tokens,
+        miss_tokens=s.miss_tokens,
+        puts_committed=s.puts_committed,
+        chunks_deduplicated=s.chunks_deduplicated,
+        bytes_saved=s.bytes_saved,
+        bytes_committed=s.bytes_committed,
+        nodes_expired=s.nodes_expired,
+        allocations_expired=s.allocations_expired,
+    )
+
+
+class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
+    """Validates requests, calls the index, maps errors to gRPC statuses."""
+
+    def __init__(self, index: IndexBackend, config: MetadataConfig) -> None:
+        self._index = index
+        self._config = config
+
+    # -- validation -------------------------------------------------------
+    def _keys(self, keys: Sequence[bytes]) -> list[ChunkKey]:
+        if len(keys) > self._config.max_keys_per_request:
+            raise InvalidArgument(
+                f"{len(keys)} keys in one request; the limit is {self._config.max_keys_per_request}"
+            )
+        for i, k in enumerate(keys):
+            if len(k) != KEY_BYTES:
+                raise InvalidArgument(f"key {i} is {len(k)} bytes; chunk keys are {KEY_BYTES}")
+        return [ChunkKey(bytes(k)) for k in keys]
+
+    @staticmethod
+    def _sizes(keys: Sequence[ChunkKey], sizes: Sequence[int]) -> list[int]:
+        if len(sizes) != len(keys):
+            raise InvalidArgument(f"{len(keys)} keys but {len(sizes)} sizes")
+        if any(s <= 0 for s in sizes):
+            raise InvalidArgument("chunk sizes must be positive")
+        return list(sizes)
+
+    @staticmethod
+    def _node_id(node_id: str, required: bool = True) -> str:
+        if required and not node_id:
+            raise InvalidArgument("node_id is required")
+        if len(node_id) > _MAX_ID or any(c.isspace() for c in node_id):
+            raise InvalidArgument("node_id must be at most 256 characters without spaces")
+        return node_id
+
+    async def _guard(self, context: grpc.aio.ServicerContext, exc: KVDepotError) -> None:
+        await context.abort(exc.grpc_code, str(exc))
+
+    # -- RPCs ---------------------------------------------------------------
+    async def RegisterNode(  # noqa: N802 - gRPC method names
+        self, request: metadata_pb2.RegisterNodeRequest, context: grpc.aio.ServicerContext
+    ) -> metadata_pb2.RegisterNodeResponse:
+        try:
+            node_id = self._node_id(request.node_id)
+            if not request.address:
+                raise InvalidArgument("address is required")
+            keys = self._keys([c.key for c in request.inventory])
+            inventory = [
+                InventoryItem(k, c.size, c.tier or "cpu")
+                for k, c in zip(keys, request.inventory, strict=True)
+            ]
+            info = NodeInfo(
+                node_id, request.address, request.grpc_address, tiers_from_proto(request.tiers)
+            )
+            await self._index.register_node(info, inventory, time.monotonic())
+        except KVDepotError as exc:
+            await self._guard(context, exc)
+        return metadata_pb2.RegisterNodeResponse(
+            lease_ttl_ms=int(self._config.lease_ttl_s * 1000),
+            heartbeat_interval_ms=int(self._config.heartbeat_interval_s * 1000),
+        )
+
+    async def Heartbeat(  # noqa: N802
+        self, request: metadata_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> metadata_pb2.HeartbeatResponse:
+        try:
+            node_id = self._node_id(request.node_id)
+            known = await self._index.heartbeat(
+                node_id, tiers_from_proto(request.tiers), time.monotonic()
+            )
+        except KVDepotError as exc:
+            await self._guard(context, exc)
+        if not known:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"node {node_id} is not registered")
+        return metadata_pb2.HeartbeatResponse(lease_ttl_ms=int(self._config.lease_ttl_s * 1000))
+
+    async def ReportRemoved(  # noqa: N802
+        self, request: metadata_pb2.ReportRemovedRequest, context: grpc.aio.ServicerContext
+    ) -> metadata_pb2.ReportRemovedResponse:
+        try:
+            node_id = self._node_id(request.node_id)
+            removed = await self._index.remove_replicas(node_id, self._keys(request.keys))
+        except KVDepotError as exc:
+            await self._guard(context, exc)
+        return metadata_pb2.ReportRemovedResponse(removed=removed)
+
+    async def PutStart(  # noqa: N802
+        self, request: metadata_pb2.PutStartRequest, context: grpc.aio.ServicerContext
+    ) -> metadata_pb2.PutStartResponse:
+        try:
+            keys = self._keys(request.keys)
+            sizes = self._sizes(keys, request.sizes)
+            writer = self._node_id(request.writer_node_id, required=False)
+            allocations = await self._index.put_start(keys, sizes, writer, time.monotonic())
+        except KVDepotError as exc:
+            await self._guard(context, exc)
+        return metadata_pb2.PutStartResponse(
+            allocations=[
+                metadata_pb2.Allocation(
+                    action=_ACTIONS[a.action],
+                    node=_replica_pb(a.node) if a.node is not None else None,
+                )
+                for a in allocations
+            ],
+            allocation_ttl_ms=int(self._config.allocation_ttl_s * 1000),
+        )
+
+    async def PutEnd(  # noqa: N802
+        self, request: metadata_pb2.PutEndRequest, context: grpc.aio.ServicerContext
+    ) -> metadata_pb2.PutEndResponse:
+        try:
+            node_id = self._node_id(request.node_id)
+            keys = self._keys(request.keys)
+            sizes = self._sizes(keys, request.sizes)
+            committed = await self._index.put_end(node_id, keys, sizes)
+        except KVDepotError as exc:
+            await self._guard(context, exc)
+        return metadata_pb2.PutEndResponse(committed=committed)
+
+    async def PutRevoke(  # noqa: N802
+        self, request: metadata_pb2.PutRevokeRequest, context: grpc.aio.ServicerContext
+    ) -> metadata_pb2.PutRevokeResponse:
+        try:
+            node_id = self._node_id(request.node_id)
+            revoked = await self._index.put_revoke(node_id, self._keys(request.keys))
+        except KVDepotError as exc:
+            await self._guard(context, exc)
+        return metadata_pb2.PutRevokeResponse(revoked=revoked)
+
+    async def Lookup(  # noqa: N802
+        self, request: metadata_pb2.LookupRequest, context: grpc.aio.ServicerContext
+    ) -> metadata_pb2.LookupResponse:
+        try:
+            keys = self._keys(request.keys)
+            client = self._node_id(request.client_node_id, required=False)
+            result = await self._index.lookup(keys, client, request.tokens_per_key)
+        except KVDepotError as exc:
+            await self._guard(context, exc)
+        return metadata_pb2.LookupResponse(
+            hits=result.hits,
+            locations=[
+                metadata_pb2.KeyLocation(
+                    size=loc.size, replicas=[_replica_pb(r) for r in loc.replicas]
+                )
+                for loc in result.locations
+            ],
+        )
+
+    async def GetStats(  # noqa: N802
+        self, request: metadata_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
+    ) -> metadata_pb2.ClusterStats:
+        return stats_to_proto(await self._index.stats(time.monotonic()))
+
+
+class MetadataServer:
+    """A running metadata service: gRPC server, index, lease reaper."""
+
+    def __init__(self, config: MetadataConfig) -> None:
+        self.config = config
+        self.index = create_backend(
+            IndexConfig(
+                url=config.index,
+                lease_ttl_s=config.lease_ttl_s,
+                allocation_ttl_s=config.allocation_ttl_s,
+            )
+        )
+        self._server: grpc.aio.Server | None = None
+        self._reaper: asyncio.Task[None] | None = None
+        self.port = 0
+
+    async def start(self) -> int:
+        """Bind and start serving; returns the bound port."""
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", 64 << 20),
+                ("grpc.so_reuseport", 0),
+            ]
+        )
+        metadata_pb2_grpc.add_MetadataServicer_to_server(
+            MetadataServicer(self.index, self.config), server
+        )
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        names = (
+            metadata_pb2.DESCRIPTOR.services_by_name["Metadata"].full_name,
+            health.SERVICE_NAME,
+            reflection.SERVICE_NAME,
+        )
+        reflection.enable_server_reflection(names, server)
+        self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        if self.port == 0:
+            raise InvalidArgument(f"cannot bind {self.config.host}:{self.config.port}")
+        await server.start()
+        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        await health_servicer.set(names[0], health_pb2.HealthCheckResponse.SERVING)
+        self._server = server
+        self._reaper = asyncio.create_task(self._reap_forever())
+        logger.info("metadata service listening on %s:%d", self.config.host, self.port)
+        return self.port
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.reap_interval_s)
+            try:
+                await self.index.expire(time.monotonic())
+            except Exception:  # keep reaping whatever one pass hit
+                logger.exception("reaper pass failed")
+
+    async def wait(self) -> None:
+        assert self._server is not None
+        await self._server.wait_for_termination()
+
+    async def stop(self, grace: float = 1.0) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        if self._server is not None:
+            await self._server.stop(grace)
+        await self.index.close()

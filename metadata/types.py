@@ -1,0 +1,125 @@
+"""Boundary data of the metadata service, independent of protobuf."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from kvdepot.metadata.keys import ChunkKey
+
+NodeId = str
+
+# Lower is faster; lookups order replicas by this after locality.
+TIER_RANK = {"gpu": 0, "cpu": 1, "ssd": 2}
+
+
+@dataclass(frozen=True, slots=True)
+class TierUsage:
+    """Usage of one tier of one node, as the node reports it."""
+
+    name: str
+    capacity_bytes: int = 0
+    used_bytes: int = 0
+    chunks: int = 0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    promotions: int = 0
+    demotions: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    """A registered store node."""
+
+    node_id: NodeId
+    address: str
+    grpc_address: str = ""
+    tiers: tuple[TierUsage, ...] = ()
+
+    @property
+    def capacity_bytes(self) -> int:
+        return sum(t.capacity_bytes for t in self.tiers)
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(max(0, t.capacity_bytes - t.used_bytes) for t in self.tiers)
+
+
+@dataclass(frozen=True, slots=True)
+class Replica:
+    """One copy of a chunk."""
+
+    node_id: NodeId
+    address: str
+    tier: str = "cpu"
+
+
+@dataclass(frozen=True, slots=True)
+class InventoryItem:
+    """A chunk a node holds, as announced at registration."""
+
+    key: ChunkKey
+    size: int
+    tier: str = "cpu"
+
+
+class Action(enum.Enum):
+    """What a writer should do with one key of a put."""
+
+    WRITE = 1
+    SKIP_EXISTS = 2
+    SKIP_PENDING = 3
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """The answer of ``PutStart`` for one key."""
+
+    action: Action
+    node: Replica | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class KeyLocation:
+    """Where one hit key lives."""
+
+    size: int
+    replicas: tuple[Replica, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """The number of leading hits and where each hit lives."""
+
+    hits: int
+    locations: tuple[KeyLocation, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class NodeStatus:
+    """A node as the index sees it, for statistics."""
+
+    info: NodeInfo
+    chunks_indexed: int
+    lease_remaining_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class IndexStats:
+    """Cluster-wide counters kept by the index."""
+
+    nodes: tuple[NodeStatus, ...] = ()
+    chunks: int = 0
+    lookups: int = 0
+    hit_keys: int = 0
+    miss_keys: int = 0
+    hit_tokens: int = 0
+    miss_tokens: int = 0
+    puts_committed: int = 0
+    chunks_deduplicated: int = 0
+    bytes_saved: int = 0
+    bytes_committed: int = 0
+    nodes_expired: int = 0
+    allocations_expired: int = 0
+    extra: dict[str, int] = field(default_factory=dict)

@@ -1,0 +1,126 @@
+"""The chained prefix hash: golden vectors pin the scheme."""
+
+from __future__ import annotations
+
+import os
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import xxhash
+
+from kvdepot.errors import InvalidArgument
+from kvdepot.metadata.keys import Namespace, chunk_keys, encode_tokens, validate_key
+
+NS = Namespace(
+    "meta-llama/Llama-3.1-8B",
+    kv_dtype="bfloat16",
+    kv_layout="cuda:flash:NHD",
+    tp_size=2,
+    tp_rank=1,
+    chunk_tokens=4,
+    extra=("lora:none",),
+)
+
+
+def test_golden_vectors() -> None:
+    assert NS.digest().hex() == "4ec49e56b057f17d9ed9c343e24db5f6"
+    assert [k.hex() for k in chunk_keys(NS, list(range(10)))] == [
+        "e8cc5c857b8f741cbd3ccdf540838324",
+        "0e3a582e765bb52a1867f5abcac76c1a",
+    ]
+    assert [k.hex() for k in chunk_keys(Namespace("m"), list(range(600)))] == [
+        "659faf609d0d865f03061dcc67f53cef",
+        "84ea2e0ccd0c84ac33133fb157a2a573",
+    ]
+
+
+def test_chain_matches_the_design_formula() -> None:
+    tokens = list(range(1000, 1012))
+    prev = NS.digest()
+    expected = []
+    for i in range(3):
+        block = struct.pack("<4I", *tokens[i * 4 : (i + 1) * 4])
+        prev = xxhash.xxh3_128_digest(prev + block)
+        expected.append(prev)
+    assert chunk_keys(NS, tokens) == expected
+
+
+def test_key_i_depends_on_the_whole_prefix() -> None:
+    a = chunk_keys(NS, [1, 2, 3, 4, 5, 6, 7, 8])
+    b = chunk_keys(NS, [9, 2, 3, 4, 5, 6, 7, 8])
+    assert a[0] != b[0] and a[1] != b[1]
+    c = chunk_keys(NS, [1, 2, 3, 4, 5, 6, 7, 9])
+    assert a[0] == c[0] and a[1] != c[1]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"model": "other"},
+        {"kv_dtype": "float16"},
+        {"kv_layout": "cpu:amx"},
+        {"tp_size": 4},
+        {"tp_rank": 0},
+        {"chunk_tokens": 2},
+        {"extra": ("lora:7",)},
+    ],
+)
+def test_every_namespace_field_changes_the_keys(change: dict[str, object]) -> None:
+    fields = {
+        "model": NS.model,
+        "kv_dtype": NS.kv_dtype,
+        "kv_layout": NS.kv_layout,
+        "tp_size": NS.tp_size,
+        "tp_rank": NS.tp_rank,
+        "chunk_tokens": NS.chunk_tokens,
+        "extra": NS.extra,
+    }
+    fields.update(change)
+    other = Namespace(**fields)  # type: ignore[arg-type]
+    assert chunk_keys(other, list(range(8)))[0] != chunk_keys(NS, list(range(8)))[0]
+
+
+def test_fields_cannot_be_shifted_into_each_other() -> None:
+    assert Namespace("ab", kv_dtype="c").digest() != Namespace("a", kv_dtype="bc").digest()
+
+
+def test_partial_chunk_and_input_types() -> None:
+    assert len(chunk_keys(NS, list(range(7)))) == 1
+    assert len(chunk_keys(NS, list(range(7)), full_only=False)) == 2
+    assert chunk_keys(NS, np.arange(8, dtype=np.int64)) == chunk_keys(NS, list(range(8)))
+    assert encode_tokens([1, 256]) == b"\x01\x00\x00\x00\x00\x01\x00\x00"
+
+
+def test_bad_inputs() -> None:
+    with pytest.raises(InvalidArgument):
+        chunk_keys(NS, [-1, 2, 3, 4])
+    with pytest.raises(InvalidArgument):
+        chunk_keys(NS, [2**32, 1, 2, 3])
+    with pytest.raises(InvalidArgument):
+        chunk_keys(NS, [[1, 2], [3, 4]])
+    with pytest.raises(InvalidArgument):
+        Namespace("m", tp_size=2, tp_rank=2)
+    with pytest.raises(InvalidArgument):
+        Namespace("")
+    with pytest.raises(InvalidArgument):
+        validate_key(b"short")
+    assert validate_key(bytes(16)) == bytes(16)
+
+
+def test_same_keys_in_other_processes_whatever_the_hash_seed() -> None:
+    code = (
+        "from kvdepot.metadata.keys import Namespace, chunk_keys;"
+        "print(chunk_keys(Namespace('m', extra=('a','b')), list(range(512)))[1].hex())"
+    )
+    outs = set()
+    for seed in ("0", "1", "12345"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        )
+        outs.add(out.stdout.strip())
+    assert len(outs) == 1
+    assert outs == {chunk_keys(Namespace("m", extra=("a", "b")), list(range(512)))[1].hex()}
