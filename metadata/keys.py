@@ -89,7 +89,9 @@ def encode_tokens(tokens: Sequence[int] | np.ndarray) -> bytes:
     arr = np.asarray(tokens)
     if arr.ndim != 1:
         raise InvalidArgument("tokens must be a flat sequence")
-    if arr.size and (arr.dtype.kind not in "iu" or int(arr.min()) < 0 or int(arr.max()) > _MAX_TOKEN):
+    if arr.size and (
+        arr.dtype.kind not in "iu" or int(arr.min()) < 0 or int(arr.max()) > _MAX_TOKEN
+    ):
         raise InvalidArgument("token ids must be integers in [0, 2**32)")
     return arr.astype("<u4", copy=False).tobytes()
 

@@ -11,8 +11,6 @@ from collections.abc import Sequence
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-
-from kvdepot.errors import InvalidArgument, KVDepotError
 from kvdepot.metadata.config import MetadataConfig
 from kvdepot.metadata.index import IndexBackend, IndexConfig, create_backend
 from kvdepot.metadata.keys import KEY_BYTES, ChunkKey
@@ -25,6 +23,8 @@ from kvdepot.metadata.types import (
     TierUsage,
 )
 from kvdepot.proto.gen import common_pb2, metadata_pb2, metadata_pb2_grpc
+
+from kvdepot.errors import InvalidArgument, KVDepotError
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
         await context.abort(exc.grpc_code, str(exc))
 
     # -- RPCs ---------------------------------------------------------------
-    async def RegisterNode(  # noqa: N802 - gRPC method names
+    async def RegisterNode(
         self, request: metadata_pb2.RegisterNodeRequest, context: grpc.aio.ServicerContext
     ) -> metadata_pb2.RegisterNodeResponse:
         try:
@@ -163,7 +163,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
             heartbeat_interval_ms=int(self._config.heartbeat_interval_s * 1000),
         )
 
-    async def Heartbeat(  # noqa: N802
+    async def Heartbeat(
         self, request: metadata_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> metadata_pb2.HeartbeatResponse:
         try:
@@ -177,7 +177,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"node {node_id} is not registered")
         return metadata_pb2.HeartbeatResponse(lease_ttl_ms=int(self._config.lease_ttl_s * 1000))
 
-    async def ReportRemoved(  # noqa: N802
+    async def ReportRemoved(
         self, request: metadata_pb2.ReportRemovedRequest, context: grpc.aio.ServicerContext
     ) -> metadata_pb2.ReportRemovedResponse:
         try:
@@ -187,7 +187,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
             await self._guard(context, exc)
         return metadata_pb2.ReportRemovedResponse(removed=removed)
 
-    async def PutStart(  # noqa: N802
+    async def PutStart(
         self, request: metadata_pb2.PutStartRequest, context: grpc.aio.ServicerContext
     ) -> metadata_pb2.PutStartResponse:
         try:
@@ -208,7 +208,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
             allocation_ttl_ms=int(self._config.allocation_ttl_s * 1000),
         )
 
-    async def PutEnd(  # noqa: N802
+    async def PutEnd(
         self, request: metadata_pb2.PutEndRequest, context: grpc.aio.ServicerContext
     ) -> metadata_pb2.PutEndResponse:
         try:
@@ -220,7 +220,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
             await self._guard(context, exc)
         return metadata_pb2.PutEndResponse(committed=committed)
 
-    async def PutRevoke(  # noqa: N802
+    async def PutRevoke(
         self, request: metadata_pb2.PutRevokeRequest, context: grpc.aio.ServicerContext
     ) -> metadata_pb2.PutRevokeResponse:
         try:
@@ -230,7 +230,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
             await self._guard(context, exc)
         return metadata_pb2.PutRevokeResponse(revoked=revoked)
 
-    async def Lookup(  # noqa: N802
+    async def Lookup(
         self, request: metadata_pb2.LookupRequest, context: grpc.aio.ServicerContext
     ) -> metadata_pb2.LookupResponse:
         try:
@@ -249,7 +249,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
             ],
         )
 
-    async def GetStats(  # noqa: N802
+    async def GetStats(
         self, request: metadata_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> metadata_pb2.ClusterStats:
         return stats_to_proto(await self._index.stats(time.monotonic()))
@@ -282,7 +282,7 @@ class MetadataServer:
         metadata_pb2_grpc.add_MetadataServicer_to_server(
             MetadataServicer(self.index, self.config), server
         )
-        health_servicer = health.aio.HealthServicer()
+        health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]  # stubs predate aio
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         names = (
             metadata_pb2.DESCRIPTOR.services_by_name["Metadata"].full_name,

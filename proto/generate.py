@@ -38,7 +38,9 @@ def generate(out_dir: Path) -> list[Path]:
         # protoc writes imports relative to the proto root ("kvdepot.v1");
         # inside our namespace they live at kvdepot.proto.gen.
         text = re.sub(r"\bfrom kvdepot\.v1 import", "from kvdepot.proto.gen import", text)
-        text = re.sub(r"^import kvdepot\.v1\.(\w+)", r"import kvdepot.proto.gen.\1", text, flags=re.M)
+        text = re.sub(
+            r"^import kvdepot\.v1\.(\w+)", r"import kvdepot.proto.gen.\1", text, flags=re.M
+        )
         text = text.replace("kvdepot.v1.common_pb2", "kvdepot.proto.gen.common_pb2")
         target = out_dir / path.name
         target.write_text(HEADER + text)

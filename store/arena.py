@@ -13,6 +13,7 @@ first put does not pay for page faults on the hot path.
 
 from __future__ import annotations
 
+import gc
 import logging
 import mmap
 import os
@@ -132,7 +133,13 @@ class Arena:
         try:
             self._mm.close()
         except BufferError:
-            logger.warning("arena closed while views of it are alive; unmapped when they go")
+            # Views often survive only in reference cycles (an exception's
+            # traceback holding a frame that held a view): collect and retry.
+            gc.collect()
+            try:
+                self._mm.close()
+            except BufferError:
+                logger.warning("arena closed while views of it are alive; unmapped when they go")
         if self._path is not None:
             _unlink_quietly(self._path)
 

@@ -27,11 +27,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import xxhash
-
-from kvdepot.errors import CapacityExceeded, InvalidArgument, Unavailable
 from kvdepot.metadata.keys import KEY_BYTES, ChunkKey
 from kvdepot.store.allocator import Allocator
 from kvdepot.store.arena import Arena
+
+from kvdepot.errors import CapacityExceeded, InvalidArgument, Unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -228,13 +228,13 @@ class ChunkStore:
             raise InvalidArgument(f"chunk keys are {KEY_BYTES} bytes, got {len(key)}")
         if size <= 0:
             raise InvalidArgument(f"chunk size must be positive, got {size}")
-        if size > self._max_chunk_bytes:
-            raise InvalidArgument(
-                f"chunk of {size} bytes is above the limit of {self._max_chunk_bytes} bytes"
-            )
         if size > self._allocator.capacity:
             raise ChunkTooLarge(
                 f"chunk of {size} bytes is larger than the store ({self._allocator.capacity} bytes)"
+            )
+        if size > self._max_chunk_bytes:
+            raise InvalidArgument(
+                f"chunk of {size} bytes is above the limit of {self._max_chunk_bytes} bytes"
             )
         evicted: list[ChunkKey] = []
         try:

@@ -18,14 +18,14 @@ from collections.abc import Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-
-from kvdepot.errors import InvalidArgument
 from kvdepot.metadata.keys import ChunkKey
 from kvdepot.proto.gen import common_pb2, metadata_pb2, metadata_pb2_grpc, store_pb2, store_pb2_grpc
 from kvdepot.store.chunks import ChunkStore
 from kvdepot.store.config import StoreConfig
 from kvdepot.store.dataplane import DataPlaneServer
 from kvdepot.store.protocol import ProtocolLimits
+
+from kvdepot.errors import InvalidArgument
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
     def __init__(self, daemon: StoreDaemon) -> None:
         self._daemon = daemon
 
-    async def GetStats(  # noqa: N802 - gRPC method name
+    async def GetStats(
         self, request: store_pb2.StoreStatsRequest, context: grpc.aio.ServicerContext
     ) -> store_pb2.StoreStats:
         return self._daemon.stats_proto()
@@ -99,7 +99,7 @@ class StoreDaemon:
             self.node_id = f"store-{advertise}-{port}"
         server = grpc.aio.server()
         store_pb2_grpc.add_StoreServicer_to_server(StoreServicer(self), server)
-        health_servicer = health.aio.HealthServicer()
+        health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]  # stubs predate aio
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         names = (
             store_pb2.DESCRIPTOR.services_by_name["Store"].full_name,
@@ -129,7 +129,7 @@ class StoreDaemon:
 
     def ready_line(self) -> str:
         """One machine-readable line announcing where this daemon listens."""
-        host, port = self.dataplane.address
+        _, port = self.dataplane.address
         return READY_PREFIX + json.dumps(
             {
                 "role": "store",
@@ -149,7 +149,7 @@ class StoreDaemon:
         if self._server is not None:
             await self._server.stop(0.5)
         if self._channel is not None:
-            await self._channel.close()
+            await self._channel.close(None)
         self.dataplane.stop()
         self.chunks.close()
 

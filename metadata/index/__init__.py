@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvdepot.errors import InvalidArgument
 from kvdepot.metadata.index.base import IndexBackend, IndexConfig
+
+from kvdepot.errors import InvalidArgument
 
 _REGISTRY: dict[str, Callable[[IndexConfig], IndexBackend]] = {}
 
@@ -32,6 +33,19 @@ def _memory(config: IndexConfig) -> IndexBackend:
     return MemoryIndex(config)
 
 
+def _redis(config: IndexConfig) -> IndexBackend:
+    # Imported on use: redis-py is an optional dependency (kvdepot[redis]).
+    try:
+        from kvdepot.metadata.index.redis import RedisIndex
+    except ImportError as exc:
+        raise InvalidArgument(
+            f"index {config.url!r} needs redis-py: pip install 'kvdepot[redis]' ({exc})"
+        ) from None
+    return RedisIndex(config)
+
+
 register_backend("memory", _memory)
+for _scheme in ("redis", "rediss", "redis+cluster"):
+    register_backend(_scheme, _redis)
 
 __all__ = ["IndexBackend", "IndexConfig", "create_backend", "register_backend"]

@@ -10,7 +10,6 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvdepot.errors import Unavailable
 from kvdepot.metadata.index.base import IndexBackend, IndexConfig
 from kvdepot.metadata.keys import ChunkKey
 from kvdepot.metadata.placement import choose_node
@@ -28,6 +27,8 @@ from kvdepot.metadata.types import (
     Replica,
     TierUsage,
 )
+
+from kvdepot.errors import CapacityExceeded, Unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +137,11 @@ class MemoryIndex(IndexBackend):
             infos = [n.info for n in self._nodes.values()]
             node = choose_node(infos, writer_node_id, size, planned)
             if node is None:
-                raise Unavailable("no store node is registered to place chunks on")
+                if not infos:
+                    raise Unavailable("no store node is registered to place chunks on")
+                raise CapacityExceeded(
+                    f"a chunk of {size} bytes is larger than any store node's capacity"
+                )
             planned[node.node_id] = planned.get(node.node_id, 0) + size
             self._pending[key] = _Pending(node.node_id, size, now + self._config.allocation_ttl_s)
             batch.add(key)

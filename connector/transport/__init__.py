@@ -1,0 +1,81 @@
+"""Data plane transports, by name.
+
+``tcp`` is always available; ``shm`` and ``nixl`` register themselves where
+they can run. A transport is created by name from configuration::
+
+    transport = create_transport("tcp", io_timeout_s=10.0)
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from kvdepot.connector.transport.base import (
+    GetItem,
+    GetOutcome,
+    PutItem,
+    PutStatus,
+    Transport,
+)
+from kvdepot.connector.transport.tcp import TcpTransport
+
+from kvdepot.errors import InvalidArgument
+
+TransportFactory = Callable[..., Transport]
+"""Builds a transport from keyword arguments (its constructor, typically)."""
+
+_lock = threading.Lock()
+_registry: dict[str, TransportFactory] = {}
+
+
+def register_transport(name: str, factory: TransportFactory) -> None:
+    """Make a transport available under ``name``; a later registration replaces it.
+
+    Raises:
+        InvalidArgument: If ``name`` is empty.
+    """
+    if not name:
+        raise InvalidArgument("transport name must not be empty")
+    with _lock:
+        _registry[name] = factory
+
+
+def available_transports() -> list[str]:
+    """Names of the registered transports, sorted."""
+    with _lock:
+        return sorted(_registry)
+
+
+def create_transport(name: str, **kwargs: object) -> Transport:
+    """Create the transport registered under ``name``.
+
+    Args:
+        name: A registered name, e.g. ``"tcp"``.
+        **kwargs: Passed to the transport's factory.
+
+    Raises:
+        InvalidArgument: If no transport is registered under ``name``.
+    """
+    with _lock:
+        factory = _registry.get(name)
+        known = sorted(_registry)
+    if factory is None:
+        raise InvalidArgument(f"unknown transport {name!r}; known: {', '.join(known)}")
+    return factory(**kwargs)
+
+
+register_transport("tcp", TcpTransport)
+
+__all__ = [
+    "GetItem",
+    "GetOutcome",
+    "PutItem",
+    "PutStatus",
+    "TcpTransport",
+    "Transport",
+    "TransportFactory",
+    "available_transports",
+    "create_transport",
+    "register_transport",
+]

@@ -1,0 +1,463 @@
+"""The ``tcp`` data plane server: chunk bytes in and out of the DRAM arena.
+
+One thread per connection, each looping over requests (see
+:mod:`kvdepot.store.protocol` for the wire format). The threads spend their
+time in ``recv_into``/``sendmsg``, which release the GIL, so connections
+proceed in parallel.
+
+Zero copy on both paths:
+
+* PUT: each chunk is reserved in the arena first and its payload is received
+  straight into the reservation's view; it is checksummed there and committed
+  only once every payload of the request arrived, so a client that dies
+  mid-request leaves nothing visible and nothing reserved.
+* GET: every chunk of the request is leased (pinned against eviction), and the
+  reply header, entries and arena views go out in one ``sendmsg`` vector; the
+  leases are released whatever happens.
+
+A malformed frame is answered with ERROR and the connection is closed;
+nothing a client sends can take down the server or leak arena memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import socket
+import threading
+
+from kvdepot.metadata.keys import KEY_BYTES
+from kvdepot.store.chunks import ChunkStore, ReadLease, Reservation, checksum
+from kvdepot.store.protocol import (
+    GET_ENTRY,
+    HEADER,
+    PUT_ENTRY,
+    DeleteCode,
+    ErrorCode,
+    GetCode,
+    GetReplyEntry,
+    Header,
+    Opcode,
+    PeerClosed,
+    ProtocolError,
+    ProtocolLimits,
+    PutCode,
+    drain,
+    encode_error,
+    pack_get_reply_entries,
+    recv_exact,
+    recv_exact_into,
+    send_all,
+    set_io_timeout,
+    set_recv_timeout,
+    set_send_timeout,
+    unpack_get_entries,
+    unpack_header,
+    unpack_keys,
+    unpack_put_entries,
+)
+
+from kvdepot.errors import CapacityExceeded, InvalidArgument, Unavailable
+
+logger = logging.getLogger(__name__)
+
+_SCRATCH_BYTES = 1 << 20
+_ERROR_SEND_TIMEOUT_S = 1.0
+_JOIN_TIMEOUT_S = 5.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DataPlaneStats:
+    """Counters of a data plane server since it started.
+
+    Attributes:
+        connections_total: Connections accepted.
+        connections_open: Connections open now.
+        puts: Chunks stored (committed) by PUTs.
+        gets: Chunk reads served.
+        get_misses: Chunk reads that found nothing.
+        bytes_in: Payload bytes received (stored or not).
+        bytes_out: Payload bytes sent.
+        protocol_errors: Connections closed for a malformed or truncated
+            request, or for stalling inside one.
+        corrupt_puts: Chunks whose payload failed its checksum.
+        put_rejected: Chunks refused for lack of space or as invalid
+            (already-present chunks are not rejections).
+    """
+
+    connections_total: int = 0
+    connections_open: int = 0
+    puts: int = 0
+    gets: int = 0
+    get_misses: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    protocol_errors: int = 0
+    corrupt_puts: int = 0
+    put_rejected: int = 0
+
+
+_COUNTERS = tuple(f.name for f in dataclasses.fields(DataPlaneStats))
+
+
+class _ReplyFailed(Unavailable):
+    """Sending a reply failed: the peer left; not a protocol violation."""
+
+
+class DataPlaneServer:
+    """Serves one :class:`ChunkStore` over the ``tcp`` data plane protocol.
+
+    Args:
+        chunks: The chunk table to serve.
+        host: Address to listen on.
+        port: Port to listen on; 0 picks a free one (see :attr:`address`).
+        limits: Bounds checked on every request before anything is reserved.
+        idle_timeout_s: A connection idle this long between requests is closed.
+        io_timeout_s: A connection that stalls this long inside a request is
+            closed (and its reservations revoked).
+
+    Raises:
+        InvalidArgument: If a timeout is not positive.
+    """
+
+    def __init__(
+        self,
+        chunks: ChunkStore,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        limits: ProtocolLimits = ProtocolLimits(),  # noqa: B008 - frozen, immutable default
+        idle_timeout_s: float = 60.0,
+        io_timeout_s: float = 30.0,
+    ) -> None:
+        if idle_timeout_s <= 0 or io_timeout_s <= 0:
+            raise InvalidArgument("data plane timeouts must be positive")
+        self._chunks = chunks
+        self._host = host
+        self._port = port
+        self._limits = limits
+        self._idle_timeout_s = idle_timeout_s
+        self._io_timeout_s = io_timeout_s
+        self._listener: socket.socket | None = None
+        self._accept_thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._connections: dict[socket.socket, threading.Thread] = {}
+        self._counters = dict.fromkeys(_COUNTERS, 0)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """The address actually listened on (the chosen port when 0 was asked).
+
+        Raises:
+            Unavailable: If the server is not started.
+        """
+        if self._listener is None:
+            raise Unavailable("data plane server is not started")
+        name = self._listener.getsockname()
+        return str(name[0]), int(name[1])
+
+    def start(self) -> None:
+        """Bind, listen, and start accepting connections in a background thread.
+
+        Raises:
+            InvalidArgument: If already started.
+            Unavailable: If the address cannot be bound.
+        """
+        if self._listener is not None:
+            raise InvalidArgument("data plane server already started")
+        try:
+            infos = socket.getaddrinfo(
+                self._host, self._port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            )
+            family, kind, proto, _, addr = infos[0]
+            listener = socket.socket(family, kind, proto)
+        except OSError as exc:
+            raise Unavailable(f"cannot listen on {self._host}:{self._port}: {exc}") from exc
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(addr)
+            listener.listen(512)
+        except OSError as exc:
+            listener.close()
+            raise Unavailable(f"cannot listen on {self._host}:{self._port}: {exc}") from exc
+        self._listener = listener
+        self._stopping.clear()
+        self._accept_thread = threading.Thread(
+            target=self._accept_loop, name="kvdepot-dataplane-accept", daemon=True
+        )
+        self._accept_thread.start()
+        logger.info("data plane listening on %s:%d", *self.address)
+
+    def stop(self) -> None:
+        """Stop accepting, close every connection, and wait for their threads."""
+        self._stopping.set()
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            # shutdown wakes the thread blocked in accept(); close alone may not.
+            with contextlib.suppress(OSError):
+                listener.shutdown(socket.SHUT_RDWR)
+            listener.close()
+        if self._accept_thread is not None:
+            self._accept_thread.join(_JOIN_TIMEOUT_S)
+            self._accept_thread = None
+        with self._lock:
+            connections = list(self._connections.items())
+        for conn, _ in connections:
+            # Wakes threads blocked in recv/send; each closes its own socket.
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        for _, thread in connections:
+            thread.join(_JOIN_TIMEOUT_S)
+            if thread.is_alive():
+                logger.warning("data plane connection thread %s did not stop", thread.name)
+
+    def __enter__(self) -> DataPlaneServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stats(self) -> DataPlaneStats:
+        """A consistent snapshot of the counters."""
+        with self._lock:
+            return DataPlaneStats(**self._counters)
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                self._counters[name] += delta
+
+    def _accept_loop(self) -> None:
+        listener = self._listener
+        assert listener is not None
+        while not self._stopping.is_set():
+            try:
+                conn, peer = listener.accept()
+            except OSError as exc:
+                if self._stopping.is_set():
+                    return
+                # Out of file descriptors and the like: keep serving the rest.
+                logger.warning("data plane accept failed: %s", exc)
+                self._stopping.wait(0.1)
+                continue
+            if self._stopping.is_set():
+                conn.close()
+                return
+            thread = threading.Thread(
+                target=self._serve,
+                args=(conn, _peer_name(peer)),
+                name=f"kvdepot-dataplane-{_peer_name(peer)}",
+                daemon=True,
+            )
+            with self._lock:
+                self._connections[conn] = thread
+            self._count(connections_total=1, connections_open=1)
+            thread.start()
+
+    def _serve(self, conn: socket.socket, peer: str) -> None:
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            set_io_timeout(conn, self._io_timeout_s)
+            scratch = memoryview(bytearray(_SCRATCH_BYTES))
+            header = memoryview(bytearray(HEADER.size))
+            while not self._stopping.is_set():
+                if not self._next_request(conn, header):
+                    return
+                try:
+                    self._dispatch(conn, unpack_header(header), scratch)
+                except _ReplyFailed as exc:
+                    logger.debug("data plane peer %s left during a reply: %s", peer, str(exc))
+                    return
+                except PeerClosed as exc:
+                    raise ProtocolError(ErrorCode.MALFORMED, f"truncated request: {exc}") from exc
+                except Unavailable as exc:
+                    raise ProtocolError(ErrorCode.MALFORMED, f"stalled request: {exc}") from exc
+        # Exceptions are logged as text: a record that kept the exception would
+        # keep its traceback's frames, and with them views of the arena.
+        except ProtocolError as exc:
+            self._count(protocol_errors=1)
+            logger.warning("data plane peer %s: %s; closing the connection", peer, str(exc))
+            self._send_error(conn, exc.code, exc.detail)
+        except Unavailable as exc:
+            logger.debug("data plane peer %s: %s", peer, str(exc))
+        except Exception as exc:
+            logger.exception("data plane connection from %s failed", peer)
+            self._send_error(conn, ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}")
+        finally:
+            conn.close()
+            with self._lock:
+                self._connections.pop(conn, None)
+            self._count(connections_open=-1)
+
+    def _next_request(self, conn: socket.socket, header: memoryview) -> bool:
+        # Wait for the first byte under the idle timeout, then read the rest
+        # of the request under the (shorter) I/O timeout.
+        set_recv_timeout(conn, self._idle_timeout_s)
+        try:
+            n = conn.recv_into(header, HEADER.size)
+        except OSError as exc:
+            logger.debug("data plane connection idle or reset: %s", str(exc))
+            return False
+        if n == 0:
+            return False
+        set_recv_timeout(conn, self._io_timeout_s)
+        if n < HEADER.size:
+            try:
+                recv_exact_into(conn, header[n:])
+            except PeerClosed as exc:
+                raise ProtocolError(ErrorCode.MALFORMED, f"truncated header: {exc}") from exc
+            except Unavailable as exc:
+                raise ProtocolError(ErrorCode.MALFORMED, f"stalled header: {exc}") from exc
+        return True
+
+    def _send_error(self, conn: socket.socket, code: ErrorCode, message: str) -> None:
+        # Best effort: the peer may be gone or not reading.
+        try:
+            set_send_timeout(conn, _ERROR_SEND_TIMEOUT_S)
+            conn.sendall(encode_error(code, message))
+        except OSError:
+            pass
+
+    def _dispatch(self, conn: socket.socket, header: Header, scratch: memoryview) -> None:
+        op = header.opcode
+        if op is Opcode.PUT:
+            self._handle_put(conn, self._checked_count(header), scratch)
+        elif op is Opcode.GET:
+            self._handle_get(conn, self._checked_count(header))
+        elif op is Opcode.DELETE:
+            self._handle_delete(conn, self._checked_count(header))
+        elif op is Opcode.PING:
+            if header.count:
+                raise ProtocolError(ErrorCode.MALFORMED, f"PING with count {header.count}")
+            self._reply(conn, [Header(Opcode.PONG, 0, header.aux).pack()])
+        else:
+            raise ProtocolError(ErrorCode.BAD_OPCODE, f"{op.name} is not a request")
+
+    def _checked_count(self, header: Header) -> int:
+        if header.count > self._limits.max_batch:
+            raise ProtocolError(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"{header.opcode.name} of {header.count} entries is above the limit of "
+                f"{self._limits.max_batch}",
+            )
+        return header.count
+
+    def _reply(self, conn: socket.socket, buffers: list[bytes | bytearray | memoryview]) -> None:
+        try:
+            send_all(conn, buffers)
+        except Unavailable as exc:
+            raise _ReplyFailed(str(exc)) from exc
+
+    def _handle_put(self, conn: socket.socket, n: int, scratch: memoryview) -> None:
+        entries = unpack_put_entries(recv_exact(conn, n * PUT_ENTRY.size))
+        limits = self._limits
+        total = 0
+        for e in entries:
+            if e.size > limits.max_chunk_bytes:
+                raise ProtocolError(
+                    ErrorCode.LIMIT_EXCEEDED,
+                    f"chunk of {e.size} bytes is above the limit of {limits.max_chunk_bytes}",
+                )
+            total += e.size
+        if total > limits.max_request_bytes:
+            raise ProtocolError(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"PUT of {total} bytes is above the limit of {limits.max_request_bytes}",
+            )
+        statuses = bytearray(n)
+        pending: list[Reservation] = []
+        try:
+            for i, e in enumerate(entries):
+                res: Reservation | None = None
+                code = PutCode.OK
+                if e.size == 0:
+                    code = PutCode.INVALID
+                else:
+                    try:
+                        res = self._chunks.reserve(e.key, e.size, e.checksum)
+                    except CapacityExceeded:
+                        code = PutCode.NO_SPACE
+                    except InvalidArgument:
+                        code = PutCode.INVALID
+                    else:
+                        if res is None:
+                            code = PutCode.EXISTS
+                if res is None:
+                    drain(conn, e.size, scratch)
+                else:
+                    # Registered before receiving, so a failure revokes it.
+                    pending.append(res)
+                    recv_exact_into(conn, res.view)
+                    if checksum(res.view) != e.checksum:
+                        pending.pop()
+                        self._chunks.revoke(res)
+                        code = PutCode.CORRUPT
+                statuses[i] = code
+            for res in pending:
+                self._chunks.commit(res)
+        except BaseException:
+            # Nothing of a failed request becomes visible; revoking an already
+            # committed reservation is a no-op.
+            for res in pending:
+                self._chunks.revoke(res)
+            raise
+        self._count(
+            puts=len(pending),
+            bytes_in=total,
+            corrupt_puts=statuses.count(PutCode.CORRUPT),
+            put_rejected=statuses.count(PutCode.NO_SPACE) + statuses.count(PutCode.INVALID),
+        )
+        self._reply(conn, [Header(Opcode.PUT_REPLY, n).pack(), statuses])
+
+    def _handle_get(self, conn: socket.socket, n: int) -> None:
+        entries = unpack_get_entries(recv_exact(conn, n * GET_ENTRY.size))
+        leases: list[ReadLease] = []
+        try:
+            replies: list[GetReplyEntry] = []
+            payloads: list[bytes | bytearray | memoryview] = []
+            for e in entries:
+                lease = self._chunks.acquire(e.key)
+                if lease is None:
+                    replies.append(GetReplyEntry(GetCode.NOT_FOUND))
+                    continue
+                leases.append(lease)
+                size = lease.size
+                length = e.length or size - e.offset
+                if e.offset >= size or length <= 0 or e.offset + length > size:
+                    replies.append(GetReplyEntry(GetCode.INVALID))
+                    continue
+                if length == size:
+                    # Whole chunk: the writer's checksum, checked end to end.
+                    view, ck = lease.view, lease.checksum
+                else:
+                    view = lease.view[e.offset : e.offset + length]
+                    ck = checksum(view)
+                replies.append(GetReplyEntry(GetCode.OK, length, ck))
+                payloads.append(view)
+            # Counted before the reply goes out, so a client that has its
+            # answer also sees it in the stats.
+            self._count(
+                gets=len(payloads),
+                get_misses=sum(1 for r in replies if r.status is GetCode.NOT_FOUND),
+                bytes_out=sum(r.length for r in replies),
+            )
+            head = Header(Opcode.GET_REPLY, n).pack() + pack_get_reply_entries(replies)
+            self._reply(conn, [head, *payloads])
+        finally:
+            for lease in leases:
+                self._chunks.release(lease)
+
+    def _handle_delete(self, conn: socket.socket, n: int) -> None:
+        keys = unpack_keys(recv_exact(conn, n * KEY_BYTES))
+        statuses = bytes(
+            DeleteCode.OK if self._chunks.delete(key) else DeleteCode.NOT_FOUND for key in keys
+        )
+        self._reply(conn, [Header(Opcode.DELETE_REPLY, n).pack(), statuses])
+
+
+def _peer_name(peer: object) -> str:
+    if isinstance(peer, tuple) and len(peer) >= 2:
+        return f"{peer[0]}:{peer[1]}"
+    return str(peer)

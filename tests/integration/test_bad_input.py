@@ -1,0 +1,130 @@
+"""Bad input to the daemons: a clear error, and the daemon keeps serving."""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import grpc
+import numpy as np
+import pytest
+from kvdepot.connector.client import KVDepotClient
+from kvdepot.metadata.keys import Namespace, chunk_keys
+from kvdepot.proto.gen import metadata_pb2, metadata_pb2_grpc
+
+from kvdepot.cluster import LocalCluster
+from kvdepot.errors import CapacityExceeded, InvalidArgument
+
+pytestmark = pytest.mark.integration
+
+NS = Namespace("test/bad-input", chunk_tokens=8)
+
+
+def roundtrip_ok(client: KVDepotClient, seed: int) -> None:
+    keys = chunk_keys(NS, [seed] * 8 * 3)
+    data = [np.random.default_rng(seed + i).integers(0, 255, 50_000, dtype=np.uint8)
+            for i in range(3)]
+    client.put(keys, data)
+    bufs = [np.zeros(50_000, dtype=np.uint8) for _ in keys]
+    assert client.get_into(keys, bufs).leading == 3
+    assert all(np.array_equal(a, b) for a, b in zip(data, bufs, strict=True))
+
+
+def _raw(address: str) -> socket.socket:
+    host, port = address.rsplit(":", 1)
+    s = socket.create_connection((host, int(port)), timeout=5)
+    return s
+
+
+def _expect_closed(s: socket.socket) -> bytes:
+    data = b""
+    try:
+        while chunk := s.recv(65536):
+            data += chunk
+    except (ConnectionResetError, TimeoutError):
+        pass
+    s.close()
+    return data
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+        b"KVDP" + bytes([9, 1, 0, 0]) + bytes(8),  # unknown version
+        b"KVDP" + bytes([1, 200, 0, 0]) + bytes(8),  # unknown opcode
+        b"KVDP" + bytes([1, 1, 0, 0]) + struct.pack("<II", 0xFFFFFFFF, 0),  # huge count
+        bytes(range(256)) * 8,
+    ],
+    ids=["http", "version", "opcode", "count", "garbage"],
+)
+def test_malformed_frames_get_an_error_and_the_store_keeps_serving(
+    cluster: LocalCluster, client: KVDepotClient, frame: bytes
+) -> None:
+    s = _raw(cluster.stores[0].info["address"])
+    s.sendall(frame)
+    reply = _expect_closed(s)
+    assert reply == b"" or reply.startswith(b"KVDP")
+    roundtrip_ok(client, 1)
+    assert cluster.stores[0].proc.poll() is None
+
+
+def test_client_that_disconnects_mid_put_leaves_nothing_visible(
+    cluster: LocalCluster, client: KVDepotClient
+) -> None:
+    from kvdepot.store import protocol
+
+    keys = chunk_keys(NS, [7] * 8)
+    # Announce a 1 MiB chunk, send a part of it, vanish.
+    frame = protocol.Header(protocol.Opcode.PUT, count=1).pack() + protocol.pack_put_entries(
+        [protocol.PutEntry(keys[0], 1 << 20, 12345)]
+    )
+    s = _raw(cluster.stores[0].info["address"])
+    s.sendall(frame)
+    s.sendall(b"x" * 1000)
+    s.close()
+    assert client.lookup(keys) == 0
+    bufs = [np.zeros(1 << 20, dtype=np.uint8)]
+    assert client.get_into(keys, bufs).leading == 0
+    roundtrip_ok(client, 2)
+
+
+def test_bad_grpc_requests_get_invalid_argument(cluster: LocalCluster) -> None:
+    with grpc.insecure_channel(cluster.metadata_address) as ch:
+        stub = metadata_pb2_grpc.MetadataStub(ch)
+        cases = [
+            ("Lookup", metadata_pb2.LookupRequest(keys=[b"short"])),
+            ("PutStart", metadata_pb2.PutStartRequest(keys=[bytes(16)], sizes=[])),
+            ("PutStart", metadata_pb2.PutStartRequest(keys=[bytes(16)], sizes=[0])),
+            ("PutEnd", metadata_pb2.PutEndRequest(keys=[bytes(16)], sizes=[1], node_id="")),
+            ("Heartbeat", metadata_pb2.HeartbeatRequest(node_id="")),
+            ("RegisterNode", metadata_pb2.RegisterNodeRequest(node_id="x")),
+            ("Lookup", metadata_pb2.LookupRequest(keys=[bytes(16)] * 70000)),
+        ]
+        for method, request in cases:
+            with pytest.raises(grpc.RpcError) as info:
+                getattr(stub, method)(request, timeout=10)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, method
+            assert info.value.details()
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Heartbeat(metadata_pb2.HeartbeatRequest(node_id="nobody"), timeout=5)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_client_rejects_bad_arguments(client: KVDepotClient) -> None:
+    with pytest.raises(InvalidArgument):
+        client.put([b"short"], [b"x"])
+    with pytest.raises(InvalidArgument):
+        client.put([bytes(16)], [b"x", b"y"])
+    with pytest.raises(InvalidArgument):
+        client.put([bytes(16)], [b""])
+    with pytest.raises(InvalidArgument):
+        client.get_into([bytes(16)], [b"readonly"])
+
+
+def test_oversized_chunk_is_refused_cleanly(cluster: LocalCluster, client: KVDepotClient) -> None:
+    keys = chunk_keys(NS, [9] * 8)
+    with pytest.raises(CapacityExceeded, match="larger than any store"):
+        client.put(keys, [np.zeros(65 << 20, dtype=np.uint8)])  # arenas are 64 MiB
+    assert client.lookup(keys) == 0
+    roundtrip_ok(client, 3)

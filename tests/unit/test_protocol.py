@@ -1,0 +1,242 @@
+"""Tests of the data plane wire format and the socket helpers."""
+
+from __future__ import annotations
+
+import array
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator, Sequence
+
+import pytest
+from kvdepot.metadata.keys import ChunkKey
+from kvdepot.store import protocol as p
+
+from kvdepot.errors import Corrupt, InvalidArgument, Unavailable
+
+
+def key(i: int) -> ChunkKey:
+    return ChunkKey(i.to_bytes(16, "little"))
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    a, b = socket.socketpair()
+    a.settimeout(10)
+    b.settimeout(10)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def test_header_layout_and_round_trip() -> None:
+    raw = p.Header(p.Opcode.GET, count=3, aux=0xDEADBEEF, flags=0).pack()
+    assert len(raw) == 16
+    assert raw[:4] == b"KVDP" and raw[4] == 1 and raw[5] == p.Opcode.GET
+    assert int.from_bytes(raw[8:12], "little") == 3
+    assert p.unpack_header(raw) == p.Header(p.Opcode.GET, 3, 0xDEADBEEF, 0)
+
+
+@pytest.mark.parametrize(
+    ("raw", "code"),
+    [
+        (b"XXXX" + bytes(12), p.ErrorCode.BAD_MAGIC),
+        (b"KVDP\x02\x01" + bytes(10), p.ErrorCode.BAD_VERSION),
+        (b"KVDP\x01\x63" + bytes(10), p.ErrorCode.BAD_OPCODE),
+        (b"KVDP\x01\x00" + bytes(10), p.ErrorCode.BAD_OPCODE),
+    ],
+)
+def test_bad_headers_are_rejected(raw: bytes, code: p.ErrorCode) -> None:
+    with pytest.raises(p.ProtocolError) as info:
+        p.unpack_header(raw)
+    assert info.value.code is code
+    assert isinstance(info.value, Corrupt)
+
+
+def test_entry_sizes_are_fixed() -> None:
+    assert (p.HEADER.size, p.PUT_ENTRY.size, p.GET_ENTRY.size) == (16, 32, 32)
+    assert p.GET_REPLY_ENTRY.size == 24
+
+
+def test_put_entries_round_trip() -> None:
+    entries = [p.PutEntry(key(i), size=i * 1000 + 1, checksum=(1 << 64) - 1 - i) for i in range(5)]
+    raw = p.pack_put_entries(entries)
+    assert len(raw) == 5 * 32
+    assert p.unpack_put_entries(raw) == entries
+    assert p.unpack_put_entries(memoryview(raw)) == entries
+
+
+def test_get_entries_round_trip() -> None:
+    entries = [p.GetEntry(key(1)), p.GetEntry(key(2), offset=4096, length=1 << 40)]
+    assert p.unpack_get_entries(p.pack_get_entries(entries)) == entries
+
+
+def test_get_reply_entries_round_trip() -> None:
+    replies = [
+        p.GetReplyEntry(p.GetCode.OK, 123, 456),
+        p.GetReplyEntry(p.GetCode.NOT_FOUND),
+        p.GetReplyEntry(p.GetCode.INVALID),
+    ]
+    raw = p.pack_get_reply_entries(replies)
+    assert len(raw) == 3 * 24
+    assert raw[1:8] == bytes(7)  # padding
+    assert p.unpack_get_reply_entries(raw) == replies
+    with pytest.raises(p.ProtocolError):
+        p.unpack_get_reply_entries(b"\x09" + raw[1:24])
+
+
+def test_keys_round_trip() -> None:
+    keys = [key(i) for i in range(4)]
+    assert p.unpack_keys(p.pack_keys(keys)) == keys
+
+
+def test_error_message_round_trip(pair: tuple[socket.socket, socket.socket]) -> None:
+    a, b = pair
+    a.sendall(p.encode_error(p.ErrorCode.LIMIT_EXCEEDED, "too big: ü" + "x" * 10000))
+    header = p.unpack_header(p.recv_exact(b, 16))
+    assert header.opcode is p.Opcode.ERROR
+    assert header.count == p.MAX_ERROR_MESSAGE
+    err = p.read_error(b, header)
+    assert err.code is p.ErrorCode.LIMIT_EXCEEDED
+    assert "too big: ü" in str(err)
+
+
+def test_recv_reply_header_raises_the_peer_error(pair: tuple[socket.socket, socket.socket]) -> None:
+    a, b = pair
+    a.sendall(p.encode_error(p.ErrorCode.BAD_OPCODE, "nope"))
+    with pytest.raises(p.ProtocolError, match="nope"):
+        p.recv_reply_header(b, p.Opcode.PUT_REPLY, 1)
+    a.sendall(p.Header(p.Opcode.GET_REPLY, 2).pack())
+    with pytest.raises(p.ProtocolError, match="expected PUT_REPLY"):
+        p.recv_reply_header(b, p.Opcode.PUT_REPLY, 2)
+
+
+def test_limits_validate() -> None:
+    assert p.ProtocolLimits().max_batch == 4096
+    with pytest.raises(InvalidArgument):
+        p.ProtocolLimits(max_batch=0)
+    with pytest.raises(InvalidArgument):
+        p.ProtocolLimits(max_chunk_bytes=-1)
+    assert p.ProtocolLimits(max_chunk_bytes=10, max_request_bytes=5).largest_chunk == 5
+
+
+class TrickleSocket:
+    """Accepts at most ``step`` bytes per sendmsg, recording what arrived."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.received = bytearray()
+        self.calls = 0
+        self.max_buffers = 0
+
+    def sendmsg(self, buffers: Sequence[memoryview]) -> int:
+        self.calls += 1
+        self.max_buffers = max(self.max_buffers, len(buffers))
+        budget = self.step
+        for buf in buffers:
+            take = min(budget, buf.nbytes)
+            self.received += buf[:take]
+            budget -= take
+            if not budget:
+                break
+        return self.step - budget
+
+
+@pytest.mark.parametrize("step", [1, 7, 100, 4096, 1 << 20])
+def test_send_all_resumes_partial_sends_across_buffers(step: int) -> None:
+    shorts = array.array("H", range(300))
+    buffers: list[bytes | bytearray | memoryview] = [
+        b"head",
+        b"",
+        memoryview(os.urandom(5000))[17:4017],
+        bytearray(b"middle"),
+        memoryview(shorts),  # not a byte format: sent as its raw bytes
+        os.urandom(9999),
+    ]
+    expected = b"".join(bytes(memoryview(b).cast("B")) for b in buffers)
+    sock = TrickleSocket(step)
+    p.send_all(sock, buffers)  # type: ignore[arg-type]
+    assert bytes(sock.received) == expected
+
+
+def test_send_all_respects_iov_max() -> None:
+    buffers: list[bytes | bytearray | memoryview] = [bytes([i % 256]) * 3 for i in range(5000)]
+    sock = TrickleSocket(1 << 30)
+    p.send_all(sock, buffers)  # type: ignore[arg-type]
+    assert bytes(sock.received) == b"".join(bytes(b) for b in buffers)
+    assert sock.max_buffers <= 1024
+
+
+def test_send_all_with_real_partial_sends(pair: tuple[socket.socket, socket.socket]) -> None:
+    a, b = pair
+    for s in pair:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    payloads = [os.urandom(n) for n in (1, 100_000, 3, 65_537, 250_000)]
+    total = sum(len(x) for x in payloads)
+    out = bytearray(total)
+
+    def reader() -> None:
+        view = memoryview(out)
+        got = 0
+        while got < total:
+            # Small, slow reads force the sender into many partial sendmsg calls.
+            n = b.recv_into(view[got:], min(3000, total - got))
+            got += n
+            if got % 7 == 0:
+                time.sleep(0.0005)
+
+    t = threading.Thread(target=reader)
+    t.start()
+    p.send_all(a, [memoryview(x) for x in payloads])
+    t.join(10)
+    assert bytes(out) == b"".join(payloads)
+
+
+def test_recv_exact_into_fills_and_detects_eof(pair: tuple[socket.socket, socket.socket]) -> None:
+    a, b = pair
+    data = os.urandom(200_000)
+    t = threading.Thread(target=a.sendall, args=(data,))
+    t.start()
+    buf = bytearray(len(data))
+    p.recv_exact_into(b, memoryview(buf))
+    t.join()
+    assert buf == data
+    a.sendall(b"abc")
+    a.shutdown(socket.SHUT_WR)
+    with pytest.raises(p.PeerClosed, match="after 3 of 10"):
+        p.recv_exact_into(b, memoryview(bytearray(10)))
+
+
+def test_recv_exact_and_drain(pair: tuple[socket.socket, socket.socket]) -> None:
+    a, b = pair
+    t = threading.Thread(target=a.sendall, args=(b"0123456789" + bytes(300_000) + b"tail",))
+    t.start()
+    assert p.recv_exact(b, 10) == b"0123456789"
+    p.drain(b, 300_000, memoryview(bytearray(4096)))
+    assert p.recv_exact(b, 4) == b"tail"
+    t.join()
+    a.sendall(bytes(100))
+    p.drain(b, 100)  # per-thread scratch
+    a.close()
+    with pytest.raises(p.PeerClosed):
+        p.drain(b, 1)
+
+
+def test_kernel_timeouts_surface_as_unavailable(pair: tuple[socket.socket, socket.socket]) -> None:
+    _, b = pair
+    p.set_io_timeout(b, 0.2)
+    assert b.gettimeout() is None
+    start = time.monotonic()
+    with pytest.raises(Unavailable, match="timed out"):
+        p.recv_exact(b, 1)
+    assert time.monotonic() - start < 2
+    with pytest.raises(InvalidArgument):
+        p.set_io_timeout(b, 0)
+
+
+def test_byte_view_rejects_non_contiguous() -> None:
+    with pytest.raises(InvalidArgument):
+        p.byte_view(memoryview(bytes(10))[::2])
+    assert p.byte_view(memoryview(array.array("d", [1.0, 2.0]))).nbytes == 16
