@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test install proto lint clean up
+.PHONY: demo test install system-deps proto lint clean up
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV) || (apt-get update -qq && apt-get install -y -qq python3-venv && $(PY) -m venv $(VENV))
@@ -21,7 +21,16 @@ demo: install
 up: install
 	$(BIN)/kvdepot up
 
-test: install
+# Services the tests start themselves (redis-server on free loopback ports).
+system-deps:
+	@command -v redis-server >/dev/null 2>&1 || { \
+		echo "installing redis-server"; \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server >/dev/null; }
+	@# Debian starts a system redis on 6379; the tests use their own servers.
+	@-service redis-server stop >/dev/null 2>&1 || true
+
+test: install system-deps
 	$(BIN)/python -m pytest -q -ra
 
 proto: install

@@ -15,13 +15,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+
 from kvdepot.connector.transport import create_transport
 from kvdepot.connector.transport.base import GetItem, PutItem, PutStatus, Transport
+from kvdepot.errors import InvalidArgument, from_grpc
 from kvdepot.metadata.keys import KEY_BYTES, ChunkKey
 from kvdepot.proto.gen import metadata_pb2, metadata_pb2_grpc
 from kvdepot.store.chunks import checksum
-
-from kvdepot.errors import InvalidArgument, from_grpc
 
 logger = logging.getLogger(__name__)
 

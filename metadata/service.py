@@ -11,6 +11,8 @@ from collections.abc import Sequence
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from kvdepot.errors import InvalidArgument, KVDepotError
 from kvdepot.metadata.config import MetadataConfig
 from kvdepot.metadata.index import IndexBackend, IndexConfig, create_backend
 from kvdepot.metadata.keys import KEY_BYTES, ChunkKey
@@ -23,8 +25,6 @@ from kvdepot.metadata.types import (
     TierUsage,
 )
 from kvdepot.proto.gen import common_pb2, metadata_pb2, metadata_pb2_grpc
-
-from kvdepot.errors import InvalidArgument, KVDepotError
 
 logger = logging.getLogger(__name__)
 

@@ -27,11 +27,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import xxhash
+
+from kvdepot.errors import CapacityExceeded, InvalidArgument, Unavailable
 from kvdepot.metadata.keys import KEY_BYTES, ChunkKey
 from kvdepot.store.allocator import Allocator
 from kvdepot.store.arena import Arena
-
-from kvdepot.errors import CapacityExceeded, InvalidArgument, Unavailable
 
 logger = logging.getLogger(__name__)
 

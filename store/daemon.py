@@ -18,14 +18,14 @@ from collections.abc import Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from kvdepot.errors import InvalidArgument
 from kvdepot.metadata.keys import ChunkKey
 from kvdepot.proto.gen import common_pb2, metadata_pb2, metadata_pb2_grpc, store_pb2, store_pb2_grpc
 from kvdepot.store.chunks import ChunkStore
 from kvdepot.store.config import StoreConfig
 from kvdepot.store.dataplane import DataPlaneServer
 from kvdepot.store.protocol import ProtocolLimits
-
-from kvdepot.errors import InvalidArgument
 
 logger = logging.getLogger(__name__)
 

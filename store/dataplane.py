@@ -27,6 +27,7 @@ import logging
 import socket
 import threading
 
+from kvdepot.errors import CapacityExceeded, InvalidArgument, Unavailable
 from kvdepot.metadata.keys import KEY_BYTES
 from kvdepot.store.chunks import ChunkStore, ReadLease, Reservation, checksum
 from kvdepot.store.protocol import (
@@ -43,6 +44,7 @@ from kvdepot.store.protocol import (
     ProtocolError,
     ProtocolLimits,
     PutCode,
+    TimedOut,
     drain,
     encode_error,
     pack_get_reply_entries,
@@ -58,11 +60,8 @@ from kvdepot.store.protocol import (
     unpack_put_entries,
 )
 
-from kvdepot.errors import CapacityExceeded, InvalidArgument, Unavailable
-
 logger = logging.getLogger(__name__)
 
-_SCRATCH_BYTES = 1 << 20
 _ERROR_SEND_TIMEOUT_S = 1.0
 _JOIN_TIMEOUT_S = 5.0
 
@@ -260,23 +259,22 @@ class DataPlaneServer:
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             set_io_timeout(conn, self._io_timeout_s)
-            scratch = memoryview(bytearray(_SCRATCH_BYTES))
             header = memoryview(bytearray(HEADER.size))
             while not self._stopping.is_set():
                 if not self._next_request(conn, header):
                     return
                 try:
-                    self._dispatch(conn, unpack_header(header), scratch)
+                    self._dispatch(conn, unpack_header(header))
                 except _ReplyFailed as exc:
                     logger.debug("data plane peer %s left during a reply: %s", peer, str(exc))
                     return
                 except PeerClosed as exc:
                     raise ProtocolError(ErrorCode.MALFORMED, f"truncated request: {exc}") from exc
-                except Unavailable as exc:
+                except TimedOut as exc:
                     raise ProtocolError(ErrorCode.MALFORMED, f"stalled request: {exc}") from exc
-        # Exceptions are logged as text: a record that kept the exception would
-        # keep its traceback's frames, and with them views of the arena.
         except ProtocolError as exc:
+            # Logged as text: a record that kept the exception would keep its
+            # traceback's frames alive, and with them views of the arena.
             self._count(protocol_errors=1)
             logger.warning("data plane peer %s: %s; closing the connection", peer, str(exc))
             self._send_error(conn, exc.code, exc.detail)
@@ -308,7 +306,7 @@ class DataPlaneServer:
                 recv_exact_into(conn, header[n:])
             except PeerClosed as exc:
                 raise ProtocolError(ErrorCode.MALFORMED, f"truncated header: {exc}") from exc
-            except Unavailable as exc:
+            except TimedOut as exc:
                 raise ProtocolError(ErrorCode.MALFORMED, f"stalled header: {exc}") from exc
         return True
 
@@ -320,10 +318,10 @@ class DataPlaneServer:
         except OSError:
             pass
 
-    def _dispatch(self, conn: socket.socket, header: Header, scratch: memoryview) -> None:
+    def _dispatch(self, conn: socket.socket, header: Header) -> None:
         op = header.opcode
         if op is Opcode.PUT:
-            self._handle_put(conn, self._checked_count(header), scratch)
+            self._handle_put(conn, self._checked_count(header))
         elif op is Opcode.GET:
             self._handle_get(conn, self._checked_count(header))
         elif op is Opcode.DELETE:
@@ -350,7 +348,7 @@ class DataPlaneServer:
         except Unavailable as exc:
             raise _ReplyFailed(str(exc)) from exc
 
-    def _handle_put(self, conn: socket.socket, n: int, scratch: memoryview) -> None:
+    def _handle_put(self, conn: socket.socket, n: int) -> None:
         entries = unpack_put_entries(recv_exact(conn, n * PUT_ENTRY.size))
         limits = self._limits
         total = 0
@@ -385,7 +383,8 @@ class DataPlaneServer:
                         if res is None:
                             code = PutCode.EXISTS
                 if res is None:
-                    drain(conn, e.size, scratch)
+                    # Into a per-thread scratch buffer: one per connection.
+                    drain(conn, e.size)
                 else:
                     # Registered before receiving, so a failure revokes it.
                     pending.append(res)

@@ -53,9 +53,8 @@ import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvdepot.metadata.keys import KEY_BYTES, ChunkKey
-
 from kvdepot.errors import Corrupt, InvalidArgument, Unavailable
+from kvdepot.metadata.keys import KEY_BYTES, ChunkKey
 
 MAGIC = b"KVDP"
 VERSION = 1
@@ -146,6 +145,10 @@ class ProtocolError(Corrupt):
 
 class PeerClosed(Unavailable):
     """The peer closed or reset the connection."""
+
+
+class TimedOut(Unavailable):
+    """A send or receive made no progress within the socket's timeout."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -348,7 +351,7 @@ def byte_view(buf: bytes | bytearray | memoryview) -> memoryview:
 
 def _translate(exc: OSError, what: str) -> Unavailable:
     if isinstance(exc, TimeoutError | BlockingIOError):
-        return Unavailable(f"{what} timed out")
+        return TimedOut(f"{what} timed out")
     if isinstance(exc, ConnectionError) or exc.errno in (errno.EPIPE, errno.ECONNRESET):
         return PeerClosed(f"{what} failed: peer closed the connection ({exc})")
     return Unavailable(f"{what} failed: {exc}")
@@ -361,8 +364,9 @@ def send_all(sock: socket.socket, buffers: Sequence[bytes | bytearray | memoryvi
     vector and a partial send resumes from a slice of the first unsent one.
 
     Raises:
-        Unavailable: The connection failed or timed out (:class:`PeerClosed`
-            if the peer went away).
+        PeerClosed: The peer closed or reset the connection.
+        TimedOut: The peer stopped reading.
+        Unavailable: The connection failed otherwise.
     """
     views = [v for v in (byte_view(b) for b in buffers) if v.nbytes]
     i = 0
@@ -388,7 +392,8 @@ def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
 
     Raises:
         PeerClosed: The peer closed the connection before ``view`` was full.
-        Unavailable: The connection failed or timed out.
+        TimedOut: No bytes arrived within the socket's timeout.
+        Unavailable: The connection failed otherwise.
     """
     view = byte_view(view)
     total = view.nbytes

@@ -7,9 +7,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kvdepot.connector.client import ClientConfig, KVDepotClient
 
 from kvdepot.cluster import LocalCluster
+from kvdepot.connector.client import ClientConfig, KVDepotClient
 
 
 def free_port() -> int:
@@ -42,3 +42,160 @@ def client(cluster: LocalCluster) -> Iterator[KVDepotClient]:
         ClientConfig(metadata=cluster.metadata_address, node_id=cluster.stores[0].info["node_id"])
     ) as c:
         yield c
+
+
+# -- Redis ----------------------------------------------------------------------
+# Real redis-server processes for the `redis` index backend. Session-scoped
+# (a cluster takes seconds to form): tests keep apart by using their own key
+# prefix, e.g. ``?prefix=<test-unique>`` in the index URL.
+
+import subprocess  # noqa: E402 - kept with the fixtures that use it
+
+
+def _redis_binaries(*names: str) -> dict[str, str]:
+    import shutil
+
+    found = {n: shutil.which(n) for n in names}
+    missing = [n for n, path in found.items() if path is None]
+    if missing:
+        pytest.skip(f"{', '.join(missing)} not installed (apt-get install redis-server)")
+    return {n: p for n, p in found.items() if p is not None}
+
+
+def _free_ports(count: int) -> list[int]:
+    # Held open together, so the ports are distinct from each other.
+    socks = [socket.socket() for _ in range(count)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _redis_ping(port: int) -> bytes:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(64)
+    except OSError:
+        return b""
+
+
+def _start_redis(binary: str, workdir: Path, port: int, *extra: str) -> subprocess.Popen[bytes]:
+    import time
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    log = open(workdir / "redis.log", "wb")  # noqa: SIM115 - owned by the process
+    proc = subprocess.Popen(
+        [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(workdir),
+            *extra,
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+    )
+    log.close()
+    deadline = time.monotonic() + 10
+    while not _redis_ping(port).startswith(b"+PONG"):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _stop_redis([proc])
+            pytest.fail(f"redis-server on port {port} did not start: see {workdir / 'redis.log'}")
+        time.sleep(0.02)
+    return proc
+
+
+def _stop_redis(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=5)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A throwaway redis-server on a free loopback port; yields ``redis://…/0``."""
+    binary = _redis_binaries("redis-server")["redis-server"]
+    port = free_port()
+    proc = _start_redis(binary, tmp_path_factory.mktemp("redis"), port)
+    try:
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        _stop_redis([proc])
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A 3-master Redis Cluster on loopback; yields ``redis+cluster://h:p,h:p,h:p``."""
+    import time
+
+    bins = _redis_binaries("redis-server", "redis-cli")
+    root = tmp_path_factory.mktemp("redis-cluster")
+    ports = _free_ports(6)  # 3 clients, 3 cluster buses
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for port, bus in zip(ports[:3], ports[3:], strict=True):
+            procs.append(
+                _start_redis(
+                    bins["redis-server"],
+                    root / str(port),
+                    port,
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "5000",
+                    # The bus port defaults to port + 10000, which may be taken.
+                    "--cluster-port",
+                    str(bus),
+                )
+            )
+        subprocess.run(
+            [
+                bins["redis-cli"],
+                "--cluster",
+                "create",
+                *(f"127.0.0.1:{p}" for p in ports[:3]),
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+        deadline = time.monotonic() + 30
+        for port in ports[:3]:
+            while True:
+                info = subprocess.run(
+                    [bins["redis-cli"], "-p", str(port), "cluster", "info"],
+                    capture_output=True,
+                    text=True,
+                    timeout=10,
+                ).stdout
+                if "cluster_state:ok" in info:
+                    break
+                if time.monotonic() > deadline:
+                    pytest.fail(f"redis cluster node {port} not ready: {info}")
+                time.sleep(0.1)
+        yield "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in ports[:3])
+    finally:
+        _stop_redis(procs)

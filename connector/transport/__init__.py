@@ -19,7 +19,6 @@ from kvdepot.connector.transport.base import (
     Transport,
 )
 from kvdepot.connector.transport.tcp import TcpTransport
-
 from kvdepot.errors import InvalidArgument
 
 TransportFactory = Callable[..., Transport]

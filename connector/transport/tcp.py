@@ -26,6 +26,7 @@ from kvdepot.connector.transport.base import (
     PutStatus,
     Transport,
 )
+from kvdepot.errors import InvalidArgument, KVDepotError, Unavailable
 from kvdepot.metadata.keys import KEY_BYTES, ChunkKey
 from kvdepot.store.chunks import checksum
 from kvdepot.store.protocol import (
@@ -53,8 +54,6 @@ from kvdepot.store.protocol import (
     set_io_timeout,
     unpack_get_reply_entries,
 )
-
-from kvdepot.errors import InvalidArgument, KVDepotError, Unavailable
 
 logger = logging.getLogger(__name__)
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvdepot.metadata.index.base import IndexBackend, IndexConfig
-
 from kvdepot.errors import InvalidArgument
+from kvdepot.metadata.index.base import IndexBackend, IndexConfig
 
 _REGISTRY: dict[str, Callable[[IndexConfig], IndexBackend]] = {}
 

@@ -6,6 +6,7 @@ import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvdepot.errors import InvalidArgument
 from kvdepot.metadata.keys import ChunkKey
 from kvdepot.metadata.types import (
     Allocation,
@@ -16,8 +17,6 @@ from kvdepot.metadata.types import (
     NodeInfo,
     TierUsage,
 )
-
-from kvdepot.errors import InvalidArgument
 
 
 @dataclass(frozen=True, slots=True)

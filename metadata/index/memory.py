@@ -10,6 +10,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvdepot.errors import CapacityExceeded, Unavailable
 from kvdepot.metadata.index.base import IndexBackend, IndexConfig
 from kvdepot.metadata.keys import ChunkKey
 from kvdepot.metadata.placement import choose_node
@@ -27,8 +28,6 @@ from kvdepot.metadata.types import (
     Replica,
     TierUsage,
 )
-
-from kvdepot.errors import CapacityExceeded, Unavailable
 
 logger = logging.getLogger(__name__)
 

@@ -8,12 +8,12 @@ import struct
 import grpc
 import numpy as np
 import pytest
-from kvdepot.connector.client import KVDepotClient
-from kvdepot.metadata.keys import Namespace, chunk_keys
-from kvdepot.proto.gen import metadata_pb2, metadata_pb2_grpc
 
 from kvdepot.cluster import LocalCluster
+from kvdepot.connector.client import KVDepotClient
 from kvdepot.errors import CapacityExceeded, InvalidArgument
+from kvdepot.metadata.keys import Namespace, chunk_keys
+from kvdepot.proto.gen import metadata_pb2, metadata_pb2_grpc
 
 pytestmark = pytest.mark.integration
 

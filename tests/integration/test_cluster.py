@@ -12,11 +12,11 @@ import time
 import grpc
 import numpy as np
 import pytest
+
+from kvdepot.cluster import LocalCluster
 from kvdepot.connector.client import ClientConfig, KVDepotClient
 from kvdepot.metadata.keys import Namespace, chunk_keys
 from kvdepot.proto.gen import store_pb2, store_pb2_grpc
-
-from kvdepot.cluster import LocalCluster
 
 pytestmark = pytest.mark.integration
 

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
+
 from kvdepot.connector.transport import (
     GetItem,
     PutItem,
@@ -19,12 +20,11 @@ from kvdepot.connector.transport import (
     available_transports,
     create_transport,
 )
+from kvdepot.errors import CapacityExceeded, InvalidArgument
 from kvdepot.metadata.keys import ChunkKey
 from kvdepot.store import protocol as p
 from kvdepot.store.chunks import ChunkStore, checksum
 from kvdepot.store.dataplane import DataPlaneServer
-
-from kvdepot.errors import CapacityExceeded, InvalidArgument
 
 pytestmark = pytest.mark.integration
 

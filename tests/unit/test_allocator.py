@@ -6,9 +6,9 @@ import itertools
 import random
 
 import pytest
-from kvdepot.store.allocator import Allocator
 
 from kvdepot.errors import InvalidArgument
+from kvdepot.store.allocator import Allocator
 
 PAGE = 4096
 

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import xxhash
+
+from kvdepot.errors import CapacityExceeded, InvalidArgument, Unavailable
 from kvdepot.metadata.keys import ChunkKey
 from kvdepot.store.arena import Arena
 from kvdepot.store.chunks import ChunkStore, ChunkTooLarge, checksum
-
-from kvdepot.errors import CapacityExceeded, InvalidArgument, Unavailable
 
 PAGE = 4096
 MiB = 1 << 20

@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from kvdepot.metadata.config import MetadataConfig
-from kvdepot.store.config import StoreConfig
 
 from kvdepot.config import load_config, parse_size, split_address
 from kvdepot.errors import InvalidArgument
+from kvdepot.metadata.config import MetadataConfig
+from kvdepot.store.config import StoreConfig
 
 
 def test_parse_size() -> None:

@@ -10,9 +10,9 @@ import sys
 import numpy as np
 import pytest
 import xxhash
-from kvdepot.metadata.keys import Namespace, chunk_keys, encode_tokens, validate_key
 
 from kvdepot.errors import InvalidArgument
+from kvdepot.metadata.keys import Namespace, chunk_keys, encode_tokens, validate_key
 
 NS = Namespace(
     "meta-llama/Llama-3.1-8B",

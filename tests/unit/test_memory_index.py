@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
+from kvdepot.errors import Unavailable
 from kvdepot.metadata.index import IndexConfig, create_backend
 from kvdepot.metadata.keys import ChunkKey
 from kvdepot.metadata.types import Action, InventoryItem, NodeInfo, TierUsage
-
-from kvdepot.errors import Unavailable
 
 
 def key(i: int) -> ChunkKey:

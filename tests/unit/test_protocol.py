@@ -10,10 +10,10 @@ import time
 from collections.abc import Iterator, Sequence
 
 import pytest
-from kvdepot.metadata.keys import ChunkKey
-from kvdepot.store import protocol as p
 
 from kvdepot.errors import Corrupt, InvalidArgument, Unavailable
+from kvdepot.metadata.keys import ChunkKey
+from kvdepot.store import protocol as p
 
 
 def key(i: int) -> ChunkKey:
