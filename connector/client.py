@@ -14,13 +14,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
-
+from kvdepot.connector.metadata import MetadataConnection, parse_endpoints
 from kvdepot.connector.transport import create_transport
 from kvdepot.connector.transport.base import GetItem, PutItem, PutStatus, Transport
-from kvdepot.errors import InvalidArgument, from_grpc
+from kvdepot.errors import InvalidArgument
 from kvdepot.metadata.keys import KEY_BYTES, ChunkKey
-from kvdepot.proto.gen import metadata_pb2, metadata_pb2_grpc
+from kvdepot.proto.gen import metadata_pb2
 from kvdepot.store.chunks import checksum
 
 logger = logging.getLogger(__name__)
@@ -33,7 +32,8 @@ class ClientConfig:
     """Configuration of a :class:`KVDepotClient`.
 
     Attributes:
-        metadata: Metadata service address ``host:port``.
+        metadata: Metadata service address ``host:port``, or several replicas
+            ``host:port,host:port`` to fail over between.
         node_id: The store node on this host, if any: puts go there first
             and lookups list its replicas first.
         transport: Data-plane transport name (``tcp``).
@@ -52,8 +52,7 @@ class ClientConfig:
     io_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
-        if ":" not in self.metadata:
-            raise InvalidArgument(f"metadata address {self.metadata!r} must be host:port")
+        parse_endpoints(self.metadata)
         if min(self.rpc_timeout_s, self.connect_timeout_s, self.io_timeout_s) <= 0:
             raise InvalidArgument("timeouts must be positive")
         if self.tokens_per_chunk < 0:
@@ -113,10 +112,7 @@ class KVDepotClient:
 
     def __init__(self, config: ClientConfig, transport: Transport | None = None) -> None:
         self.config = config
-        self._channel = grpc.insecure_channel(
-            config.metadata, options=[("grpc.max_receive_message_length", 64 << 20)]
-        )
-        self._stub = metadata_pb2_grpc.MetadataStub(self._channel)
+        self._metadata = MetadataConnection(config.metadata, config.rpc_timeout_s)
         self._transport = transport or create_transport(
             config.transport,
             connect_timeout_s=config.connect_timeout_s,
@@ -138,13 +134,10 @@ class KVDepotClient:
                 return
             self._closed = True
         self._transport.close()
-        self._channel.close()
+        self._metadata.close()
 
     def _call(self, method: str, request: Any) -> Any:
-        try:
-            return getattr(self._stub, method)(request, timeout=self.config.rpc_timeout_s)
-        except grpc.RpcError as exc:
-            raise from_grpc(exc, f"metadata {method}") from None
+        return self._metadata.call(method, request)
 
     # -- publish ----------------------------------------------------------------
     def put(self, keys: Sequence[bytes], buffers: Sequence[Buffer]) -> PutResult:

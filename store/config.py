@@ -18,7 +18,8 @@ class StoreConfig:
         port: Data-plane TCP port; 0 picks a free one.
         grpc_port: Port of the store's own gRPC service (stats); 0 picks one.
         advertise_host: Host other nodes use to reach this one; defaults to ``host``.
-        metadata: Metadata service address ``host:port``.
+        metadata: Metadata service address ``host:port``, or several replicas
+            ``host:port,host:port`` to fail over between.
         capacity_bytes: Size of the DRAM arena, allocated up front.
         arena_path: File to back the arena (e.g. under /dev/shm); empty for anonymous memory.
         max_chunk_bytes: Largest chunk accepted; 0 means the arena size.
@@ -51,5 +52,6 @@ class StoreConfig:
             raise InvalidArgument("max_chunk_bytes must be between 0 and capacity_bytes")
         if self.idle_timeout_s <= 0 or self.io_timeout_s <= 0 or self.register_retry_s <= 0:
             raise InvalidArgument("timeouts must be positive")
-        if ":" not in self.metadata:
-            raise InvalidArgument(f"metadata address {self.metadata!r} must be host:port")
+        from kvdepot.connector.metadata import parse_endpoints
+
+        parse_endpoints(self.metadata)

@@ -19,6 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvdepot.connector.metadata import parse_endpoints
 from kvdepot.errors import InvalidArgument
 from kvdepot.metadata.keys import ChunkKey
 from kvdepot.proto.gen import common_pb2, metadata_pb2, metadata_pb2_grpc, store_pb2, store_pb2_grpc
@@ -71,7 +72,9 @@ class StoreDaemon:
         self.address = ""
         self.grpc_address = ""
         self._server: grpc.aio.Server | None = None
-        self._channel: grpc.aio.Channel | None = None
+        self._endpoints = parse_endpoints(config.metadata)
+        self._channels: list[grpc.aio.Channel] = []
+        self._current = 0
         self._tasks: list[asyncio.Task[None]] = []
         self._heartbeat_s = 1.0
         self.registered = asyncio.Event()
@@ -114,7 +117,7 @@ class StoreDaemon:
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         self._server = server
         self.grpc_address = f"{advertise}:{grpc_port}"
-        self._channel = grpc.aio.insecure_channel(self.config.metadata)
+        self._channels = [grpc.aio.insecure_channel(e) for e in self._endpoints]
         self._tasks = [
             asyncio.create_task(self._lease_forever()),
             asyncio.create_task(self._report_forever()),
@@ -148,8 +151,8 @@ class StoreDaemon:
                 await task
         if self._server is not None:
             await self._server.stop(0.5)
-        if self._channel is not None:
-            await self._channel.close(None)
+        for channel in self._channels:
+            await channel.close(None)
         self.dataplane.stop()
         self.chunks.close()
 
@@ -188,12 +191,20 @@ class StoreDaemon:
         logger.info("registered with metadata %s (%d chunks)", self.config.metadata, len(inventory))
         self.registered.set()
 
+    def _stub(self) -> metadata_pb2_grpc.MetadataStub:
+        return metadata_pb2_grpc.MetadataStub(self._channels[self._current])
+
+    def _fail_over(self) -> None:
+        # Replicas share the index: any of them can take our heartbeats.
+        if len(self._channels) > 1:
+            self._current = (self._current + 1) % len(self._channels)
+            logger.warning("failing over to metadata %s", self._endpoints[self._current])
+
     async def _lease_forever(self) -> None:
-        assert self._channel is not None
-        stub = metadata_pb2_grpc.MetadataStub(self._channel)
         registered = False
         warned = False
         while True:
+            stub = self._stub()
             try:
                 if not registered:
                     await self._register(stub)
@@ -211,16 +222,17 @@ class StoreDaemon:
                     registered = False
                     continue
                 if not warned:
-                    logger.warning("metadata %s unreachable: %s", self.config.metadata, exc.code())
+                    logger.warning(
+                        "metadata %s unreachable: %s", self._endpoints[self._current], exc.code()
+                    )
                     warned = True
-                registered = registered and exc.code() != grpc.StatusCode.UNAVAILABLE
+                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    self._fail_over()
                 await asyncio.sleep(self.config.register_retry_s)
                 continue
             await asyncio.sleep(self._heartbeat_s)
 
     async def _report_forever(self) -> None:
-        assert self._channel is not None
-        stub = metadata_pb2_grpc.MetadataStub(self._channel)
         while True:
             await self._removed_event.wait()
             self._removed_event.clear()
@@ -231,7 +243,7 @@ class StoreDaemon:
             if not keys:
                 continue
             try:
-                await stub.ReportRemoved(
+                await self._stub().ReportRemoved(
                     metadata_pb2.ReportRemovedRequest(node_id=self.node_id, keys=keys), timeout=5
                 )
             except grpc.aio.AioRpcError as exc:

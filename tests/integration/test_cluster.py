@@ -8,12 +8,13 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
 
-from kvdepot.cluster import LocalCluster
+from kvdepot.cluster import LocalCluster, wait_nodes, wait_ready
 from kvdepot.connector.client import ClientConfig, KVDepotClient
 from kvdepot.metadata.keys import Namespace, chunk_keys
 from kvdepot.proto.gen import store_pb2, store_pb2_grpc
@@ -163,3 +164,49 @@ def test_too_small_buffer_is_a_miss_not_an_overflow(client: KVDepotClient) -> No
     small = np.zeros(1000, dtype=np.uint8)
     assert client.get_into(keys, [small]).leading == 0
     assert not small.any()
+
+
+def _metadata_proc(tmp_path: Path, name: str) -> tuple[subprocess.Popen[bytes], str]:
+    log = open(tmp_path / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the process
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvdepot.cli", "metadata", "--port", "0", "--lease-ttl", "1.5",
+         "--heartbeat-interval", "0.3"],
+        stdout=subprocess.PIPE,
+        stderr=log,
+    )
+    info = wait_ready(proc, name, 30)
+    return proc, f"127.0.0.1:{info['port']}"
+
+
+def test_store_and_client_fail_over_between_metadata_replicas(tmp_path: Path) -> None:
+    a, addr_a = _metadata_proc(tmp_path, "meta-a")
+    b, addr_b = _metadata_proc(tmp_path, "meta-b")
+    both = f"{addr_a},{addr_b}"
+    store = subprocess.Popen(
+        [sys.executable, "-m", "kvdepot.cli", "store", "--port", "0", "--metadata", both,
+         "--capacity", "16MiB", "--node-id", "s0"],
+        stdout=subprocess.PIPE,
+        stderr=open(tmp_path / "store.log", "wb"),  # noqa: SIM115
+    )
+    try:
+        wait_ready(store, "store", 30)
+        wait_nodes(addr_a, 1)
+        keys = chunk_keys(NS, list(range(16 * 4)))
+        size = 64 << 10
+        with KVDepotClient(ClientConfig(metadata=both)) as c:
+            assert c.put(keys, [payload(k, size) for k in keys]).stored == 4
+            a.kill()
+            a.wait()
+            # The store re-registers on B with its inventory: the index is rebuilt there.
+            deadline = time.monotonic() + 10
+            while c.lookup(keys) != 4:
+                assert time.monotonic() < deadline, "no failover to the second replica"
+                time.sleep(0.1)
+            bufs = [np.zeros(size, dtype=np.uint8) for _ in keys]
+            assert c.get_into(keys, bufs).leading == 4
+            assert all(np.array_equal(x, payload(k, size)) for k, x in zip(keys, bufs, strict=True))
+    finally:
+        for p in (store, a, b):
+            if p.poll() is None:
+                p.kill()
+            p.wait()
