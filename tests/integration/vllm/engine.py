@@ -1,0 +1,123 @@
+"""Run a real vLLM engine (CPU build) on a tiny random model, as its own process.
+
+Used by the connector tests and ``benchmarks/vllm_ttft.py``::
+
+    python -m tests.integration.vllm.engine SPEC.json
+
+SPEC: ``{"model": dir, "prompts": [[ids…]…], "max_tokens": n, "logprobs": k,
+"kv": {…KVTransferConfig fields…} | null}``. Prints one JSON line with the
+generated tokens, logprobs, timings and the connector's process counters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def build_tiny_llama(path: Path, *, layers: int = 2, hidden: int = 128, seed: int = 0) -> Path:
+    """Save a random-weight Llama (no hub access) with weights large enough
+    that greedy decoding does not collapse into repeats."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if (path / "config.json").exists():
+        return path
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        torch_dtype="bfloat16",
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.25)
+    model.to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def engine_env(tmp: Path) -> dict[str, str]:
+    """Environment that keeps vLLM in one process, small, and inside ``tmp``."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env.update(
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_CPU_OMP_THREADS_BIND="0",
+        TMPDIR=str(tmp),
+        VLLM_CACHE_ROOT=str(tmp / "vllm-cache"),
+        VLLM_CONFIG_ROOT=str(tmp / "vllm-config"),
+        VLLM_RPC_BASE_PATH=str(tmp),
+        TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor"),
+        XDG_CACHE_HOME=str(tmp / "xdg"),
+        HF_HUB_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        VLLM_LOGGING_LEVEL="WARNING",
+    )
+    return env
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kv = spec.get("kv")
+    llm = LLM(
+        model=spec["model"],
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=spec.get("max_model_len", 4096),
+        distributed_executor_backend="uni",
+        enable_prefix_caching=spec.get("prefix_caching", False),
+        kv_transfer_config=KVTransferConfig(**kv) if kv else None,
+        seed=0,
+    )
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=spec.get("max_tokens", 8),
+        logprobs=spec.get("logprobs"),
+        detokenize=False,
+    )
+    outputs = []
+    for ids in spec["prompts"]:
+        ttft = None
+        if spec.get("ttft"):
+            # A one-token request alone: its latency is the prompt's prefill.
+            one = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
+            t0 = time.perf_counter()
+            llm.generate([{"prompt_token_ids": ids}], one, use_tqdm=False)
+            ttft = time.perf_counter() - t0
+        out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0]
+        logprobs = None
+        if out.logprobs is not None:
+            logprobs = [
+                round(float(lp[t].logprob), 4)
+                for t, lp in zip(out.token_ids, out.logprobs, strict=True)
+            ]
+        outputs.append({"tokens": list(out.token_ids), "logprobs": logprobs, "ttft_s": ttft})
+    stats: dict[str, int] = {}
+    if kv:
+        from kvdepot.connector.vllm import PROCESS_STATS
+
+        stats = dict(PROCESS_STATS)
+    return {"outputs": outputs, "connector": stats}
+
+
+if __name__ == "__main__":
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    result = run(spec)
+    print("KVDEPOT RESULT " + json.dumps(result), flush=True)
+    # vLLM's atexit hooks can be slow; the result is out.
+    os._exit(0)
