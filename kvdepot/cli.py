@@ -210,6 +210,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if summary["verified"] else EXIT_ERROR
 
 
+# -- proxy --------------------------------------------------------------------
+def cmd_proxy(args: argparse.Namespace) -> int:
+    from kvdepot.proxy import ProxyConfig, serve
+
+    config = ProxyConfig(
+        prefill=tuple(u for v in args.prefill for u in v.split(",") if u),
+        decode=tuple(u for v in args.decode for u in v.split(",") if u),
+        host=args.host,
+        port=args.port,
+    )
+    if args.check:
+        print(json.dumps({"proxy": _asdict(config)}))
+        return 0
+    return _run_until_signal(lambda: serve(config, announce=_announce))
+
+
 def _asdict(obj: Any) -> dict[str, Any]:
     import dataclasses
 
@@ -271,6 +287,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--suffix-chunks", type=int, default=2, help="unique chunks per prompt")
     d.add_argument("--chunk-bytes", default="1MiB", help="bytes of KV per chunk (default 1MiB)")
     d.set_defaults(func=cmd_demo)
+
+    px = sub.add_parser("proxy", help="disaggregated prefill -> decode OpenAI-compatible proxy")
+    px.add_argument("--prefill", action="append", required=True, help="prefill engine URL(s)")
+    px.add_argument("--decode", action="append", required=True, help="decode engine URL(s)")
+    px.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    px.add_argument("--port", type=int, default=8000, help="listen port (default 8000; 0 picks)")
+    px.add_argument("--check", action="store_true", help="validate the config, print it, exit")
+    px.set_defaults(func=cmd_proxy)
     return p
 
 

@@ -168,7 +168,7 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                     str(bus),
                 )
             )
-        subprocess.run(
+        created = subprocess.run(
             [
                 bins["redis-cli"],
                 "--cluster",
@@ -178,10 +178,12 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                 "0",
                 "--cluster-yes",
             ],
-            check=True,
             capture_output=True,
+            text=True,
             timeout=60,
         )
+        if created.returncode != 0:
+            pytest.fail(f"redis-cli --cluster create failed: {created.stdout}{created.stderr}")
         deadline = time.monotonic() + 30
         for port in ports[:3]:
             while True:

@@ -90,6 +90,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         logprobs=spec.get("logprobs"),
         detokenize=False,
     )
+    if spec.get("plant_random"):
+        _plant_random(llm, kv, spec["prompts"])
     outputs = []
     for ids in spec["prompts"]:
         ttft = None
@@ -113,6 +115,34 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
         stats = dict(PROCESS_STATS)
     return {"outputs": outputs, "connector": stats}
+
+
+def _plant_random(llm: Any, kv: dict[str, Any], prompts: list[list[int]]) -> None:
+    """Negative control: store well-formed chunks of random KV under the
+    prompts' real keys, so a consumer that uses loaded KV must change its output."""
+    import numpy as np
+
+    from kvdepot.connector.client import ClientConfig, KVDepotClient
+    from kvdepot.connector.vllm_layout import ConnectorSettings, layout_from_config, namespace_for
+    from kvdepot.metadata.keys import chunk_keys
+
+    cfg = llm.llm_engine.vllm_config
+    settings = ConnectorSettings.from_extra(kv["kv_connector_extra_config"])
+    layout = layout_from_config(cfg, settings)
+    ns = namespace_for(cfg, settings, layout, 0)
+    size = layout.num_layers * layout.chunk_tokens * layout.num_kv_heads * layout.head_size * 2 * 2
+    rng = np.random.default_rng(7)
+    with KVDepotClient(ClientConfig(metadata=settings.metadata)) as client:
+        for ids in prompts:
+            keys = chunk_keys(ns, ids)
+            # Small normal values in bf16: valid-looking KV, just not this prompt's.
+            fake = [
+                (rng.standard_normal(size // 2).astype(np.float32).view(np.uint32) >> 16)
+                .astype(np.uint16)
+                .view(np.uint8)
+                for _ in keys
+            ]
+            client.put(keys, fake)
 
 
 if __name__ == "__main__":

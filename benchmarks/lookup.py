@@ -1,0 +1,432 @@
+"""Lookup and put latency of the metadata service: memory vs Redis index vs raw Redis.
+
+Starts its own ``redis-server`` on a free loopback port and metadata services
+as subprocesses (memory index; Redis index; a second Redis replica on the same
+Redis), registers a fake store node with an inventory through gRPC and keeps
+it alive with heartbeats, then measures through the gRPC service with the
+sync stub:
+
+- ``lookup``: one 128-key ``Lookup`` (all hits);
+- ``put``: one 128-key ``PutStart`` + ``PutEnd`` of new keys;
+
+and, in the same run, the raw Redis cost of the equivalent pipelined commands
+(lookup: 128 HGETALL + the node's lease in one pipeline; put: 128 SET NX PX,
+then 128 HSET). The ``redis-2-replicas`` rows drive both Redis replicas at once
+(one client process each) to show how throughput scales with replicas.
+
+Usage::
+
+    python benchmarks/lookup.py [--quick] [--json] [--seconds S] [--keys N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import redis
+
+from kvdepot.cluster import wait_ready
+from kvdepot.proto.gen import common_pb2, metadata_pb2, metadata_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+NODE_ID = "bench-node"
+NODE_ADDRESS = "127.0.0.1:1"
+CHUNK_BYTES = 2 << 20
+PREFIX = "bench"
+INVENTORY_WINDOWS = 32  # lookups rotate over this many distinct 128-key prefixes
+
+
+# -- helpers ------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def key_of(space: int, i: int) -> bytes:
+    """A 16-byte chunk key; ``space`` keeps workers' new keys apart."""
+    return space.to_bytes(4, "big") + i.to_bytes(12, "big")
+
+
+def percentile(sorted_ms: list[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of already sorted samples, nearest rank."""
+    if not sorted_ms:
+        return 0.0
+    return sorted_ms[min(len(sorted_ms) - 1, int(q * len(sorted_ms)))]
+
+
+def row(backend: str, op: str, keys: int, lat_ms: list[float], elapsed_s: float) -> dict[str, Any]:
+    """One result row from per-operation latencies measured over ``elapsed_s``."""
+    lat = sorted(lat_ms)
+    return {
+        "backend": backend,
+        "op": op,
+        "keys": keys,
+        "p50_ms": round(percentile(lat, 0.50), 3),
+        "p99_ms": round(percentile(lat, 0.99), 3),
+        "ops_per_s": round(len(lat) / elapsed_s, 1) if elapsed_s > 0 else 0.0,
+    }
+
+
+def timed_loop(
+    op: Callable[[int], None], seconds: float, warmup_s: float, start_at: float = 0.0
+) -> tuple[list[float], float]:
+    """Run ``op(i)`` for ``warmup_s`` unmeasured, then ``seconds`` measured."""
+    i = 0
+    end = time.monotonic() + warmup_s
+    while time.monotonic() < end:
+        op(i)
+        i += 1
+    if start_at:
+        time.sleep(max(0.0, start_at - time.time()))
+    lat: list[float] = []
+    t0 = time.perf_counter()
+    end_pc = t0 + seconds
+    while True:
+        s = time.perf_counter()
+        if s >= end_pc:
+            break
+        op(i)
+        lat.append((time.perf_counter() - s) * 1000)
+        i += 1
+    return lat, time.perf_counter() - t0
+
+
+# -- processes ----------------------------------------------------------------
+@contextlib.contextmanager
+def redis_server(workdir: Path) -> Iterator[int]:
+    """A throwaway redis-server (no persistence) on a free port; yields the port."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        sys.exit("redis-server not found (apt-get install redis-server)")
+    port = free_port()
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+         "--appendonly", "no", "--dir", str(workdir)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        client = redis.Redis(port=port)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise
+                time.sleep(0.05)
+        client.close()
+        yield port
+    finally:
+        stop(proc)
+
+
+@contextlib.contextmanager
+def metadata_service(index: str, log: Path) -> Iterator[str]:
+    """A ``kvdepot metadata`` process over ``index``; yields its ``host:port``."""
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvdepot.cli", "--log-level", "WARNING", "metadata",
+             "--host", "127.0.0.1", "--port", "0", "--index", index,
+             "--lease-ttl", "10", "--heartbeat-interval", "1"],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+    try:
+        info = wait_ready(proc, f"metadata ({index})", 60)
+        yield f"127.0.0.1:{info['port']}"
+    finally:
+        stop(proc)
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL after 10 s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
+def tiers() -> list[common_pb2.TierStats]:
+    """A fake node's tiers: room for everything the benchmark puts."""
+    return [common_pb2.TierStats(name="cpu", capacity_bytes=1 << 50, used_bytes=0)]
+
+
+def register(address: str, inventory: int) -> None:
+    """Register the fake node with ``inventory`` chunks through gRPC."""
+    with grpc.insecure_channel(address) as ch:
+        metadata_pb2_grpc.MetadataStub(ch).RegisterNode(
+            metadata_pb2.RegisterNodeRequest(
+                node_id=NODE_ID,
+                address=NODE_ADDRESS,
+                tiers=tiers(),
+                inventory=[
+                    common_pb2.ChunkRef(key=key_of(0, i), size=CHUNK_BYTES, tier="cpu")
+                    for i in range(inventory)
+                ],
+            ),
+            timeout=60,
+        )
+
+
+class Heartbeats(threading.Thread):
+    """Keeps the fake node's lease alive on each given metadata service."""
+
+    def __init__(self, addresses: list[str], interval_s: float = 1.0) -> None:
+        super().__init__(daemon=True)
+        self._channels = [grpc.insecure_channel(a) for a in addresses]
+        self._interval_s = interval_s
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        stubs = [metadata_pb2_grpc.MetadataStub(ch) for ch in self._channels]
+        while not self._done.wait(self._interval_s):
+            for stub in stubs:
+                try:
+                    stub.Heartbeat(metadata_pb2.HeartbeatRequest(node_id=NODE_ID), timeout=5)
+                except grpc.RpcError as exc:
+                    logger.warning("heartbeat failed: %s", exc.code())
+
+    def stop(self) -> None:
+        self._done.set()
+        self.join(timeout=5)
+        for ch in self._channels:
+            ch.close()
+
+
+# -- measured operations --------------------------------------------------------
+def grpc_worker(
+    address: str, op: str, keys: int, space: int, seconds: float, warmup_s: float, start_at: float
+) -> tuple[list[float], float]:
+    """One client process: ``op`` over the gRPC sync stub, back to back."""
+    channel = grpc.insecure_channel(
+        address, options=[("grpc.max_receive_message_length", 64 << 20)]
+    )
+    stub = metadata_pb2_grpc.MetadataStub(channel)
+    windows = [[key_of(0, w * keys + i) for i in range(keys)] for w in range(INVENTORY_WINDOWS)]
+    sizes = [CHUNK_BYTES] * keys
+
+    def lookup(i: int) -> None:
+        reply = stub.Lookup(
+            metadata_pb2.LookupRequest(
+                keys=windows[i % INVENTORY_WINDOWS], client_node_id=NODE_ID, tokens_per_key=256
+            ),
+            timeout=10,
+        )
+        assert reply.hits == keys, reply.hits
+
+    def put(i: int) -> None:
+        new = [key_of(space, i * keys + j) for j in range(keys)]
+        reply = stub.PutStart(
+            metadata_pb2.PutStartRequest(keys=new, sizes=sizes, writer_node_id=NODE_ID),
+            timeout=10,
+        )
+        assert all(a.action == metadata_pb2.Allocation.WRITE for a in reply.allocations)
+        stub.PutEnd(metadata_pb2.PutEndRequest(keys=new, node_id=NODE_ID, sizes=sizes), timeout=10)
+
+    try:
+        return timed_loop(lookup if op == "lookup" else put, seconds, warmup_s, start_at)
+    finally:
+        channel.close()
+
+
+def run_clients(
+    pool: Any, addresses: list[str], op: str, keys: int, seconds: float, warmup_s: float
+) -> tuple[list[float], float]:
+    """One client process per address, measured over the same interval."""
+    # Workers start measuring together, after their warm-up (and start-up).
+    start_at = time.time() + warmup_s + 1.0
+    jobs = [
+        pool.apply_async(grpc_worker, (a, op, keys, next(_SPACES), seconds, warmup_s, start_at))
+        for a in addresses
+    ]
+    results = [j.get(timeout=seconds + warmup_s + 120) for j in jobs]
+    lat = [x for r, _ in results for x in r]
+    return lat, max(e for _, e in results)
+
+
+_SPACES = itertools.count(1)  # a fresh key space per worker run: puts never collide
+
+
+def raw_redis(
+    port: int, epoch: bytes, keys: int, seconds: float, warmup_s: float
+) -> list[dict[str, Any]]:
+    """The same work as plain pipelines from one redis-py client (hiredis)."""
+    r = redis.Redis(port=port)
+    lease = f"{PREFIX}:n:{{{NODE_ID}}}"
+    windows = [
+        [f"{PREFIX}:c:{{{key_of(0, w * keys + i).hex()}}}" for i in range(keys)]
+        for w in range(INVENTORY_WINDOWS)
+    ]
+    field, value = f"n:{NODE_ID}", b"cpu " + epoch
+
+    def lookup(i: int) -> None:
+        pipe = r.pipeline(transaction=False)
+        for k in windows[i % INVENTORY_WINDOWS]:
+            pipe.hgetall(k)
+        pipe.hmget(lease, "epoch", "address")
+        out = pipe.execute()
+        assert all(out[:keys])
+
+    def put(i: int) -> None:
+        new = [key_of(99, i * keys + j).hex() for j in range(keys)]
+        pipe = r.pipeline(transaction=False)
+        for h in new:
+            pipe.set(f"raw:p:{{{h}}}", NODE_ID, nx=True, px=30_000)
+        pipe.execute()
+        pipe = r.pipeline(transaction=False)
+        for h in new:
+            pipe.hset(f"raw:c:{{{h}}}", mapping={"size": CHUNK_BYTES, field: value})
+        pipe.execute()
+
+    rows = []
+    for op, fn in (("lookup", lookup), ("put", put)):
+        lat, elapsed = timed_loop(fn, seconds, warmup_s)
+        rows.append(row("raw-redis", op, keys, lat, elapsed))
+    r.close()
+    return rows
+
+
+# -- main ---------------------------------------------------------------------
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Start everything, run every row, and return rows plus a summary."""
+    keys, seconds, warmup = args.keys, args.seconds, args.warmup
+    inventory = keys * INVENTORY_WINDOWS
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="kvdepot-bench-") as tmp_s:
+        tmp = Path(tmp_s)
+        with contextlib.ExitStack() as stack:
+            port = stack.enter_context(redis_server(tmp))
+            url = f"redis://127.0.0.1:{port}/0?prefix={PREFIX}"
+            memory = stack.enter_context(metadata_service("memory://", tmp / "memory.log"))
+            replica1 = stack.enter_context(metadata_service(url, tmp / "redis-1.log"))
+            replica2 = stack.enter_context(metadata_service(url, tmp / "redis-2.log"))
+            register(memory, inventory)
+            register(replica1, inventory)  # shared: replica 2 sees it too
+            beats = Heartbeats([memory, replica1])
+            beats.start()
+            stack.callback(beats.stop)
+            pool = stack.enter_context(mp.get_context("spawn").Pool(2))
+
+            plan = [
+                ("memory", [memory]),
+                ("redis", [replica1]),
+                ("redis-2-replicas", [replica1, replica2]),
+            ]
+            for op in ("lookup", "put"):
+                for backend, addresses in plan:
+                    lat, elapsed = run_clients(pool, addresses, op, keys, seconds, warmup)
+                    rows.append(row(backend, op, keys, lat, elapsed))
+                    log(args, rows[-1])
+            with redis.Redis(port=port) as rc:
+                found = rc.hget(f"{PREFIX}:n:{{{NODE_ID}}}", "epoch")
+            epoch = found if isinstance(found, bytes) else b"0"
+            for r in raw_redis(port, epoch, keys, seconds, warmup):
+                rows.append(r)
+                log(args, r)
+
+    def get(backend: str, op: str) -> dict[str, Any]:
+        return next(r for r in rows if r["backend"] == backend and r["op"] == op)
+
+    summary: dict[str, Any] = {}
+    for op in ("lookup", "put"):
+        redis_row, raw, mem = get("redis", op), get("raw-redis", op), get("memory", op)
+        two = get("redis-2-replicas", op)
+        summary[op] = {
+            "redis_p99_over_raw_p99": round(redis_row["p99_ms"] / max(raw["p99_ms"], 1e-9), 2),
+            "redis_p50_over_raw_p50": round(redis_row["p50_ms"] / max(raw["p50_ms"], 1e-9), 2),
+            "memory_p99_ms": mem["p99_ms"],
+            "throughput_2_replicas_over_1": round(
+                two["ops_per_s"] / max(redis_row["ops_per_s"], 1e-9), 2
+            ),
+        }
+    return {
+        "config": {
+            "keys": keys,
+            "seconds": seconds,
+            "warmup_s": warmup,
+            "inventory": inventory,
+            "cpus": os.cpu_count(),
+        },
+        "rows": rows,
+        "summary": summary,
+    }
+
+
+def log(args: argparse.Namespace, r: dict[str, Any]) -> None:
+    """Progress on stderr (table mode only)."""
+    if not args.json:
+        print(f"  measured {r['backend']:>16} {r['op']:<6}", file=sys.stderr, flush=True)
+
+
+def render(result: dict[str, Any]) -> str:
+    """The result as a table and a summary, for humans."""
+    head = f"{'backend':<18} {'op':<7} {'keys':>5} {'p50_ms':>8} {'p99_ms':>8} {'ops_per_s':>10}"
+    lines = [head, "-" * len(head)]
+    for r in result["rows"]:
+        lines.append(
+            f"{r['backend']:<18} {r['op']:<7} {r['keys']:>5} {r['p50_ms']:>8.3f} "
+            f"{r['p99_ms']:>8.3f} {r['ops_per_s']:>10.1f}"
+        )
+    lines.append("")
+    cpus = result["config"]["cpus"] or 0
+    if cpus < 6:
+        # Two replicas, their two client processes and Redis need ~5 cores.
+        lines.append(f"note: {cpus} CPUs only: the redis-2-replicas rows cannot scale here")
+    for op, s in result["summary"].items():
+        lines.append(
+            f"{op}: redis p99 / raw p99 = {s['redis_p99_over_raw_p99']}x, "
+            f"p50 ratio {s['redis_p50_over_raw_p50']}x; memory p99 = {s['memory_p99_ms']} ms; "
+            f"2 replicas / 1 = {s['throughput_2_replicas_over_1']}x ops/s"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line entry point."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--quick", action="store_true", help="short runs (under a minute in all)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--seconds", type=float, help="measured seconds per row (default 10)")
+    p.add_argument("--warmup", type=float, help="unmeasured seconds per row (default 1)")
+    p.add_argument("--keys", type=int, default=128, help="keys per request (default 128)")
+    args = p.parse_args(argv)
+    if args.seconds is None:
+        args.seconds = 2.0 if args.quick else 10.0
+    if args.warmup is None:
+        args.warmup = 0.3 if args.quick else 1.0
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    result = measure(args)
+    print(json.dumps(result) if args.json else render(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,786 @@
+"""The Redis index: several stateless metadata replicas share one Redis or Redis Cluster.
+
+Semantics are those of :class:`~kvdepot.metadata.index.memory.MemoryIndex`; what
+differs is that every replica may serve any request at any time, so the state
+lives in Redis and every change that must be atomic is one Lua script on one
+key slot (:mod:`kvdepot.metadata.index.redis_lua`).
+
+Key layout (``P`` is the key prefix, ``kvd`` by default; ``{…}`` is the Redis
+Cluster hash tag, so that what one script touches is on one slot)::
+
+    P:c:{<key hex>}       hash    chunk: "size" -> bytes, "n:<node>" -> "<tier> <epoch>"
+    P:p:{<key hex>}       string  pending allocation "<batch>:<deadline ms>:<node>"
+    P:n:{<node>}          hash    the node's lease (PX lease TTL): epoch, address, grpc, tiers
+    P:n:{<node>}:epoch    string  the node's last registration epoch (never reused)
+    P:n:{<node>}:keys     set     chunk keys the current epoch registered or committed
+    P:n:{<node>}:gc       set     chunk keys of ended epochs, still to be cleaned up
+    P:nodes               hash    registry: node -> epoch (placement, reaping, stats)
+    P:allocs              zset    allocation batches by deadline (to count expired ones)
+    P:alloc:<batch>       set     chunk keys of one allocation batch
+    P:stats               hash    cluster-wide counters (HINCRBY)
+
+A chunk and its pending allocation share a slot, so one script commits both;
+a node's lease, epoch and key sets share another. Every registration gets a
+new epoch, written into the chunk fields it creates, and a replica counts only
+while its node's lease exists *and* carries that epoch. So a lookup never
+returns a replica on a node whose lease is gone, even before any reaper ran,
+and a reaper cleaning up after a dead epoch never deletes what a new
+registration of the same node wrote meanwhile. Cleanup is idempotent: every
+metadata replica runs :meth:`RedisIndex.expire` and they may overlap.
+
+An index loss (``FLUSHALL``, a restart without persistence) deletes the lease
+with everything else: the next heartbeat returns False, the store daemon
+registers again with its inventory, and the index is rebuilt.
+
+Round trips: a lookup is one (the chunk hashes and the leases of the known
+nodes together), a put is two for ``put_start`` and two for ``put_end``. On a
+single server each batch of per-chunk work is one script call with one reply,
+because redis-py spends more time per reply than Redis spends per command; on
+a cluster the same scripts run once per chunk in a pipeline split by node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from dataclasses import astuple, fields
+from typing import Any, ParamSpec, TypeVar
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
+
+from redis import exceptions as rx
+from redis.asyncio import Redis, RedisCluster
+from redis.asyncio.cluster import ClusterNode
+
+from kvdepot.errors import CapacityExceeded, InvalidArgument, KVDepotError, Unavailable
+from kvdepot.metadata.index import redis_lua as lua
+from kvdepot.metadata.index.base import IndexBackend, IndexConfig
+from kvdepot.metadata.keys import ChunkKey
+from kvdepot.metadata.placement import choose_node
+from kvdepot.metadata.types import (
+    TIER_RANK,
+    Action,
+    Allocation,
+    IndexStats,
+    InventoryItem,
+    KeyLocation,
+    LookupResult,
+    NodeId,
+    NodeInfo,
+    NodeStatus,
+    Replica,
+    TierUsage,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PREFIX = "kvd"
+# Deadline of one round trip: a stuck server must not hang an RPC for ever.
+_ROUND_TRIP_TIMEOUT_S = 10.0
+# Commands per pipeline, and items per vectorised script call: bound the size
+# of one request and reply (big inventories) and how long one script blocks
+# the server, while keeping round trips few.
+_PIPELINE_MAX = 4096
+_ITEMS_PER_CALL = 1024
+# A lookup prefetches the leases of at most this many known nodes in its one
+# round trip; with more nodes it fetches those its chunks name (two round trips).
+_PREFETCH_NODES = 64
+_KNOWN_MAX = 1024
+# Counters reach Redis at most this late (other replicas' stats lag as much).
+_FLUSH_DELAY_S = 0.05
+# The counters IndexStats carries, kept in the P:stats hash under these names.
+_COUNTERS = tuple(f.name for f in fields(IndexStats) if f.name not in ("nodes", "extra"))
+
+_Cmd = lua.Cmd
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+# Errors after which a retry elsewhere or later may succeed.
+_UNAVAILABLE: tuple[type[BaseException], ...] = (
+    rx.ConnectionError,
+    rx.TimeoutError,
+    rx.ClusterDownError,
+    rx.TryAgainError,
+    rx.ReadOnlyError,
+    rx.SlotNotCoveredError,
+    TimeoutError,
+    OSError,
+)
+
+
+def _guarded(fn: Callable[_P, Awaitable[_T]]) -> Callable[_P, Coroutine[Any, Any, _T]]:
+    """Translate redis-py errors into kvdepot's at the boundary of a method."""
+
+    @functools.wraps(fn)
+    async def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _T:
+        try:
+            return await fn(*args, **kwargs)
+        except _UNAVAILABLE as exc:
+            raise Unavailable(f"redis index unavailable: {exc}") from exc
+        except (rx.RedisError, rx.RedisClusterException) as exc:
+            # e.g. "Redis Cluster cannot be connected", raised from a ConnectionError
+            if isinstance(exc.__cause__ or exc.__context__, _UNAVAILABLE):
+                raise Unavailable(f"redis index unavailable: {exc}") from exc
+            raise KVDepotError(f"redis index error: {exc}") from exc
+
+    return wrapper
+
+
+def _tag(node_id: NodeId) -> str:
+    # Braces in a node id would change which part of the key Redis Cluster
+    # hashes; escaping keeps a node's keys on one slot and stays injective.
+    return node_id.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
+
+
+def _tiers_json(tiers: Sequence[TierUsage]) -> str:
+    return json.dumps([list(astuple(t)) for t in tiers], separators=(",", ":"))
+
+
+def _tiers_parse(raw: bytes | None) -> tuple[TierUsage, ...]:
+    if not raw:
+        return ()
+    return tuple(TierUsage(*row) for row in json.loads(raw))
+
+
+def _ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _batched(items: Sequence[_T], size: int) -> list[Sequence[_T]]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def _flat(replies: Sequence[Sequence[int]]) -> list[int]:
+    """One result per item from the replies of :meth:`RedisIndex._vec`'s calls."""
+    return [int(r) for reply in replies for r in reply]
+
+
+def _field_epoch(value: bytes) -> bytes:
+    return value.rpartition(b" ")[2]
+
+
+def _pending_live(value: bytes | None, now_ms: int) -> bool:
+    if value is None:
+        return False
+    parts = value.split(b":", 2)
+    return len(parts) == 3 and int(parts[1]) > now_ms
+
+
+def split_url(url: str) -> tuple[str, str | None]:
+    """Split kvdepot's own ``prefix`` query parameter off an index URL.
+
+    Args:
+        url: ``redis://…``, ``rediss://…`` or ``redis+cluster://…``, with
+            optional query parameters, e.g. ``?prefix=kvd-test``.
+
+    Returns:
+        The URL without ``prefix`` (for redis-py) and the prefix, if given.
+    """
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    prefix = next((v for k, v in query if k == "prefix"), None)
+    rest = urlencode([(k, v) for k, v in query if k != "prefix"])
+    return urlunsplit(parts._replace(query=rest)), prefix
+
+
+def connect(url: str) -> Redis | RedisCluster:
+    """A redis-py asyncio client for an index URL (without ``prefix``).
+
+    ``redis://host:port/db`` and ``rediss://…`` give a single-server client;
+    ``redis+cluster://[user:password@]host:port[,host:port…]`` a cluster client
+    with those startup nodes.
+    """
+    # No per-read socket timeout: redis-py arms one per reply, which costs more
+    # than the reply itself on a 128-command pipeline. Each index operation
+    # runs under one deadline instead (see RedisIndex._exec).
+    timeouts: dict[str, Any] = {"socket_timeout": None, "socket_connect_timeout": 5.0}
+    parts = urlsplit(url)
+    if parts.scheme != "redis+cluster":
+        try:
+            client: Redis = Redis.from_url(url, **timeouts)
+        except ValueError as exc:
+            raise InvalidArgument(f"bad index url {url!r}: {exc}") from None
+        return client
+    netloc = parts.netloc
+    auth: dict[str, Any] = {}
+    if "@" in netloc:
+        userinfo, netloc = netloc.rsplit("@", 1)
+        user, _, password = userinfo.partition(":")
+        auth = {"username": unquote(user) or None, "password": unquote(password) or None}
+    nodes: list[ClusterNode] = []
+    for hostport in filter(None, netloc.split(",")):
+        host, sep, port = hostport.rpartition(":")
+        if not sep or not port.isdigit():
+            host, port = hostport, "6379"
+        nodes.append(ClusterNode(host.strip("[]") or "127.0.0.1", int(port)))
+    if not nodes:
+        raise InvalidArgument(f"index url {url!r} names no cluster nodes")
+    options = {k: float(v) for k, v in parse_qsl(parts.query) if k in timeouts and v}
+    return RedisCluster(startup_nodes=nodes, **{**timeouts, **options, **auth})
+
+
+class RedisIndex(IndexBackend):
+    """The index in Redis or Redis Cluster, shared by any number of metadata replicas.
+
+    Args:
+        config: Index configuration; ``config.url`` names the server(s) and may
+            carry ``?prefix=…``.
+        prefix: Key prefix; overrides the URL's (default ``kvd``), so that
+            several indexes (e.g. tests) can share one server.
+        client: A redis-py asyncio client to use instead of connecting to
+            ``config.url``; :meth:`close` closes it.
+    """
+
+    def __init__(
+        self,
+        config: IndexConfig,
+        *,
+        prefix: str | None = None,
+        client: Redis | RedisCluster | None = None,
+    ) -> None:
+        url, url_prefix = split_url(config.url)
+        p = prefix or url_prefix or DEFAULT_PREFIX
+        if any(c in p for c in "{} \t\n"):
+            raise InvalidArgument(f"index key prefix {p!r} must not contain braces or spaces")
+        self._p = p
+        self._r = client if client is not None else connect(url)
+        self._cluster = isinstance(self._r, RedisCluster)
+        self._lease_ms = _ms(config.lease_ttl_s)
+        self._alloc_ms = _ms(config.allocation_ttl_s)
+        # Redis drops a pending key by itself only if no reaper counted it in
+        # time (every metadata replica down): a safety net, not the deadline.
+        self._backstop_ms = 2 * self._alloc_ms + 60_000
+        self._k_nodes = f"{p}:nodes"
+        self._k_stats = f"{p}:stats"
+        self._k_allocs = f"{p}:allocs"
+        self._known: dict[NodeId, None] = {}  # nodes whose leases lookups prefetch
+        self._deltas: Counter[str] = Counter()
+        self._flusher: asyncio.Task[None] | None = None
+        self._flush_now = asyncio.Event()
+        self._scripts_loaded = False
+
+    # -- keys -----------------------------------------------------------------
+    def _chunk(self, key: bytes) -> str:
+        return f"{self._p}:c:{{{key.hex()}}}"
+
+    def _pending(self, key: bytes) -> str:
+        return f"{self._p}:p:{{{key.hex()}}}"
+
+    def _node(self, node_id: NodeId, part: str = "") -> str:
+        return f"{self._p}:n:{{{_tag(node_id)}}}{part}"
+
+    def _node_keys(self, node_id: NodeId) -> list[str]:
+        n = self._node(node_id)
+        return [n, n + ":epoch", n + ":keys", n + ":gc"]
+
+    # -- plumbing -------------------------------------------------------------
+    async def _pipeline(self, cmds: Sequence[_Cmd]) -> list[Any]:
+        pipe = self._r.pipeline(transaction=False)
+        for c in cmds:
+            pipe.execute_command(*c)
+        async with asyncio.timeout(_ROUND_TRIP_TIMEOUT_S):
+            return list(await pipe.execute(raise_on_error=False))
+
+    async def _load_scripts(self) -> None:
+        async with asyncio.timeout(_ROUND_TRIP_TIMEOUT_S):
+            for s in lua.ALL:
+                await self._r.script_load(s.source)  # on every primary of a cluster
+        self._scripts_loaded = True
+
+    async def _exec(self, cmds: Sequence[_Cmd]) -> list[Any]:
+        """Run ``cmds`` as pipelines (one round trip each); raise the first error."""
+        if not self._scripts_loaded:
+            await self._load_scripts()
+        results: list[Any] = []
+        for part in _batched(cmds, _PIPELINE_MAX):
+            out = await self._pipeline(part)
+            missing = [i for i, r in enumerate(out) if isinstance(r, rx.NoScriptError)]
+            if missing:
+                # A server restarted or a replica took over since the scripts
+                # were loaded: load them again and re-run only what did not run.
+                await self._load_scripts()
+                again = await self._pipeline([part[i] for i in missing])
+                for i, r in zip(missing, again, strict=True):
+                    out[i] = r
+            results.extend(out)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return results
+
+    async def _one(self, cmd: _Cmd) -> Any:
+        return (await self._exec([cmd]))[0]
+
+    async def _read(self, cmds: Sequence[_Cmd]) -> list[Any]:
+        """Run single-key reads (HGETALL, GET, HMGET, HKEYS) in one round trip.
+
+        On a single server as one script call (one reply); on a cluster, whose
+        keys span slots, as a pipeline.
+        """
+        if self._cluster or len(cmds) < 4:
+            return await self._exec(cmds)
+        argv: list[Any] = []
+        shape: tuple[Any, ...] = ()
+        keys: list[str] = []
+        for c in cmds:
+            this = (c[0], *c[2:])
+            if this != shape:
+                if keys:
+                    argv += [*shape[:1], len(shape) - 1, *shape[1:], "\n".join(keys) + "\n"]
+                shape, keys = this, []
+            keys.append(c[1])
+        argv += [*shape[:1], len(shape) - 1, *shape[1:], "\n".join(keys) + "\n"]
+        (out,) = await self._exec([lua.READ_BATCH.cmd([], argv)])
+        return [
+            dict(zip(it := iter(r), it, strict=True)) if c[0] == "HGETALL" else r
+            for c, r in zip(cmds, out, strict=True)
+        ]
+
+    def _vec(
+        self,
+        script: lua.Script,
+        keys: Sequence[Sequence[str]],
+        shared: Sequence[Any],
+        per_item: Sequence[Sequence[Any]] = (),
+    ) -> list[_Cmd]:
+        """Calls of a vectorised script over items (``keys[i]``, ``per_item[i]``).
+
+        One call per item on a cluster (each item is one slot), one per batch
+        of items on a single server. :func:`_flat` turns the replies of either
+        into one result per item.
+        """
+        size = 1 if self._cluster else _ITEMS_PER_CALL
+        return [
+            script.cmd(
+                [k for ks in keys[i : i + size] for k in ks],
+                [*shared, *(a for args in per_item[i : i + size] for a in args)],
+            )
+            for i in range(0, len(keys), size)
+        ]
+
+    def _count(self, **deltas: int) -> None:
+        """Add to the shared counters without a round trip on the caller's path.
+
+        A flush starts at most every ``_FLUSH_DELAY_S`` and takes everything
+        accumulated meanwhile, so many requests share one HINCRBY pipeline;
+        :meth:`stats` flushes first, so this replica always sees its own.
+        """
+        for name, n in deltas.items():
+            if n:
+                self._deltas[name] += n
+        if self._deltas and (self._flusher is None or self._flusher.done()):
+            self._flusher = asyncio.get_running_loop().create_task(self._flush_later())
+
+    async def _flush_later(self) -> None:
+        self._flush_now.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._flush_now.wait(), _FLUSH_DELAY_S)
+        await self._flush_counts()
+
+    async def _flush_counts(self) -> None:
+        while self._deltas:
+            deltas, self._deltas = self._deltas, Counter()
+            try:
+                out = await self._pipeline(
+                    [("HINCRBY", self._k_stats, k, v) for k, v in deltas.items()]
+                )
+            except Exception as exc:  # kept for the next flush, never lost silently
+                out = [exc] * len(deltas)
+            failed = {
+                k: v
+                for (k, v), r in zip(deltas.items(), out, strict=True)
+                if isinstance(r, BaseException)
+            }
+            if failed:
+                self._deltas.update(failed)
+                logger.warning("redis index: counters not flushed (%s); will retry", out[0])
+                return
+
+    async def _sync_counts(self) -> None:
+        if self._flusher is not None and not self._flusher.done():
+            self._flush_now.set()  # rather than after the delay
+            await self._flusher
+        await self._flush_counts()
+
+    async def _leases(
+        self, node_ids: Sequence[NodeId], fields: Sequence[str]
+    ) -> dict[NodeId, list[bytes | None] | None]:
+        if not node_ids:
+            return {}
+        out = await self._read([("HMGET", self._node(n), *fields) for n in node_ids])
+        self._remember(node_ids)
+        return {n: (r if r[0] is not None else None) for n, r in zip(node_ids, out, strict=True)}
+
+    def _remember(self, node_ids: Sequence[NodeId]) -> None:
+        if len(self._known) > _KNOWN_MAX:
+            self._known.clear()
+        self._known.update(dict.fromkeys(node_ids))
+
+    async def _collect(self, node_id: NodeId, bound: int) -> int:
+        """Delete the chunk fields of ``node_id``'s ended epochs (below ``bound``).
+
+        Safe to run concurrently from several replicas: each field is deleted
+        by one script call, and the gc set loses members only after that.
+        """
+        gc = self._node(node_id, ":gc")
+        field = f"n:{node_id}"
+        cursor = 0
+        dropped = 0
+        while True:
+            cursor, members = await self._one(("SSCAN", gc, cursor, "COUNT", 1024))
+            cursor = int(cursor)
+            if members:
+                calls = self._vec(lua.DROP, [[self._chunk(m)] for m in members], [field, bound])
+                out = await self._exec([*calls, ("SREM", gc, *members)])
+                results = _flat(out[:-1])
+                dropped += sum(1 for r in results if r)
+                self._count(chunks=-results.count(2))
+            if cursor == 0:
+                return dropped
+
+    # -- nodes ----------------------------------------------------------------
+    @_guarded
+    async def register_node(
+        self, node: NodeInfo, inventory: Sequence[InventoryItem], now: float
+    ) -> None:
+        raw = [bytes(item.key) for item in inventory]
+        args = [self._lease_ms, node.address, node.grpc_address, _tiers_json(node.tiers), *raw]
+        epoch = int(await self._one(lua.REGISTER.cmd(self._node_keys(node.node_id), args)))
+        calls = self._vec(
+            lua.ADD,
+            [[self._chunk(item.key)] for item in inventory],
+            [f"n:{node.node_id}", epoch],
+            [(item.size, item.tier) for item in inventory],
+        )
+        out = await self._exec([*calls, lua.NODES_SET.cmd([self._k_nodes], [node.node_id, epoch])])
+        self._count(chunks=sum(_flat(out[:-1])))
+        self._remember([node.node_id])
+        # Fields of the previous registration that the new inventory lacks.
+        await self._collect(node.node_id, epoch)
+        logger.info(
+            "node %s registered at %s with %d chunks (epoch %d)",
+            node.node_id,
+            node.address,
+            len(inventory),
+            epoch,
+        )
+
+    @_guarded
+    async def heartbeat(self, node_id: NodeId, tiers: Sequence[TierUsage], now: float) -> bool:
+        # A lease that ran out is not revived even if no reaper ran yet: one
+        # may already be deleting that epoch's chunks, so the node registers
+        # again with its inventory, exactly as after an index loss.
+        args = [self._lease_ms, _tiers_json(tiers) if tiers else ""]
+        epoch = int(await self._one(lua.HEARTBEAT.cmd([self._node(node_id)], args)) or 0)
+        if not epoch:
+            return False
+        # Re-assert the registry entry: on a cluster it may sit on a shard
+        # that lost its data while this node's own shard did not.
+        await self._one(lua.NODES_SET.cmd([self._k_nodes], [node_id, epoch]))
+        return True
+
+    @_guarded
+    async def remove_replicas(self, node_id: NodeId, keys: Sequence[ChunkKey]) -> int:
+        if not keys:
+            return 0
+        n = self._node(node_id)
+        epoch = await self._one(("HGET", n, "epoch"))
+        if epoch is None:
+            return 0
+        # Chunk fields go before key set entries: an entry without a field is
+        # harmless, a field without an entry would never be cleaned up.
+        calls = self._vec(
+            lua.DROP, [[self._chunk(k)] for k in keys], [f"n:{node_id}", int(epoch) + 1]
+        )
+        out = await self._exec([*calls, lua.FORGET.cmd([n, n + ":keys"], [epoch, *keys])])
+        self._count(chunks=-_flat(out[:-1]).count(2))
+        return int(out[-1])
+
+    # -- puts -----------------------------------------------------------------
+    async def _live_nodes(
+        self, registry: Sequence[bytes], prefetched: dict[NodeId, list[bytes | None] | None]
+    ) -> dict[NodeId, tuple[bytes, NodeInfo]]:
+        """The live nodes, with epoch and info, among the registry and ``prefetched``."""
+        leases = dict(prefetched)
+        extra = [n for n in (r.decode() for r in registry) if n not in leases]
+        leases.update(await self._leases(extra, ("epoch", "address", "grpc", "tiers")))
+        live: dict[NodeId, tuple[bytes, NodeInfo]] = {}
+        for nid, lease in leases.items():
+            if lease is not None:
+                epoch, address, grpc_address, tiers = lease
+                info = NodeInfo(
+                    nid,
+                    (address or b"").decode(),
+                    (grpc_address or b"").decode(),
+                    _tiers_parse(tiers),
+                )
+                live[nid] = (epoch or b"", info)
+        return live
+
+    @_guarded
+    async def put_start(
+        self,
+        keys: Sequence[ChunkKey],
+        sizes: Sequence[int],
+        writer_node_id: NodeId,
+        now: float,
+    ) -> list[Allocation]:
+        if len(keys) != len(sizes):
+            raise InvalidArgument(f"{len(keys)} keys but {len(sizes)} sizes")
+        if not keys:
+            return []
+        uniq = list(dict.fromkeys(keys))
+        u = len(uniq)
+        known = list(self._known)
+        # One round trip: chunks, pending allocations, the registry, leases.
+        out = await self._read(
+            [("HGETALL", self._chunk(k)) for k in uniq]
+            + [("GET", self._pending(k)) for k in uniq]
+            + [("HKEYS", self._k_nodes)]
+            + [("HMGET", self._node(n), "epoch", "address", "grpc", "tiers") for n in known]
+        )
+        chunks = dict(zip(uniq, out[:u], strict=True))
+        pending = dict(zip(uniq, out[u : 2 * u], strict=True))
+        prefetched = {
+            n: (r if r[0] is not None else None)
+            for n, r in zip(known, out[2 * u + 1 :], strict=True)
+        }
+        live = await self._live_nodes(out[2 * u], prefetched)
+        epochs = {f"n:{nid}".encode(): epoch for nid, (epoch, _) in live.items()}
+        infos = [info for _, info in live.values()]
+        now_ms = _now_ms()
+
+        decided: list[Allocation | None] = []
+        wanted: list[tuple[int, ChunkKey, NodeInfo]] = []
+        planned: dict[NodeId, int] = {}
+        batch: set[ChunkKey] = set()
+        dedup = saved = 0
+        for i, (key, size) in enumerate(zip(keys, sizes, strict=True)):
+            if any(epochs.get(f) == _field_epoch(v) for f, v in chunks[key].items()):
+                decided.append(Allocation(Action.SKIP_EXISTS))
+                dedup, saved = dedup + 1, saved + size
+                continue
+            if key in batch or _pending_live(pending[key], now_ms):
+                decided.append(Allocation(Action.SKIP_PENDING))
+                dedup, saved = dedup + 1, saved + size
+                continue
+            node = choose_node(infos, writer_node_id, size, planned)
+            if node is None:
+                if not infos:
+                    raise Unavailable("no store node is registered to place chunks on")
+                raise CapacityExceeded(
+                    f"a chunk of {size} bytes is larger than any store node's capacity"
+                )
+            planned[node.node_id] = planned.get(node.node_id, 0) + size
+            batch.add(key)
+            decided.append(None)
+            wanted.append((i, key, node))
+
+        if wanted:
+            # Atomic per key: of all replicas racing for a key, one script
+            # call wins it; the others answer SKIP_PENDING.
+            batch_id = uuid.uuid4().hex
+            members = f"{self._p}:alloc:{batch_id}"
+            calls = self._vec(
+                lua.ALLOC,
+                [[self._pending(k)] for _, k, _ in wanted],
+                [batch_id, self._alloc_ms, self._backstop_ms],
+                [(n.node_id,) for _, _, n in wanted],
+            )
+            out = await self._exec(
+                [
+                    *calls,
+                    ("SADD", members, *(bytes(k) for _, k, _ in wanted)),
+                    ("PEXPIRE", members, self._backstop_ms),
+                    ("ZADD", self._k_allocs, now_ms + self._alloc_ms, batch_id),
+                ]
+            )
+            for (i, _, node), won in zip(wanted, _flat(out[: len(calls)]), strict=True):
+                if won:
+                    replica = Replica(node.node_id, node.address, "cpu")
+                    decided[i] = Allocation(Action.WRITE, replica)
+                else:
+                    decided[i] = Allocation(Action.SKIP_PENDING)
+                    dedup, saved = dedup + 1, saved + sizes[i]
+        self._count(chunks_deduplicated=dedup, bytes_saved=saved)
+        return [a for a in decided if a is not None]
+
+    @_guarded
+    async def put_end(self, node_id: NodeId, keys: Sequence[ChunkKey], sizes: Sequence[int]) -> int:
+        if len(keys) != len(sizes):
+            raise InvalidArgument(f"{len(keys)} keys but {len(sizes)} sizes")
+        if not keys:
+            return 0
+        n = self._node(node_id)
+        epoch = await self._one(lua.CLAIM.cmd([n, n + ":keys"], [bytes(k) for k in keys]))
+        if epoch is None:
+            # The node died meanwhile: its bytes are gone with it.
+            await self._exec(self._vec(lua.REVOKE, [[self._pending(k)] for k in keys], [node_id]))
+            return 0
+        calls = self._vec(
+            lua.COMMIT,
+            [[self._chunk(k), self._pending(k)] for k in keys],
+            [node_id, f"n:{node_id}", b"cpu " + epoch, epoch],
+            [(s,) for s in sizes],
+        )
+        committed = nbytes = created = 0
+        for r, size in zip(_flat(await self._exec(calls)), sizes, strict=True):
+            created += r >> 1
+            if r & 1:
+                committed += 1
+                nbytes += size
+        self._count(chunks=created, puts_committed=committed, bytes_committed=nbytes)
+        return committed
+
+    @_guarded
+    async def put_revoke(self, node_id: NodeId, keys: Sequence[ChunkKey]) -> int:
+        calls = self._vec(lua.REVOKE, [[self._pending(k)] for k in keys], [node_id])
+        return sum(_flat(await self._exec(calls)))
+
+    # -- lookup ---------------------------------------------------------------
+    @_guarded
+    async def lookup(
+        self, keys: Sequence[ChunkKey], client_node_id: NodeId, tokens_per_key: int
+    ) -> LookupResult:
+        known = list(self._known) if len(self._known) <= _PREFETCH_NODES else []
+        # One round trip: every chunk's hash and the leases of the known nodes,
+        # read together, so that a lease gone makes its replicas vanish.
+        out = await self._read(
+            [("HGETALL", self._chunk(k)) for k in keys]
+            + [("HMGET", self._node(n), "epoch", "address") for n in known]
+        )
+        hashes: list[dict[bytes, bytes]] = out[: len(keys)]
+        leases = {
+            n: (r if r[0] is not None else None)
+            for n, r in zip(known, out[len(keys) :], strict=True)
+        }
+        named = {f[2:].decode() for h in hashes for f in h if f != b"size"}
+        leases.update(await self._leases(sorted(named.difference(leases)), ("epoch", "address")))
+
+        # The same few (node, tier, epoch) values recur across all the keys:
+        # each becomes one Replica (immutable), shared by every key holding it.
+        made: dict[tuple[bytes, bytes], Replica | None] = {}
+        locations: list[KeyLocation] = []
+        for h in hashes:
+            replicas: list[Replica] = []
+            for f, v in h.items():
+                if f == b"size":
+                    continue
+                if (f, v) not in made:
+                    nid = f[2:].decode()
+                    lease = leases.get(nid)
+                    live = lease is not None and _field_epoch(v) == lease[0]
+                    # Not live: the node is dead, or an ended registration wrote it.
+                    made[f, v] = (
+                        Replica(nid, (lease[1] or b"").decode(), v.rpartition(b" ")[0].decode())
+                        if live and lease is not None
+                        else None
+                    )
+                r = made[f, v]
+                if r is not None:
+                    replicas.append(r)
+            if not replicas:
+                break
+            if len(replicas) > 1:
+                replicas.sort(key=lambda r: (r.node_id != client_node_id, TIER_RANK.get(r.tier, 9)))
+            locations.append(KeyLocation(int(h[b"size"]), tuple(replicas)))
+        hits = len(locations)
+        misses = len(keys) - hits
+        self._count(
+            lookups=1,
+            hit_keys=hits,
+            miss_keys=misses,
+            hit_tokens=hits * tokens_per_key,
+            miss_tokens=misses * tokens_per_key,
+        )
+        return LookupResult(hits, tuple(locations))
+
+    # -- maintenance ----------------------------------------------------------
+    @_guarded
+    async def expire(self, now: float) -> tuple[int, int]:
+        registry, due = await self._exec(
+            [
+                ("HGETALL", self._k_nodes),
+                ("ZRANGEBYSCORE", self._k_allocs, "-inf", _now_ms(), "LIMIT", 0, 1024),
+            ]
+        )
+        ids = [n.decode() for n in registry]
+        self._remember(ids)
+        alive = await self._exec([("EXISTS", self._node(n)) for n in ids])
+        nodes_expired = 0
+        for nid in (n for n, ok in zip(ids, alive, strict=True) if not ok):
+            epoch = int(await self._one(lua.REAP.cmd(self._node_keys(nid), [])))
+            if epoch < 0:
+                continue  # registered again since
+            dropped = await self._collect(nid, epoch + 1)
+            if await self._one(lua.NODES_DEL.cmd([self._k_nodes], [nid, epoch])):
+                nodes_expired += 1
+                logger.warning("node %s lease expired: dropped with %d chunks", nid, dropped)
+
+        allocations_expired = 0
+        if due:
+            # ZREM decides which replica handles (and counts) each batch.
+            won = await self._exec([("ZREM", self._k_allocs, b) for b in due])
+            claimed = [b.decode() for b, w in zip(due, won, strict=True) if w]
+            sets = [f"{self._p}:alloc:{b}" for b in claimed]
+            members = await self._exec([("SMEMBERS", s) for s in sets])
+            calls = [
+                c
+                for b, ks in zip(claimed, members, strict=True)
+                for c in self._vec(lua.EXPIRE_ALLOC, [[self._pending(k)] for k in ks], [b])
+            ]
+            out = await self._exec([*calls, *(("DEL", s) for s in sets)])
+            allocations_expired = sum(_flat(out[: len(calls)]))
+        self._count(nodes_expired=nodes_expired, allocations_expired=allocations_expired)
+        return nodes_expired, allocations_expired
+
+    @_guarded
+    async def stats(self, now: float) -> IndexStats:
+        await self._sync_counts()
+        counters, registry = await self._exec(
+            [("HGETALL", self._k_stats), ("HKEYS", self._k_nodes)]
+        )
+        ids = [n.decode() for n in registry]
+        out = await self._exec(
+            [
+                c
+                for n in ids
+                for c in (
+                    ("HGETALL", self._node(n)),
+                    ("PTTL", self._node(n)),
+                    ("SCARD", self._node(n, ":keys")),
+                )
+            ]
+        )
+        nodes = []
+        for i, nid in enumerate(ids):
+            lease, pttl, count = out[3 * i : 3 * i + 3]
+            if not lease:
+                continue  # dead, not reaped yet
+            info = NodeInfo(
+                nid,
+                lease.get(b"address", b"").decode(),
+                lease.get(b"grpc", b"").decode(),
+                _tiers_parse(lease.get(b"tiers")),
+            )
+            nodes.append(NodeStatus(info, int(count), max(0.0, int(pttl) / 1000)))
+        c: dict[str, Any] = {n: int(counters.get(n.encode(), 0)) for n in _COUNTERS}
+        c["chunks"] = max(0, c["chunks"])  # a count that drifted below 0 after a crash
+        return IndexStats(nodes=tuple(nodes), **c)
+
+    async def close(self) -> None:
+        """Flush the counters still buffered and close the connection pool."""
+        try:
+            await self._sync_counts()
+        finally:
+            await self._r.aclose()

@@ -1,0 +1,253 @@
+"""KVDepotConnector on a real vLLM engine (CPU build) with a tiny random model.
+
+Every engine runs in its own OS process; kvdepot runs as real daemons.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from kvdepot.cluster import LocalCluster, wait_nodes
+from kvdepot.connector.client import ClientConfig, KVDepotClient
+from kvdepot.proto.gen import store_pb2, store_pb2_grpc
+
+pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kvdepot[vllm]')")
+
+from .engine import build_tiny_llama, engine_env
+
+pytestmark = [pytest.mark.vllm, pytest.mark.integration]
+
+ROOT = Path(__file__).resolve().parents[3]
+CHUNK = 128  # = the CPU backend's block size
+rng = np.random.default_rng(1234)
+PROMPT_A = rng.integers(1, 1000, 300).tolist()  # 2 full chunks
+PROMPT_B = PROMPT_A[:256] + rng.integers(1, 1000, 200).tolist()  # shares A's 2 chunks
+PROMPT_C = rng.integers(1, 1000, 400).tolist()
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("vllm")
+
+
+@pytest.fixture(scope="module")
+def model(workdir: Path) -> str:
+    return str(build_tiny_llama(workdir / "tiny-llama"))
+
+
+def run_engine(workdir: Path, spec: dict[str, Any], name: str) -> dict[str, Any]:
+    spec_path = workdir / f"{name}.json"
+    spec_path.write_text(json.dumps(spec))
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.integration.vllm.engine", str(spec_path)],
+        cwd=ROOT,
+        env=engine_env(workdir / "engine-tmp"),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    (workdir / f"{name}.log").write_text(proc.stderr)
+    for line in proc.stdout.splitlines():
+        if line.startswith("KVDEPOT RESULT "):
+            result: dict[str, Any] = json.loads(line[len("KVDEPOT RESULT ") :])
+            return result
+    raise AssertionError(f"engine {name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+
+
+def kv(role: str, metadata: str, node_id: str = "") -> dict[str, Any]:
+    return {
+        "kv_connector": "KVDepotConnector",
+        "kv_connector_module_path": "kvdepot.connector.vllm",
+        "kv_role": role,
+        "kv_connector_extra_config": {
+            "metadata": metadata,
+            "chunk_tokens": CHUNK,
+            "node_id": node_id,
+        },
+    }
+
+
+def spec(model: str, prompts: list[list[int]], kvcfg: dict[str, Any] | None) -> dict[str, Any]:
+    return {"model": model, "prompts": prompts, "max_tokens": 8, "logprobs": 1, "kv": kvcfg}
+
+
+@pytest.fixture(scope="module")
+def plain(model: str, workdir: Path) -> list[dict[str, Any]]:
+    """The reference: the same engine without any connector."""
+    outputs: list[dict[str, Any]] = run_engine(
+        workdir, spec(model, [PROMPT_A, PROMPT_B, PROMPT_C], None), "plain"
+    )["outputs"]
+    return outputs
+
+
+@pytest.fixture()
+def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
+    c = LocalCluster(
+        nodes=2, capacity="64MiB", log_dir=tmp_path / "logs", lease_ttl_s=60, heartbeat_interval_s=1
+    )
+    c.start()
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def bytes_in(cluster: LocalCluster) -> int:
+    total = 0
+    for s in cluster.stores:
+        if s.proc.poll() is not None:
+            continue
+        with grpc.insecure_channel(s.info["grpc_address"]) as ch:
+            stats = store_pb2_grpc.StoreStub(ch).GetStats(store_pb2.StoreStatsRequest(), timeout=5)
+            total += stats.bytes_in
+    return total
+
+
+def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return bool(a["tokens"] == b["tokens"] and a["logprobs"] == b["logprobs"])
+
+
+def test_consumer_in_another_process_matches_a_plain_run(
+    model: str, workdir: Path, plain: list[dict[str, Any]], cluster: LocalCluster
+) -> None:
+    meta = cluster.metadata_address
+    prod = run_engine(
+        workdir, spec(model, [PROMPT_A, PROMPT_B], kv("kv_producer", meta, "store-0")), "producer"
+    )
+    p = prod["connector"]
+    # A: 2 chunks; B: its 2 shared chunks are skipped, only its 3rd chunk travels.
+    assert (p["chunks_saved"], p["chunks_skipped"]) == (3, 2), p
+    assert p["bytes_saved"] == bytes_in(cluster) > 0
+    assert all(same(x, y) for x, y in zip(prod["outputs"], plain, strict=False))
+
+    cons = run_engine(
+        workdir, spec(model, [PROMPT_A, PROMPT_B], kv("kv_consumer", meta, "store-1")), "consumer"
+    )
+    c = cons["connector"]
+    assert c["chunks_loaded"] == 2 + 3 and c["tokens_hit"] == 5 * CHUNK, c
+    assert c["bytes_loaded"] == 5 * p["bytes_saved"] // 3
+    assert c["load_errors"] == 0 and c["chunks_saved"] == 0
+    for got, want in zip(cons["outputs"], plain, strict=False):
+        assert got["tokens"] == want["tokens"]
+        assert got["logprobs"] == want["logprobs"]
+
+
+def test_random_kv_under_the_right_keys_changes_the_output(
+    model: str, workdir: Path, plain: list[dict[str, Any]], cluster: LocalCluster
+) -> None:
+    s = spec(model, [PROMPT_A], kv("kv_consumer", cluster.metadata_address))
+    s["plant_random"] = True
+    out = run_engine(workdir, s, "poisoned")
+    assert out["connector"]["chunks_loaded"] == 2
+    assert out["outputs"][0]["tokens"] != plain[0]["tokens"], "loaded KV is not used"
+
+
+def test_corrupt_chunk_and_dead_store_are_recomputed(
+    model: str, workdir: Path, plain: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    arena = Path("/dev/shm") / f"kvdepot-test-{os.getpid()}-{tmp_path.name}"
+    c = LocalCluster(
+        nodes=0,
+        capacity="64MiB",
+        log_dir=tmp_path / "logs",
+        lease_ttl_s=120,
+        heartbeat_interval_s=1,
+    )
+    c.start()
+    try:
+        c.add_store("store-0", "--arena-path", str(arena))
+        c.add_store("store-1")
+        wait_nodes(c.metadata_address, 2)
+        meta = c.metadata_address
+        run_engine(
+            workdir,
+            spec(model, [PROMPT_A, PROMPT_C], kv("kv_producer", meta, "store-0")),
+            "producer-2",
+        )
+        # Flip one byte of A's second chunk inside the store's arena.
+        with KVDepotClient(ClientConfig(metadata=meta)) as client:
+            stats = client.stats()
+        chunk_bytes = {n.node_id: n.tiers[0].used_bytes for n in stats.nodes}
+        assert chunk_bytes["store-0"] > 0
+        corrupt_second_chunk_of(arena, model, meta)
+        out = run_engine(
+            workdir, spec(model, [PROMPT_A], kv("kv_consumer", meta, "store-1")), "corrupt"
+        )
+        assert out["connector"]["chunks_loaded"] == 1
+        assert out["connector"]["load_errors"] == 1
+        assert same(out["outputs"][0], plain[0]), "a corrupt chunk changed the answer"
+
+        # The store dies; its lease has not run out, so lookups still list it.
+        store0 = c.stores[0]
+        os.kill(store0.pid, signal.SIGKILL)
+        store0.proc.wait()
+        out = run_engine(
+            workdir, spec(model, [PROMPT_C], kv("kv_consumer", meta, "store-1")), "dead-store"
+        )
+        assert out["connector"]["chunks_loaded"] == 0
+        assert out["connector"]["load_errors"] == 3
+        assert same(out["outputs"][0], plain[2])
+    finally:
+        c.stop()
+        arena.unlink(missing_ok=True)
+
+
+def corrupt_second_chunk_of(arena: Path, model: str, metadata: str) -> None:
+    """Find PROMPT_A's second chunk in the arena file and flip a byte in it."""
+    sys.path.insert(0, str(ROOT))
+    code = (
+        "import json,sys\n"
+        "from vllm.engine.arg_utils import EngineArgs\n"
+        "from kvdepot.connector.vllm_layout import *\n"
+        "from kvdepot.metadata.keys import chunk_keys\n"
+        "cfg = EngineArgs(model=sys.argv[1], skip_tokenizer_init=True, dtype='bfloat16',"
+        " max_model_len=4096).create_engine_config()\n"
+        "st = ConnectorSettings(metadata=sys.argv[2], chunk_tokens=128)\n"
+        "lay = layout_from_config(cfg, st)\n"
+        "ns = namespace_for(cfg, st, lay, 0)\n"
+        "print(chunk_keys(ns, json.loads(sys.argv[3]))[1].hex())\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, model, metadata, json.dumps(PROMPT_A)],
+        capture_output=True,
+        text=True,
+        env=engine_env(arena.parent / f"{arena.name}.tmp"),
+        check=True,
+        timeout=300,
+    )
+    key = bytes.fromhex(out.stdout.strip().splitlines()[-1])
+    with KVDepotClient(ClientConfig(metadata=metadata)) as client:
+        buf = np.zeros(1 << 20, dtype=np.uint8)
+        res = client.get_into([key], [buf])
+        assert res.leading == 1
+        data = buf[: res.bytes_received].tobytes()
+    with open(arena, "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
+        at = m.find(data)
+        assert at >= 0, "chunk not found in the arena"
+        m[at + len(data) // 2] ^= 0xFF
+
+
+def test_kv_both_engine_restarted_reuses_its_prefixes(
+    model: str, workdir: Path, plain: list[dict[str, Any]], cluster: LocalCluster
+) -> None:
+    both = kv("kv_both", cluster.metadata_address, "store-0")
+    first = run_engine(workdir, spec(model, [PROMPT_C], both), "both-1")
+    assert first["connector"]["chunks_saved"] == 3
+    assert first["connector"]["tokens_hit"] == 0
+    again = run_engine(workdir, spec(model, [PROMPT_C], both), "both-2")
+    assert again["connector"]["tokens_hit"] == 3 * CHUNK
+    assert again["connector"]["chunks_saved"] == 0
+    assert same(again["outputs"][0], plain[2])
