@@ -19,7 +19,15 @@ from pathlib import Path
 from typing import Any
 
 
-def build_tiny_llama(path: Path, *, layers: int = 2, hidden: int = 128, seed: int = 0) -> Path:
+def build_tiny_llama(
+    path: Path,
+    *,
+    layers: int = 2,
+    hidden: int = 128,
+    heads: int = 4,
+    kv_heads: int = 2,
+    seed: int = 0,
+) -> Path:
     """Save a random-weight Llama (no hub access) with weights large enough
     that greedy decoding does not collapse into repeats."""
     import torch
@@ -33,8 +41,8 @@ def build_tiny_llama(path: Path, *, layers: int = 2, hidden: int = 128, seed: in
         hidden_size=hidden,
         intermediate_size=hidden * 2,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=4096,
         torch_dtype="bfloat16",
         tie_word_embeddings=False,
@@ -92,6 +100,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     )
     if spec.get("plant_random"):
         _plant_random(llm, kv, spec["prompts"])
+    for ids in spec.get("warmup", []):
+        # First requests pay for kernel selection and allocation: not measured.
+        llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=2), use_tqdm=False)
     outputs = []
     for ids in spec["prompts"]:
         ttft = None
