@@ -6,7 +6,7 @@ import warnings
 
 from kvdepot.proto.gen import metadata_pb2 as kvdepot_dot_v1_dot_metadata__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.78.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -26,7 +26,7 @@ if _version_not_supported:
     )
 
 
-class MetadataStub:
+class MetadataStub(object):
     """The metadata service: node registry with leases, chunk index, placement.
     """
 
@@ -78,7 +78,7 @@ class MetadataStub:
                 _registered_method=True)
 
 
-class MetadataServicer:
+class MetadataServicer(object):
     """The metadata service: node registry with leases, chunk index, placement.
     """
 
@@ -189,7 +189,7 @@ def add_MetadataServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class Metadata:
+class Metadata(object):
     """The metadata service: node registry with leases, chunk index, placement.
     """
 

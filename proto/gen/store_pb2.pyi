@@ -8,6 +8,52 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class TransferInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TransferInfo(_message.Message):
+    __slots__ = ("node_id", "data_address", "generation", "host_id", "shm", "nixl")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
+    NIXL_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    data_address: str
+    generation: int
+    host_id: str
+    shm: ShmInfo
+    nixl: NixlInfo
+    def __init__(self, node_id: _Optional[str] = ..., data_address: _Optional[str] = ..., generation: _Optional[int] = ..., host_id: _Optional[str] = ..., shm: _Optional[_Union[ShmInfo, _Mapping]] = ..., nixl: _Optional[_Union[NixlInfo, _Mapping]] = ...) -> None: ...
+
+class ShmInfo(_message.Message):
+    __slots__ = ("path", "size", "file_dev", "file_ino")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    FILE_DEV_FIELD_NUMBER: _ClassVar[int]
+    FILE_INO_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    size: int
+    file_dev: int
+    file_ino: int
+    def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ..., file_dev: _Optional[int] = ..., file_ino: _Optional[int] = ...) -> None: ...
+
+class NixlInfo(_message.Message):
+    __slots__ = ("agent_name", "agent_metadata", "arena_address", "arena_size", "backend")
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    ARENA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ARENA_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    agent_name: str
+    agent_metadata: bytes
+    arena_address: int
+    arena_size: int
+    backend: str
+    def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., arena_address: _Optional[int] = ..., arena_size: _Optional[int] = ..., backend: _Optional[str] = ...) -> None: ...
+
 class StoreStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -6,7 +6,7 @@ import warnings
 
 from kvdepot.proto.gen import store_pb2 as kvdepot_dot_v1_dot_store__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.78.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -26,7 +26,7 @@ if _version_not_supported:
     )
 
 
-class StoreStub:
+class StoreStub(object):
     """Admin and statistics of one store daemon.
     """
 
@@ -41,14 +41,27 @@ class StoreStub:
                 request_serializer=kvdepot_dot_v1_dot_store__pb2.StoreStatsRequest.SerializeToString,
                 response_deserializer=kvdepot_dot_v1_dot_store__pb2.StoreStats.FromString,
                 _registered_method=True)
+        self.GetTransferInfo = channel.unary_unary(
+                '/kvdepot.v1.Store/GetTransferInfo',
+                request_serializer=kvdepot_dot_v1_dot_store__pb2.TransferInfoRequest.SerializeToString,
+                response_deserializer=kvdepot_dot_v1_dot_store__pb2.TransferInfo.FromString,
+                _registered_method=True)
 
 
-class StoreServicer:
+class StoreServicer(object):
     """Admin and statistics of one store daemon.
     """
 
     def GetStats(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetTransferInfo(self, request, context):
+        """How clients can move bytes to and from this store beyond its tcp data
+        plane: the shared arena file (same host) and the NIXL agent (RDMA).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -61,6 +74,11 @@ def add_StoreServicer_to_server(servicer, server):
                     request_deserializer=kvdepot_dot_v1_dot_store__pb2.StoreStatsRequest.FromString,
                     response_serializer=kvdepot_dot_v1_dot_store__pb2.StoreStats.SerializeToString,
             ),
+            'GetTransferInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTransferInfo,
+                    request_deserializer=kvdepot_dot_v1_dot_store__pb2.TransferInfoRequest.FromString,
+                    response_serializer=kvdepot_dot_v1_dot_store__pb2.TransferInfo.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'kvdepot.v1.Store', rpc_method_handlers)
@@ -69,7 +87,7 @@ def add_StoreServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class Store:
+class Store(object):
     """Admin and statistics of one store daemon.
     """
 
@@ -90,6 +108,33 @@ class Store:
             '/kvdepot.v1.Store/GetStats',
             kvdepot_dot_v1_dot_store__pb2.StoreStatsRequest.SerializeToString,
             kvdepot_dot_v1_dot_store__pb2.StoreStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTransferInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvdepot.v1.Store/GetTransferInfo',
+            kvdepot_dot_v1_dot_store__pb2.TransferInfoRequest.SerializeToString,
+            kvdepot_dot_v1_dot_store__pb2.TransferInfo.FromString,
             options,
             channel_credentials,
             insecure,
