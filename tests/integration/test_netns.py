@@ -1,0 +1,229 @@
+"""Several hosts for real: Linux network namespaces joined by veth pairs and a bridge.
+
+The metadata service runs in the root namespace on the bridge address; each
+"host" is a namespace with its own address running one store daemon. Chunks
+are published from one host and pulled on another over the virtual links;
+then a host's link is cut: its chunks become misses, nothing else breaks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kvdepot.cluster import wait_nodes, wait_ready
+
+pytestmark = pytest.mark.integration
+
+SUBNET = "10.231.{}.{}"
+
+
+def _ip(*args: str, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
+    cmd = ["ip", *(("-n", ns) if ns else ()), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, check=check, timeout=20)
+
+
+def _namespaces_work() -> str:
+    if shutil.which("ip") is None:
+        return "iproute2 is not installed"
+    if os.geteuid() != 0:
+        return "creating network namespaces needs root"
+    probe = f"kvdprobe{uuid.uuid4().hex[:6]}"
+    r = _ip("netns", "add", probe, check=False)
+    if r.returncode != 0:
+        return f"the kernel forbids network namespaces here: {r.stderr.strip()}"
+    _ip("netns", "del", probe, check=False)
+    return ""
+
+
+@dataclass
+class Host:
+    ns: str
+    veth: str
+    address: str
+
+
+@dataclass
+class Net:
+    bridge: str
+    gateway: str
+    hosts: list[Host]
+
+
+@pytest.fixture()
+def net() -> Iterator[Net]:
+    reason = _namespaces_work()
+    if reason:
+        pytest.skip(reason)
+    tag = uuid.uuid4().hex[:5]
+    octet = int(tag, 16) % 200 + 20
+    bridge = f"kvdbr{tag}"
+    gateway = SUBNET.format(octet, 1)
+    hosts: list[Host] = []
+    try:
+        _ip("link", "add", bridge, "type", "bridge")
+        _ip("addr", "add", f"{gateway}/24", "dev", bridge)
+        _ip("link", "set", bridge, "up")
+        for i in range(3):
+            ns, veth = f"kvd{tag}h{i}", f"kvd{tag}v{i}"
+            addr = SUBNET.format(octet, 10 + i)
+            _ip("netns", "add", ns)
+            hosts.append(Host(ns, veth, addr))
+            _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _ip("link", "set", veth, "master", bridge)
+            _ip("link", "set", veth, "up")
+            _ip("addr", "add", f"{addr}/24", "dev", "eth0", ns=ns)
+            _ip("link", "set", "eth0", "up", ns=ns)
+            _ip("link", "set", "lo", "up", ns=ns)
+            _ip("route", "add", "default", "via", gateway, ns=ns)
+        yield Net(bridge, gateway, hosts)
+    finally:
+        for h in hosts:
+            _ip("netns", "del", h.ns, check=False)
+            _ip("link", "del", h.veth, check=False)
+        _ip("link", "del", bridge, check=False)
+
+
+CLIENT = r"""
+import json, sys
+import numpy as np
+from kvdepot.connector.client import ClientConfig, KVDepotClient
+from kvdepot.metadata.keys import Namespace, chunk_keys
+role, metadata, node = sys.argv[1:4]
+seed, n = int(sys.argv[4]), int(sys.argv[5])
+keys = chunk_keys(Namespace("netns/model", chunk_tokens=16), [seed] * 16 * n)
+def payload(k):
+    rng = np.random.default_rng(int.from_bytes(k, "little"))
+    return np.frombuffer(rng.bytes(1 << 20), np.uint8)
+cfg = ClientConfig(metadata=metadata, node_id=node, transport="tcp", rpc_timeout_s=5,
+                   connect_timeout_s=2, io_timeout_s=5)
+with KVDepotClient(cfg) as c:
+    if role == "put":
+        r = c.put(keys, [payload(k) for k in keys])
+        print(json.dumps({"stored": r.stored, "skipped": r.skipped, "failed": r.failed}))
+    else:
+        bufs = [np.zeros(1 << 20, np.uint8) for _ in keys]
+        r = c.get_into(keys, bufs)
+        ok = all(np.array_equal(b, payload(k)) for k, b in zip(keys[: r.leading], bufs))
+        print(json.dumps({"hits": c.lookup(keys), "leading": r.leading, "verified": ok}))
+"""
+
+
+def client(ns: str, *args: str) -> dict[str, object]:
+    out = subprocess.run(
+        ["ip", "netns", "exec", ns, sys.executable, "-c", CLIENT, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    result: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def test_publish_on_one_host_pull_on_another_and_survive_a_cut_link(
+    net: Net, tmp_path: Path
+) -> None:
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def spawn(args: list[str], name: str, ns: str | None = None) -> subprocess.Popen[bytes]:
+        prefix = ["ip", "netns", "exec", ns] if ns else []
+        p = subprocess.Popen(
+            [*prefix, sys.executable, "-m", "kvdepot.cli", *args],
+            stdout=subprocess.PIPE,
+            stderr=open(tmp_path / f"{name}.log", "wb"),  # noqa: SIM115 - lives with p
+        )
+        procs.append(p)
+        return p
+
+    try:
+        meta = spawn(
+            [
+                "metadata",
+                "--host",
+                net.gateway,
+                "--port",
+                "0",
+                "--lease-ttl",
+                "2",
+                "--heartbeat-interval",
+                "0.4",
+            ],
+            "metadata",
+        )
+        metadata = f"{net.gateway}:{wait_ready(meta, 'metadata', 30)['port']}"
+        for i, h in enumerate(net.hosts):
+            p = spawn(
+                [
+                    "store",
+                    "--host",
+                    h.address,
+                    "--port",
+                    "7800",
+                    "--grpc-port",
+                    "7801",
+                    "--metadata",
+                    metadata,
+                    "--capacity",
+                    "64MiB",
+                    "--node-id",
+                    f"host{i}",
+                ],
+                f"store{i}",
+                ns=h.ns,
+            )
+            info = wait_ready(p, f"store{i}", 30)
+            assert info["address"] == f"{h.address}:7800"
+        wait_nodes(metadata, 3)
+
+        # Publish on host0 (into its own store), pull on host2 over the links.
+        assert client(net.hosts[0].ns, "put", metadata, "host0", "1", "4")["stored"] == 4
+        # Publish on host1 too: these chunks live on host1's store.
+        assert client(net.hosts[1].ns, "put", metadata, "host1", "2", "4")["stored"] == 4
+        got = client(net.hosts[2].ns, "get", metadata, "host2", "1", "4")
+        assert got == {"hits": 4, "leading": 4, "verified": True}
+        got = client(net.hosts[2].ns, "get", metadata, "host2", "2", "4")
+        assert got == {"hits": 4, "leading": 4, "verified": True}
+        # The same prefix published from another host is not sent again.
+        assert client(net.hosts[2].ns, "put", metadata, "host2", "1", "4")["skipped"] == 4
+
+        # Cut host1's link mid-run.
+        _ip("link", "set", net.hosts[1].veth, "down")
+        cut_at = time.monotonic()
+        got = client(net.hosts[2].ns, "get", metadata, "host2", "2", "4")
+        assert got["verified"] is True  # a miss or verified data, never wrong bytes
+        deadline = cut_at + 10
+        while client(net.hosts[2].ns, "get", metadata, "host2", "2", "4")["hits"] != 0:
+            assert time.monotonic() < deadline, "the cut host's chunks are still listed"
+            time.sleep(0.5)
+        # Everything else keeps working.
+        got = client(net.hosts[2].ns, "get", metadata, "host2", "1", "4")
+        assert got == {"hits": 4, "leading": 4, "verified": True}
+        assert client(net.hosts[0].ns, "put", metadata, "host0", "3", "2")["stored"] == 2
+        # Heal the link: the store re-registers with what it still holds.
+        _ip("link", "set", net.hosts[1].veth, "up")
+        deadline = time.monotonic() + 15
+        while client(net.hosts[2].ns, "get", metadata, "host2", "2", "4")["leading"] != 4:
+            assert time.monotonic() < deadline, "the healed host did not come back"
+            time.sleep(0.5)
+        assert all(p.poll() is None for p in procs), "a daemon died"
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
