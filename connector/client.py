@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +21,6 @@ from kvdepot.connector.transport.base import GetItem, PutItem, PutStatus, Transp
 from kvdepot.errors import InvalidArgument
 from kvdepot.metadata.keys import KEY_BYTES, ChunkKey
 from kvdepot.proto.gen import metadata_pb2
-from kvdepot.store.chunks import checksum
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,9 @@ class ClientConfig:
             ``host:port,host:port`` to fail over between.
         node_id: The store node on this host, if any: puts go there first
             and lookups list its replicas first.
-        transport: Data-plane transport name (``tcp``).
+        transport: Data-plane transport name: ``auto`` (per store: ``shm`` on
+            this host, ``nixl`` where RDMA devices exist, ``tcp`` otherwise),
+            or one of ``tcp``, ``shm``, ``nixl`` for every store.
         tokens_per_chunk: Tokens a chunk covers, for hit-rate statistics.
         rpc_timeout_s: Deadline of each metadata call.
         connect_timeout_s: Deadline to connect to a store.
@@ -45,7 +47,7 @@ class ClientConfig:
 
     metadata: str = "127.0.0.1:7700"
     node_id: str = ""
-    transport: str = "tcp"
+    transport: str = "auto"
     tokens_per_chunk: int = 0
     rpc_timeout_s: float = 10.0
     connect_timeout_s: float = 5.0
@@ -111,6 +113,13 @@ class KVDepotClient:
     """
 
     def __init__(self, config: ClientConfig, transport: Transport | None = None) -> None:
+        """Connect to the metadata service; data-plane connections open on use.
+
+        Args:
+            config: The client's configuration.
+            transport: Moves the bytes to and from every store; by default the
+                one ``config.transport`` names (``auto`` picks per store).
+        """
         self.config = config
         self._metadata = MetadataConnection(config.metadata, config.rpc_timeout_s)
         self._transport = transport or create_transport(
@@ -120,6 +129,9 @@ class KVDepotClient:
         )
         self._closed = False
         self._lock = threading.Lock()
+        # This node's store, once a reply named it (see get_into).
+        self._local_address: str | None = None
+        self._helper_pool: ThreadPoolExecutor | None = None
 
     def __enter__(self) -> KVDepotClient:
         return self
@@ -135,9 +147,26 @@ class KVDepotClient:
             self._closed = True
         self._transport.close()
         self._metadata.close()
+        if self._helper_pool is not None:
+            self._helper_pool.shutdown(wait=True)
 
     def _call(self, method: str, request: Any) -> Any:
         return self._metadata.call(method, request)
+
+    def _helpers(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._helper_pool is None:
+                self._helper_pool = ThreadPoolExecutor(4, thread_name_prefix="kvdepot-client")
+            return self._helper_pool
+
+    def _learn_local(self, nodes: Iterable[Any]) -> None:
+        # Replicas and allocations name nodes with their data-plane address.
+        if not self.config.node_id:
+            return
+        for node in nodes:
+            if node.node_id == self.config.node_id and node.address:
+                self._local_address = node.address
+                return
 
     # -- publish ----------------------------------------------------------------
     def put(self, keys: Sequence[bytes], buffers: Sequence[Buffer]) -> PutResult:
@@ -170,6 +199,7 @@ class KVDepotClient:
         )
         groups: dict[tuple[str, str], list[int]] = defaultdict(list)
         skipped = bytes_skipped = 0
+        self._learn_local(a.node for a in reply.allocations)
         for i, alloc in enumerate(reply.allocations):
             if alloc.action == metadata_pb2.Allocation.WRITE:
                 groups[(alloc.node.node_id, alloc.node.address)].append(i)
@@ -178,7 +208,10 @@ class KVDepotClient:
                 bytes_skipped += views[i].nbytes
         stored = failed = bytes_sent = 0
         for (node_id, address), idx in groups.items():
-            items = [PutItem(ckeys[i], views[i], checksum(views[i])) for i in idx]
+            # The checksum is left to the transport, which computes it while
+            # it reads the bytes anyway (sending or copying them): one pass
+            # over memory instead of two. The store verifies it either way.
+            items = [PutItem(ckeys[i], views[i]) for i in idx]
             statuses = self._transport.put(address, items)
             done = [i for i, s in zip(idx, statuses, strict=True) if s in _WRITTEN]
             lost = [i for i, s in zip(idx, statuses, strict=True) if s not in _WRITTEN]
@@ -244,12 +277,37 @@ class KVDepotClient:
         views = [_as_view(b, writable=True) for b in buffers]
         if not keys:
             return GetResult((), 0)
-        reply = self.lookup_locations(keys)
+        ckeys = _check_keys(keys)
+        local = self._local_address
+        early = None
+        if local is not None:
+            # This node's store usually holds what this node reads: read it from
+            # there while the lookup is in flight, so the metadata round trip
+            # overlaps the copy. Reads have no effect on the store, and only
+            # chunks the lookup then counts as hits are used.
+            lookup = self._helpers().submit(self.lookup_locations, keys)
+            early = self._transport.get_into(
+                local, [GetItem(k, v) for k, v in zip(ckeys, views, strict=True)]
+            )
+            reply = lookup.result()
+        else:
+            reply = self.lookup_locations(keys)
+        self._learn_local(r for loc in reply.locations for r in loc.replicas)
         loaded = [False] * len(keys)
         received = 0
+        if early is not None:
+            for i in range(reply.hits):
+                size = reply.locations[i].size
+                if early[i].ok and early[i].length == size:
+                    loaded[i] = True
+                    received += size
         # Each round tries the next replica of every key that is still missing.
         attempt = 0
-        todo = [i for i in range(reply.hits) if views[i].nbytes >= reply.locations[i].size]
+        todo = [
+            i
+            for i in range(reply.hits)
+            if not loaded[i] and views[i].nbytes >= reply.locations[i].size
+        ]
         while todo:
             groups: dict[str, list[int]] = defaultdict(list)
             for i in todo:
@@ -259,11 +317,7 @@ class KVDepotClient:
             if not groups:
                 break
             for address, idx in groups.items():
-                items = [
-                    GetItem(ckey, views[i][: reply.locations[i].size])
-                    for i in idx
-                    for ckey in (ChunkKey(bytes(keys[i])),)
-                ]
+                items = [GetItem(ckeys[i], views[i][: reply.locations[i].size]) for i in idx]
                 outcomes = self._transport.get_into(address, items)
                 for i, out in zip(idx, outcomes, strict=True):
                     if out.ok and out.length == reply.locations[i].size:

@@ -111,6 +111,8 @@ def cmd_store(args: argparse.Namespace) -> int:
             "capacity_bytes": args.capacity,
             "arena_path": args.arena_path,
             "max_chunk_bytes": args.max_chunk,
+            "shm": False if args.no_shm else None,
+            "nixl": args.nixl,
         },
     )
     if args.check:
@@ -226,6 +228,51 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     return _run_until_signal(lambda: serve(config, announce=_announce))
 
 
+# -- health / config -------------------------------------------------------------
+def cmd_health(args: argparse.Namespace) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(args.target) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
+            )
+        except grpc.RpcError as exc:
+            raise KVDepotError(f"health check of {args.target} failed: {exc.code().name}") from None
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(status)
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else EXIT_ERROR
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from kvdepot.metadata.config import MetadataConfig
+    from kvdepot.store.config import StoreConfig
+
+    out = {
+        "metadata": _asdict(
+            load_config(
+                MetadataConfig,
+                prefix="KVDEPOT_METADATA_",
+                env=os.environ,
+                file=args.config,
+                section="metadata",
+            )
+        ),
+        "store": _asdict(
+            load_config(
+                StoreConfig,
+                prefix="KVDEPOT_STORE_",
+                env=os.environ,
+                file=args.config,
+                section="store",
+            )
+        ),
+    }
+    print(json.dumps(out, indent=2))
+    return 0
+
+
 def _asdict(obj: Any) -> dict[str, Any]:
     import dataclasses
 
@@ -259,6 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--capacity", help="DRAM arena size, e.g. 4GiB (default 1GiB)")
     s.add_argument("--arena-path", help="file backing the arena, e.g. /dev/shm/kvdepot")
     s.add_argument("--max-chunk", help="largest chunk accepted (default: the arena size)")
+    s.add_argument("--no-shm", action="store_true", help="do not offer same-host shared memory")
+    s.add_argument("--nixl", choices=["auto", "on", "off"], help="offer NIXL (RDMA) transfers")
     s.add_argument("--check", action="store_true", help="validate the config, print it, exit")
     s.set_defaults(func=cmd_store)
 
@@ -295,6 +344,17 @@ def build_parser() -> argparse.ArgumentParser:
     px.add_argument("--port", type=int, default=8000, help="listen port (default 8000; 0 picks)")
     px.add_argument("--check", action="store_true", help="validate the config, print it, exit")
     px.set_defaults(func=cmd_proxy)
+
+    h = sub.add_parser("health", help="gRPC health check of a daemon (exit 0 when SERVING)")
+    h.add_argument("--target", default="127.0.0.1:7700", help="daemon gRPC host:port")
+    h.add_argument("--service", default="", help="service name (default: the server)")
+    h.add_argument("--timeout", type=float, default=3.0, help="deadline in seconds")
+    h.set_defaults(func=cmd_health)
+
+    cf = sub.add_parser("config", help="print the effective daemon configuration")
+    cf.add_argument("--print", action="store_true", dest="print_", help="print it (default)")
+    cf.add_argument("--config", help="TOML/JSON file with [metadata] and [store] tables")
+    cf.set_defaults(func=cmd_config)
     return p
 
 

@@ -13,6 +13,7 @@ first put does not pay for page faults on the hot path.
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import logging
 import mmap
@@ -45,25 +46,40 @@ class Arena:
             raise InvalidArgument(f"arena capacity must be positive, got {capacity}")
         self._capacity = capacity
         self._path = path
+        # Random id of this arena: a client that mapped another arena under
+        # the same name (the store restarted) sees a different generation.
+        self._generation = int.from_bytes(os.urandom(8), "little") | 1
         self._closed = False
+        self._file_id: tuple[int, int] | None = None
         if path is None:
             self._mm = mmap.mmap(
                 -1, capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE
             )
         else:
-            self._mm = self._map_file(path, capacity)
+            self._mm, self._file_id = self._map_file(path, capacity)
         if not _POPULATE:
             self._touch_pages()
         self._view = memoryview(self._mm)
+        # The temporary ctypes object's export of the buffer ends with it.
+        self._address = ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
         logger.debug("arena of %d bytes mapped%s", capacity, f" at {path}" if path else "")
 
     @staticmethod
-    def _map_file(path: str, capacity: int) -> mmap.mmap:
+    def _map_file(path: str, capacity: int) -> tuple[mmap.mmap, tuple[int, int]]:
+        # A file left by a store that crashed is replaced, never reused: a
+        # client may still map the old inode, and truncating it under that
+        # mapping would turn the client's next read into SIGBUS. A new inode
+        # also gives the new arena a new identity (st_dev, st_ino).
+        _unlink_quietly(path)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError as exc:
             raise Unavailable(f"cannot create arena file {path}: {exc}") from exc
         try:
+            # The umask cannot widen 0600, but a umask of 0177 would narrow
+            # nothing either: set it explicitly.
+            os.fchmod(fd, 0o600)
+            st = os.fstat(fd)
             try:
                 # Reserve the blocks now: on tmpfs a sparse file would let a
                 # later page fault fail with SIGBUS instead of a clear error.
@@ -73,9 +89,10 @@ class Arena:
                     f"cannot reserve {capacity} bytes for arena file {path}: {exc}"
                 ) from exc
             try:
-                return mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED | _POPULATE)
+                mm = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED | _POPULATE)
             except OSError as exc:
                 raise Unavailable(f"cannot map arena file {path}: {exc}") from exc
+            return mm, (st.st_dev, st.st_ino)
         except BaseException:
             _unlink_quietly(path)
             raise
@@ -98,6 +115,35 @@ class Arena:
     def path(self) -> str | None:
         """The backing file, or ``None`` for anonymous memory."""
         return self._path
+
+    @property
+    def generation(self) -> int:
+        """Random non-zero id of this arena, different for every arena created."""
+        return self._generation
+
+    @property
+    def file_id(self) -> tuple[int, int] | None:
+        """``(st_dev, st_ino)`` of the backing file, or ``None`` for anonymous memory.
+
+        A same-host client that opens :attr:`path` compares it with its own
+        ``fstat`` to make sure it maps this arena and not another file that
+        happens to have the same name (another container's ``/dev/shm``).
+        """
+        return self._file_id
+
+    @property
+    def address(self) -> int:
+        """Virtual address of the first byte of the mapping in this process.
+
+        For registering the arena with RDMA libraries (NIXL); valid until
+        :meth:`close`.
+
+        Raises:
+            Unavailable: If the arena is closed.
+        """
+        if self._closed:
+            raise Unavailable("arena is closed")
+        return self._address
 
     @property
     def closed(self) -> bool:

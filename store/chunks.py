@@ -26,12 +26,11 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import xxhash
-
 from kvdepot.errors import CapacityExceeded, InvalidArgument, Unavailable
 from kvdepot.metadata.keys import KEY_BYTES, ChunkKey
 from kvdepot.store.allocator import Allocator
 from kvdepot.store.arena import Arena
+from kvdepot.store.xxh3 import xxh3_64
 
 logger = logging.getLogger(__name__)
 
@@ -41,11 +40,13 @@ def checksum(data: memoryview | bytes | bytearray) -> int:
 
     Computed by the writer over the whole chunk and checked whenever the bytes
     cross the network or come off disk. Non-byte formats (a memoryview of
-    float16 values, say) are hashed as their raw bytes.
+    float16 values, say) are hashed as their raw bytes. Large inputs are
+    hashed without holding the GIL (see :mod:`kvdepot.store.xxh3`).
     """
-    if isinstance(data, memoryview) and (data.format != "B" or data.ndim != 1):
-        data = data.cast("B")
-    return int(xxhash.xxh3_64_intdigest(data))
+    view = data if isinstance(data, memoryview) else memoryview(data)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return xxh3_64(view)
 
 
 class ChunkTooLarge(CapacityExceeded, InvalidArgument):
@@ -85,12 +86,14 @@ class ReadLease:
         size: The chunk's size in bytes.
         checksum: The checksum stored with the chunk (the writer's).
         view: Read-only arena slice of the chunk's bytes.
+        offset: Where the chunk starts in the arena (for clients that map it).
     """
 
     key: ChunkKey
     size: int
     checksum: int
     view: memoryview
+    offset: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,8 +285,14 @@ class ChunkStore:
             offset = alloc.alloc(size)
         return offset
 
-    def commit(self, res: Reservation) -> None:
+    def commit(self, res: Reservation, checksum: int | None = None) -> None:
         """Make a reserved chunk readable and most recently used.
+
+        Args:
+            res: The reservation.
+            checksum: The chunk's checksum, when the writer announced it only
+                after the bytes (it replaces ``res.checksum``). The caller has
+                verified the bytes against it.
 
         Raises:
             InvalidArgument: If ``res`` is not an outstanding reservation.
@@ -296,6 +305,8 @@ class ChunkStore:
                     f"commit of a reservation that is not outstanding: {res.key.hex()}"
                 )
             entry.state = _State.COMMITTED
+            if checksum is not None:
+                entry.checksum = checksum
             self._lru[res.key] = entry
             self._committed_bytes += entry.alloc_size
             self._puts += 1
@@ -343,7 +354,9 @@ class ChunkStore:
             entry.leases += 1
             self._lru.move_to_end(key)
             view = self._arena.view(entry.offset, entry.size).toreadonly()
-            lease = ReadLease(key=key, size=entry.size, checksum=entry.checksum, view=view)
+            lease = ReadLease(
+                key=key, size=entry.size, checksum=entry.checksum, view=view, offset=entry.offset
+            )
             self._leases[id(lease)] = (lease, entry)
             return lease
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -20,13 +21,15 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvdepot.connector.metadata import parse_endpoints
-from kvdepot.errors import InvalidArgument
+from kvdepot.errors import InvalidArgument, Unavailable
 from kvdepot.metadata.keys import ChunkKey
 from kvdepot.proto.gen import common_pb2, metadata_pb2, metadata_pb2_grpc, store_pb2, store_pb2_grpc
 from kvdepot.store.chunks import ChunkStore
 from kvdepot.store.config import StoreConfig
 from kvdepot.store.dataplane import DataPlaneServer
-from kvdepot.store.protocol import ProtocolLimits
+from kvdepot.store.host import default_arena_path, rdma_devices, reap_stale_arenas
+from kvdepot.store.nixl_agent import StoreNixlAgent, nixl_available
+from kvdepot.store.protocol import AttachFlags, ProtocolLimits
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +37,7 @@ READY_PREFIX = "KVDEPOT READY "
 
 
 class StoreServicer(store_pb2_grpc.StoreServicer):
-    """The store's own gRPC service: statistics of this node."""
+    """The store's own gRPC service: statistics and transfer info of this node."""
 
     def __init__(self, daemon: StoreDaemon) -> None:
         self._daemon = daemon
@@ -43,6 +46,11 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
         self, request: store_pb2.StoreStatsRequest, context: grpc.aio.ServicerContext
     ) -> store_pb2.StoreStats:
         return self._daemon.stats_proto()
+
+    async def GetTransferInfo(
+        self, request: store_pb2.TransferInfoRequest, context: grpc.aio.ServicerContext
+    ) -> store_pb2.TransferInfo:
+        return self._daemon.transfer_info_proto()
 
 
 class StoreDaemon:
@@ -53,12 +61,21 @@ class StoreDaemon:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._removed: set[ChunkKey] = set()
         self._removed_event = asyncio.Event()
+        arena_path = config.arena_path
+        if not arena_path and config.shm:
+            reap_stale_arenas()
+            arena_path = default_arena_path(config.node_id or "store")
         self.chunks = ChunkStore(
             config.capacity_bytes,
-            arena_path=config.arena_path or None,
+            arena_path=arena_path or None,
             on_removed=self._on_removed,
             max_chunk_bytes=config.max_chunk_bytes or None,
         )
+        try:
+            self.nixl = self._start_nixl(config)
+        except BaseException:
+            self.chunks.close()
+            raise
         limits = ProtocolLimits(max_chunk_bytes=config.max_chunk_bytes or config.capacity_bytes)
         self.dataplane = DataPlaneServer(
             self.chunks,
@@ -67,6 +84,7 @@ class StoreDaemon:
             limits=limits,
             idle_timeout_s=config.idle_timeout_s,
             io_timeout_s=config.io_timeout_s,
+            on_nixl_held=self.nixl.on_held if self.nixl is not None else None,
         )
         self.node_id = config.node_id
         self.address = ""
@@ -78,6 +96,21 @@ class StoreDaemon:
         self._tasks: list[asyncio.Task[None]] = []
         self._heartbeat_s = 1.0
         self.registered = asyncio.Event()
+
+    def _start_nixl(self, config: StoreConfig) -> StoreNixlAgent | None:
+        if config.nixl == "off":
+            return None
+        if config.nixl == "auto" and not (rdma_devices() and nixl_available()):
+            return None
+        arena = self.chunks.arena
+        name = f"kvdepot-{config.node_id or 'store'}-{arena.generation:016x}"
+        try:
+            return StoreNixlAgent(arena, name)
+        except Unavailable as exc:
+            if config.nixl == "on":
+                raise
+            logger.warning("NIXL not started: %s", str(exc))
+            return None
 
     # -- removal reports: called from data-plane threads --------------------
     def _on_removed(self, keys: list[ChunkKey]) -> None:
@@ -117,6 +150,12 @@ class StoreDaemon:
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         self._server = server
         self.grpc_address = f"{advertise}:{grpc_port}"
+        flags = self.dataplane.attach_info.flags
+        if self.nixl is not None:
+            flags |= AttachFlags.NIXL
+        self.dataplane.attach_info = dataclasses.replace(
+            self.dataplane.attach_info, flags=flags, control_address=self.grpc_address
+        )
         self._channels = [grpc.aio.insecure_channel(e) for e in self._endpoints]
         self._tasks = [
             asyncio.create_task(self._lease_forever()),
@@ -140,6 +179,9 @@ class StoreDaemon:
                 "address": self.address,
                 "grpc_address": self.grpc_address,
                 "port": port,
+                "arena_path": self.chunks.arena.path or "",
+                "generation": self.chunks.arena.generation,
+                "nixl": self.nixl is not None,
             }
         )
 
@@ -154,6 +196,8 @@ class StoreDaemon:
         for channel in self._channels:
             await channel.close(None)
         self.dataplane.stop()
+        if self.nixl is not None:
+            self.nixl.close()
         self.chunks.close()
 
     # -- metadata lease -------------------------------------------------------
@@ -253,6 +297,37 @@ class StoreDaemon:
                 self._removed_event.set()
 
     # -- stats ------------------------------------------------------------------
+    def transfer_info_proto(self) -> store_pb2.TransferInfo:
+        """How clients can reach this store's arena beyond the tcp data plane."""
+        info = self.dataplane.attach_info
+        reply = store_pb2.TransferInfo(
+            node_id=self.node_id,
+            data_address=self.address,
+            generation=info.generation,
+            host_id=info.host_id,
+        )
+        if info.flags & AttachFlags.SHM:
+            reply.shm.CopyFrom(
+                store_pb2.ShmInfo(
+                    path=info.arena_path,
+                    size=info.arena_size,
+                    file_dev=info.file_dev,
+                    file_ino=info.file_ino,
+                )
+            )
+        if self.nixl is not None:
+            n = self.nixl.info
+            reply.nixl.CopyFrom(
+                store_pb2.NixlInfo(
+                    agent_name=n.agent_name,
+                    agent_metadata=n.agent_metadata,
+                    arena_address=n.arena_address,
+                    arena_size=n.arena_size,
+                    backend="UCX",
+                )
+            )
+        return reply
+
     def stats_proto(self) -> store_pb2.StoreStats:
         d = self.dataplane.stats()
         return store_pb2.StoreStats(
@@ -271,9 +346,7 @@ class StoreDaemon:
         )
 
 
-async def run_store(
-    config: StoreConfig, announce: Callable[[str], None] | None = None
-) -> None:
+async def run_store(config: StoreConfig, announce: Callable[[str], None] | None = None) -> None:
     """Run a store daemon until cancelled."""
     daemon = StoreDaemon(config)
     await daemon.start()

@@ -15,6 +15,11 @@ Zero copy on both paths:
   reply header, entries and arena views go out in one ``sendmsg`` vector; the
   leases are released whatever happens.
 
+Clients that move bytes themselves (``shm``, ``nixl``) use the same
+connections for their control messages: ATTACH tells them where the arena is,
+and the reservations and leases they take belong to the connection's
+:class:`~kvdepot.store.session.Session`, dropped when it closes.
+
 A malformed frame is answered with ERROR and the connection is closed;
 nothing a client sends can take down the server or leak arena memory.
 """
@@ -30,10 +35,17 @@ import threading
 from kvdepot.errors import CapacityExceeded, InvalidArgument, Unavailable
 from kvdepot.metadata.keys import KEY_BYTES
 from kvdepot.store.chunks import ChunkStore, ReadLease, Reservation, checksum
+from kvdepot.store.host import host_identity
 from kvdepot.store.protocol import (
+    CHECKSUM,
+    COMMIT_ENTRY,
     GET_ENTRY,
     HEADER,
+    LEASE_ID,
     PUT_ENTRY,
+    AttachFlags,
+    AttachInfo,
+    AttachKind,
     DeleteCode,
     ErrorCode,
     GetCode,
@@ -44,21 +56,28 @@ from kvdepot.store.protocol import (
     ProtocolError,
     ProtocolLimits,
     PutCode,
+    PutEntry,
     TimedOut,
     drain,
     encode_error,
     pack_get_reply_entries,
+    pack_lease_reply_entries,
+    pack_reserve_reply_entries,
     recv_exact,
     recv_exact_into,
+    recv_hashed_into,
     send_all,
     set_io_timeout,
     set_recv_timeout,
     set_send_timeout,
+    unpack_commit_entries,
     unpack_get_entries,
     unpack_header,
     unpack_keys,
+    unpack_lease_ids,
     unpack_put_entries,
 )
+from kvdepot.store.session import HeldListener, Session
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +119,18 @@ class DataPlaneStats:
 _COUNTERS = tuple(f.name for f in dataclasses.fields(DataPlaneStats))
 
 
+_SESSION_OPS = frozenset(
+    {
+        Opcode.ATTACH,
+        Opcode.RESERVE,
+        Opcode.COMMIT,
+        Opcode.ABORT,
+        Opcode.LEASE,
+        Opcode.RELEASE,
+    }
+)
+
+
 class _ReplyFailed(Unavailable):
     """Sending a reply failed: the peer left; not a protocol violation."""
 
@@ -115,6 +146,8 @@ class DataPlaneServer:
         idle_timeout_s: A connection idle this long between requests is closed.
         io_timeout_s: A connection that stalls this long inside a request is
             closed (and its reservations revoked).
+        on_nixl_held: Told the change in reservations and leases held by
+            connections that attached as NIXL clients.
 
     Raises:
         InvalidArgument: If a timeout is not positive.
@@ -128,10 +161,23 @@ class DataPlaneServer:
         limits: ProtocolLimits = ProtocolLimits(),  # noqa: B008 - frozen, immutable default
         idle_timeout_s: float = 60.0,
         io_timeout_s: float = 30.0,
+        on_nixl_held: HeldListener | None = None,
     ) -> None:
         if idle_timeout_s <= 0 or io_timeout_s <= 0:
             raise InvalidArgument("data plane timeouts must be positive")
         self._chunks = chunks
+        self._on_nixl_held = on_nixl_held
+        arena = chunks.arena
+        dev, ino = arena.file_id or (0, 0)
+        self._attach_info = AttachInfo(
+            generation=arena.generation,
+            arena_size=arena.capacity,
+            file_dev=dev,
+            file_ino=ino,
+            flags=AttachFlags.SHM if arena.path else AttachFlags.NONE,
+            arena_path=arena.path or "",
+            host_id=host_identity(),
+        )
         self._host = host
         self._port = port
         self._limits = limits
@@ -218,6 +264,15 @@ class DataPlaneServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    @property
+    def attach_info(self) -> AttachInfo:
+        """What ATTACH answers: the arena's identity and what else is offered."""
+        return self._attach_info
+
+    @attach_info.setter
+    def attach_info(self, info: AttachInfo) -> None:
+        self._attach_info = info
+
     def stats(self) -> DataPlaneStats:
         """A consistent snapshot of the counters."""
         with self._lock:
@@ -256,6 +311,7 @@ class DataPlaneServer:
             thread.start()
 
     def _serve(self, conn: socket.socket, peer: str) -> None:
+        session = Session(self._chunks, self._limits.max_held, self._on_nixl_held)
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             set_io_timeout(conn, self._io_timeout_s)
@@ -264,7 +320,7 @@ class DataPlaneServer:
                 if not self._next_request(conn, header):
                     return
                 try:
-                    self._dispatch(conn, unpack_header(header))
+                    self._dispatch(conn, unpack_header(header), session)
                 except _ReplyFailed as exc:
                     logger.debug("data plane peer %s left during a reply: %s", peer, str(exc))
                     return
@@ -284,6 +340,8 @@ class DataPlaneServer:
             logger.exception("data plane connection from %s failed", peer)
             self._send_error(conn, ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}")
         finally:
+            # Whatever ended the connection, nothing it reserved or leased outlives it.
+            session.close()
             conn.close()
             with self._lock:
                 self._connections.pop(conn, None)
@@ -318,10 +376,14 @@ class DataPlaneServer:
         except OSError:
             pass
 
-    def _dispatch(self, conn: socket.socket, header: Header) -> None:
+    def _dispatch(self, conn: socket.socket, header: Header, session: Session) -> None:
         op = header.opcode
         if op is Opcode.PUT:
-            self._handle_put(conn, self._checked_count(header))
+            self._handle_put(conn, self._checked_count(header), trailed=False)
+        elif op is Opcode.PUT_TRAILED:
+            self._handle_put(conn, self._checked_count(header), trailed=True)
+        elif op in _SESSION_OPS:
+            self._handle_session(conn, header, session)
         elif op is Opcode.GET:
             self._handle_get(conn, self._checked_count(header))
         elif op is Opcode.DELETE:
@@ -348,24 +410,15 @@ class DataPlaneServer:
         except Unavailable as exc:
             raise _ReplyFailed(str(exc)) from exc
 
-    def _handle_put(self, conn: socket.socket, n: int) -> None:
+    def _handle_put(self, conn: socket.socket, n: int, *, trailed: bool) -> None:
+        # PUT announces each checksum before the payload, PUT_TRAILED right
+        # after it; either way the payload is received straight into its
+        # reservation and hashed block by block while it arrives.
         entries = unpack_put_entries(recv_exact(conn, n * PUT_ENTRY.size))
-        limits = self._limits
-        total = 0
-        for e in entries:
-            if e.size > limits.max_chunk_bytes:
-                raise ProtocolError(
-                    ErrorCode.LIMIT_EXCEEDED,
-                    f"chunk of {e.size} bytes is above the limit of {limits.max_chunk_bytes}",
-                )
-            total += e.size
-        if total > limits.max_request_bytes:
-            raise ProtocolError(
-                ErrorCode.LIMIT_EXCEEDED,
-                f"PUT of {total} bytes is above the limit of {limits.max_request_bytes}",
-            )
+        total = self._check_put_sizes(entries)
         statuses = bytearray(n)
-        pending: list[Reservation] = []
+        pending: list[tuple[Reservation, int]] = []
+        trailer = memoryview(bytearray(CHECKSUM.size))
         try:
             for i, e in enumerate(entries):
                 res: Reservation | None = None
@@ -384,31 +437,116 @@ class DataPlaneServer:
                             code = PutCode.EXISTS
                 if res is None:
                     # Into a per-thread scratch buffer: one per connection.
-                    drain(conn, e.size)
-                else:
-                    # Registered before receiving, so a failure revokes it.
-                    pending.append(res)
-                    recv_exact_into(conn, res.view)
-                    if checksum(res.view) != e.checksum:
-                        pending.pop()
-                        self._chunks.revoke(res)
-                        code = PutCode.CORRUPT
+                    drain(conn, e.size + (CHECKSUM.size if trailed else 0))
+                    statuses[i] = code
+                    continue
+                # Registered before receiving, so a failure revokes it.
+                pending.append((res, e.checksum))
+                got = recv_hashed_into(conn, res.view)
+                expected = e.checksum
+                if trailed:
+                    recv_exact_into(conn, trailer)
+                    (expected,) = CHECKSUM.unpack(trailer)
+                    pending[-1] = (res, expected)
+                if got != expected:
+                    pending.pop()
+                    self._chunks.revoke(res)
+                    code = PutCode.CORRUPT
                 statuses[i] = code
-            for res in pending:
-                self._chunks.commit(res)
+            for res, ck in pending:
+                self._chunks.commit(res, ck)
         except BaseException:
             # Nothing of a failed request becomes visible; revoking an already
             # committed reservation is a no-op.
-            for res in pending:
+            for res, _ in pending:
                 self._chunks.revoke(res)
             raise
+        self._count_puts(statuses, total)
+        self._reply(conn, [Header(Opcode.PUT_REPLY, n).pack(), statuses])
+
+    def _check_put_sizes(self, entries: list[PutEntry]) -> int:
+        limits = self._limits
+        total = 0
+        for e in entries:
+            if e.size > limits.max_chunk_bytes:
+                raise ProtocolError(
+                    ErrorCode.LIMIT_EXCEEDED,
+                    f"chunk of {e.size} bytes is above the limit of {limits.max_chunk_bytes}",
+                )
+            total += e.size
+        if total > limits.max_request_bytes:
+            raise ProtocolError(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"PUT of {total} bytes is above the limit of {limits.max_request_bytes}",
+            )
+        return total
+
+    def _count_puts(self, statuses: bytes | bytearray, total: int) -> None:
         self._count(
-            puts=len(pending),
+            puts=statuses.count(PutCode.OK),
             bytes_in=total,
             corrupt_puts=statuses.count(PutCode.CORRUPT),
             put_rejected=statuses.count(PutCode.NO_SPACE) + statuses.count(PutCode.INVALID),
         )
-        self._reply(conn, [Header(Opcode.PUT_REPLY, n).pack(), statuses])
+
+    def _handle_session(self, conn: socket.socket, header: Header, session: Session) -> None:
+        # Control messages of clients that move the bytes themselves.
+        op = header.opcode
+        if op is Opcode.ATTACH:
+            if header.count:
+                raise ProtocolError(ErrorCode.MALFORMED, f"ATTACH with count {header.count}")
+            try:
+                kind = AttachKind(header.aux)
+            except ValueError:
+                raise ProtocolError(
+                    ErrorCode.MALFORMED, f"ATTACH of unknown kind {header.aux}"
+                ) from None
+            session.attach(kind)
+            body = self._attach_info.pack()
+            self._reply(conn, [Header(Opcode.ATTACH_REPLY, len(body)).pack(), body])
+            return
+        n = self._checked_count(header)
+        if op is Opcode.RESERVE:
+            entries = unpack_put_entries(recv_exact(conn, n * PUT_ENTRY.size))
+            self._check_put_sizes(entries)
+            reserved = session.reserve(entries)
+            body = pack_reserve_reply_entries(reserved)
+            self._count(
+                put_rejected=sum(
+                    1 for r in reserved if r.status in (PutCode.NO_SPACE, PutCode.INVALID)
+                )
+            )
+            self._reply(conn, [Header(Opcode.RESERVE_REPLY, n).pack(), body])
+        elif op is Opcode.COMMIT:
+            commits = unpack_commit_entries(recv_exact(conn, n * COMMIT_ENTRY.size))
+            results = session.commit(commits)
+            statuses = bytes(code for code, _ in results)
+            self._count(
+                puts=statuses.count(PutCode.OK),
+                corrupt_puts=statuses.count(PutCode.CORRUPT),
+                bytes_in=sum(size for _, size in results),
+            )
+            self._reply(conn, [Header(Opcode.COMMIT_REPLY, n).pack(), statuses])
+        elif op is Opcode.ABORT:
+            keys = unpack_keys(recv_exact(conn, n * KEY_BYTES))
+            self._reply(conn, [Header(Opcode.ABORT_REPLY, n).pack(), bytes(session.abort(keys))])
+        elif op is Opcode.LEASE:
+            reads = unpack_get_entries(recv_exact(conn, n * GET_ENTRY.size))
+            leased = session.lease(reads)
+            ok = [r for r in leased if r.status is GetCode.OK]
+            self._count(
+                gets=len(ok),
+                get_misses=sum(1 for r in leased if r.status is GetCode.NOT_FOUND),
+                bytes_out=sum(r.length for r in ok),
+            )
+            body = pack_lease_reply_entries(leased)
+            self._reply(conn, [Header(Opcode.LEASE_REPLY, n).pack(), body])
+        elif op is Opcode.RELEASE:
+            ids = unpack_lease_ids(recv_exact(conn, n * LEASE_ID.size))
+            released = bytes(session.release(ids))
+            self._reply(conn, [Header(Opcode.RELEASE_REPLY, n).pack(), released])
+        else:  # pragma: no cover - _SESSION_OPS and this chain agree
+            raise ProtocolError(ErrorCode.BAD_OPCODE, f"{op.name} is not a session request")
 
     def _handle_get(self, conn: socket.socket, n: int) -> None:
         entries = unpack_get_entries(recv_exact(conn, n * GET_ENTRY.size))

@@ -1,4 +1,5 @@
-"""Wire format of the ``tcp`` data plane, and the socket helpers both ends use.
+"""Wire format of the ``tcp`` data plane (the socket helpers both ends use live
+in :mod:`kvdepot.store.sockets` and are re-exported here).
 
 Every message is a fixed 16-byte header, then fixed-size entries, then raw
 payloads back to back. Nothing is serialised per chunk: payload bytes go from
@@ -32,6 +33,42 @@ Requests and replies (n = header.count)::
     PING / PONG   header only, count 0
     ERROR         header (count = message length), code u32 (ErrorCode),
                   then the utf-8 message
+    PUT_TRAILED   header, n x PutEntry (checksum sent as 0), then per chunk its
+                  payload followed by its checksum u64: the writer hashes each
+                  part of a payload right after the kernel read it (hot in
+                  cache) instead of in a pass of its own before sending.
+                  Answered with PUT_REPLY.
+
+Requests of clients that move the bytes themselves (``shm``: the client maps
+the arena; ``nixl``: one-sided RDMA READ/WRITE). Reservations and leases
+belong to the connection that took them: when it closes, for whatever reason,
+the store revokes every reservation and releases every lease it still holds::
+
+    ATTACH        header (count 0, aux = AttachKind the client means to use)
+    ATTACH_REPLY  header (count = body length), AttachInfo body:
+      0 generation u64 | 8 arena size u64 | 16 file dev u64 | 24 file inode u64
+      | 32 flags u32 (AttachFlags) | 36 path length u16 | 38 host id length u16
+      | 40 control address length u16 | 42 pad 6 | 48 the three utf-8 strings
+    RESERVE       header, n x PutEntry (checksum sent as 0)
+    RESERVE_REPLY header, n x ReserveReplyEntry
+      ReserveReplyEntry  0 status u8 (PutCode) | 1 pad 7B | 8 arena offset u64 (16 bytes)
+    COMMIT        header, n x CommitEntry: 0 key 16B | 16 checksum u64   (24 bytes)
+                  The store hashes the reserved bytes and commits the chunk
+                  only if they match: the checksum is checked end to end.
+    COMMIT_REPLY  header, n x status u8 (PutCode: OK, CORRUPT, INVALID = not
+                  reserved on this connection)
+    ABORT         header, n x key 16B: revoke reservations of this connection
+    ABORT_REPLY   header, n x status u8 (HeldCode)
+    LEASE         header, n x GetEntry
+    LEASE_REPLY   header, n x LeaseReplyEntry
+      LeaseReplyEntry  0 status u8 (GetCode) | 1 pad 7B | 8 lease id u64
+                       | 16 arena offset u64 | 24 length u64 | 32 checksum u64 (40 bytes)
+    RELEASE       header, n x lease id u64
+    RELEASE_REPLY header, n x status u8 (HeldCode)
+
+The arena offsets are only meaningful for the arena of the generation the
+connection attached to: a store that restarts has a new arena with a new
+generation, and a client compares it on every new connection.
 
 A GET reply's checksum is the writer's stored checksum for a whole-chunk read
 (end to end: the bytes the reader gets are checked against what the writer
@@ -45,16 +82,29 @@ connection: after a framing error the stream cannot be resynchronised.
 from __future__ import annotations
 
 import enum
-import errno
-import os
 import socket
 import struct
-import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
-from kvdepot.errors import Corrupt, InvalidArgument, Unavailable
+from kvdepot.errors import Corrupt, InvalidArgument
 from kvdepot.metadata.keys import KEY_BYTES, ChunkKey
+from kvdepot.store.sockets import HASH_BLOCK as HASH_BLOCK
+from kvdepot.store.sockets import PeerClosed as PeerClosed
+from kvdepot.store.sockets import TimedOut as TimedOut
+from kvdepot.store.sockets import byte_view as byte_view
+from kvdepot.store.sockets import drain as drain
+from kvdepot.store.sockets import recv_exact as recv_exact
+from kvdepot.store.sockets import recv_exact_into as recv_exact_into
+from kvdepot.store.sockets import recv_hashed_into as recv_hashed_into
+from kvdepot.store.sockets import send_all as send_all
+from kvdepot.store.sockets import send_hashed as send_hashed
+from kvdepot.store.sockets import set_io_timeout as set_io_timeout
+from kvdepot.store.sockets import set_recv_timeout as set_recv_timeout
+from kvdepot.store.sockets import set_send_timeout as set_send_timeout
+
+_E = TypeVar("_E", bound=enum.IntEnum)
 
 MAGIC = b"KVDP"
 VERSION = 1
@@ -63,18 +113,16 @@ HEADER = struct.Struct("<4sBBHII")
 PUT_ENTRY = struct.Struct(f"<{KEY_BYTES}sQQ")
 GET_ENTRY = struct.Struct(f"<{KEY_BYTES}sQQ")
 GET_REPLY_ENTRY = struct.Struct("<B7xQQ")
+RESERVE_REPLY_ENTRY = struct.Struct("<B7xQ")
+COMMIT_ENTRY = struct.Struct(f"<{KEY_BYTES}sQ")
+LEASE_REPLY_ENTRY = struct.Struct("<B7xQQQQ")
+LEASE_ID = struct.Struct("<Q")
+CHECKSUM = struct.Struct("<Q")
+ATTACH_INFO = struct.Struct("<QQQQIHHH6x")
 ERROR_CODE = struct.Struct("<I")
 
 MAX_ERROR_MESSAGE = 4096
 """Longest ERROR message accepted or sent, in bytes."""
-
-# sendmsg takes at most IOV_MAX buffers per call (1024 on Linux).
-try:
-    _IOV_MAX = max(16, os.sysconf("SC_IOV_MAX"))
-except (AttributeError, ValueError, OSError):
-    _IOV_MAX = 1024
-
-_SCRATCH_BYTES = 256 << 10
 
 
 class Opcode(enum.IntEnum):
@@ -89,9 +137,62 @@ class Opcode(enum.IntEnum):
     PING = 7
     PONG = 8
     ERROR = 9
+    ATTACH = 10
+    ATTACH_REPLY = 11
+    RESERVE = 12
+    RESERVE_REPLY = 13
+    COMMIT = 14
+    COMMIT_REPLY = 15
+    ABORT = 16
+    ABORT_REPLY = 17
+    LEASE = 18
+    LEASE_REPLY = 19
+    RELEASE = 20
+    RELEASE_REPLY = 21
+    PUT_TRAILED = 22
 
 
-REQUEST_OPCODES = frozenset({Opcode.PUT, Opcode.GET, Opcode.DELETE, Opcode.PING})
+REQUEST_OPCODES = frozenset(
+    {
+        Opcode.PUT,
+        Opcode.GET,
+        Opcode.DELETE,
+        Opcode.PING,
+        Opcode.ATTACH,
+        Opcode.RESERVE,
+        Opcode.COMMIT,
+        Opcode.ABORT,
+        Opcode.LEASE,
+        Opcode.RELEASE,
+        Opcode.PUT_TRAILED,
+    }
+)
+
+
+class AttachKind(enum.IntEnum):
+    """How an attaching client means to move bytes (the ``aux`` of ATTACH)."""
+
+    PROBE = 0
+    """Only asking what the store offers."""
+    SHM = 1
+    NIXL = 2
+
+
+class AttachFlags(enum.IntFlag):
+    """What a store offers beyond the ``tcp`` data plane (in ATTACH_REPLY)."""
+
+    NONE = 0
+    SHM = 1
+    """The arena is a file same-host clients may map (``path`` is set)."""
+    NIXL = 2
+    """A NIXL agent has registered the arena; see the Store's GetTransferInfo."""
+
+
+class HeldCode(enum.IntEnum):
+    """Per-item outcome of ABORT and RELEASE."""
+
+    OK = 0
+    NOT_HELD = 1
 
 
 class PutCode(enum.IntEnum):
@@ -143,14 +244,6 @@ class ProtocolError(Corrupt):
         self.detail = message
 
 
-class PeerClosed(Unavailable):
-    """The peer closed or reset the connection."""
-
-
-class TimedOut(Unavailable):
-    """A send or receive made no progress within the socket's timeout."""
-
-
 @dataclass(frozen=True, slots=True)
 class ProtocolLimits:
     """Bounds a receiver enforces before it reserves memory for a request.
@@ -160,14 +253,17 @@ class ProtocolLimits:
         max_chunk_bytes: Largest single payload.
         max_request_bytes: Largest sum of the payloads of one PUT; senders
             also split GETs so their replies stay under it.
+        max_held: Most reservations plus leases one connection may hold at
+            once (RESERVE and LEASE pin arena memory until COMMIT/RELEASE).
     """
 
     max_batch: int = 4096
     max_chunk_bytes: int = 1 << 30
     max_request_bytes: int = 8 << 30
+    max_held: int = 16384
 
     def __post_init__(self) -> None:
-        if self.max_batch <= 0 or self.max_chunk_bytes <= 0 or self.max_request_bytes <= 0:
+        if min(self.max_batch, self.max_chunk_bytes, self.max_request_bytes, self.max_held) <= 0:
             raise InvalidArgument(f"protocol limits must be positive: {self}")
         if self.max_batch > 0xFFFFFFFF:
             raise InvalidArgument("max_batch must fit in the u32 count field")
@@ -289,6 +385,180 @@ def unpack_keys(data: bytes | bytearray | memoryview) -> list[ChunkKey]:
     return [ChunkKey(raw[i : i + KEY_BYTES]) for i in range(0, len(raw), KEY_BYTES)]
 
 
+MAX_ATTACH_BODY = ATTACH_INFO.size + 3 * 0xFFFF
+"""Largest ATTACH_REPLY body a client accepts."""
+
+
+@dataclass(frozen=True, slots=True)
+class AttachInfo:
+    """What a store tells a client that means to move bytes itself.
+
+    Attributes:
+        generation: Random id of this arena; a restarted store has another.
+        arena_size: Bytes of the arena.
+        file_dev: ``st_dev`` of the arena file (0 when not shareable).
+        file_ino: ``st_ino`` of the arena file (0 when not shareable).
+        flags: What the store offers (:class:`AttachFlags`).
+        arena_path: The arena file; empty when the arena is anonymous memory.
+        host_id: Identity of the store's host (its kernel boot id).
+        control_address: The store's gRPC ``host:port`` (GetTransferInfo).
+    """
+
+    generation: int
+    arena_size: int
+    file_dev: int = 0
+    file_ino: int = 0
+    flags: AttachFlags = AttachFlags.NONE
+    arena_path: str = ""
+    host_id: str = ""
+    control_address: str = ""
+
+    def pack(self) -> bytes:
+        """The ATTACH_REPLY body."""
+        texts = [t.encode("utf-8") for t in (self.arena_path, self.host_id, self.control_address)]
+        if any(len(t) > 0xFFFF for t in texts):
+            raise InvalidArgument("attach strings must be shorter than 64 KiB")
+        head = ATTACH_INFO.pack(
+            self.generation,
+            self.arena_size,
+            self.file_dev,
+            self.file_ino,
+            int(self.flags),
+            *(len(t) for t in texts),
+        )
+        return head + b"".join(texts)
+
+
+def unpack_attach_info(data: bytes | bytearray | memoryview) -> AttachInfo:
+    """Parse an ATTACH_REPLY body.
+
+    Raises:
+        ProtocolError: The body is truncated or its strings are not utf-8.
+    """
+    raw = bytes(data)
+    if len(raw) < ATTACH_INFO.size:
+        raise ProtocolError(ErrorCode.MALFORMED, f"ATTACH_REPLY body of {len(raw)} bytes")
+    gen, size, dev, ino, flags, n_path, n_host, n_ctl = ATTACH_INFO.unpack_from(raw)
+    if ATTACH_INFO.size + n_path + n_host + n_ctl != len(raw):
+        raise ProtocolError(ErrorCode.MALFORMED, "ATTACH_REPLY strings do not fit its body")
+    pos = ATTACH_INFO.size
+    texts = []
+    for n in (n_path, n_host, n_ctl):
+        try:
+            texts.append(raw[pos : pos + n].decode("utf-8"))
+        except UnicodeDecodeError:
+            raise ProtocolError(ErrorCode.MALFORMED, "ATTACH_REPLY string not utf-8") from None
+        pos += n
+    return AttachInfo(gen, size, dev, ino, AttachFlags(flags & 0x3), *texts)
+
+
+@dataclass(frozen=True, slots=True)
+class ReserveReplyEntry:
+    """One answer in a RESERVE_REPLY: where to write the chunk, if OK."""
+
+    status: PutCode
+    offset: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class CommitEntry:
+    """One chunk of a COMMIT: its key and the writer's checksum of its bytes."""
+
+    key: ChunkKey
+    checksum: int
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseReplyEntry:
+    """One answer in a LEASE_REPLY: where the (range of the) chunk is, if OK.
+
+    ``checksum`` is the writer's for a whole chunk and the store's hash of the
+    bytes for a range, exactly as in a GET_REPLY.
+    """
+
+    status: GetCode
+    lease_id: int = 0
+    offset: int = 0
+    length: int = 0
+    checksum: int = 0
+
+
+def pack_reserve_reply_entries(entries: Iterable[ReserveReplyEntry]) -> bytes:
+    """Wire bytes of the entries of a RESERVE_REPLY."""
+    return b"".join(RESERVE_REPLY_ENTRY.pack(e.status, e.offset) for e in entries)
+
+
+def unpack_reserve_reply_entries(data: bytes | bytearray | memoryview) -> list[ReserveReplyEntry]:
+    """Parse the entries of a RESERVE_REPLY.
+
+    Raises:
+        ProtocolError: An unknown status.
+    """
+    out = []
+    for status, offset in RESERVE_REPLY_ENTRY.iter_unpack(data):
+        try:
+            out.append(ReserveReplyEntry(PutCode(status), offset))
+        except ValueError:
+            raise ProtocolError(ErrorCode.MALFORMED, f"unknown RESERVE status {status}") from None
+    return out
+
+
+def pack_commit_entries(entries: Iterable[CommitEntry]) -> bytes:
+    """Wire bytes of the entries of a COMMIT."""
+    return b"".join(COMMIT_ENTRY.pack(e.key, e.checksum) for e in entries)
+
+
+def unpack_commit_entries(data: bytes | bytearray | memoryview) -> list[CommitEntry]:
+    """Parse the entries of a COMMIT (``len(data)`` a multiple of 24)."""
+    return [CommitEntry(ChunkKey(bytes(k)), ck) for k, ck in COMMIT_ENTRY.iter_unpack(data)]
+
+
+def pack_lease_reply_entries(entries: Iterable[LeaseReplyEntry]) -> bytes:
+    """Wire bytes of the entries of a LEASE_REPLY."""
+    return b"".join(
+        LEASE_REPLY_ENTRY.pack(e.status, e.lease_id, e.offset, e.length, e.checksum)
+        for e in entries
+    )
+
+
+def unpack_lease_reply_entries(data: bytes | bytearray | memoryview) -> list[LeaseReplyEntry]:
+    """Parse the entries of a LEASE_REPLY.
+
+    Raises:
+        ProtocolError: An unknown status.
+    """
+    out = []
+    for status, lease_id, offset, length, ck in LEASE_REPLY_ENTRY.iter_unpack(data):
+        try:
+            code = GetCode(status)
+        except ValueError:
+            raise ProtocolError(ErrorCode.MALFORMED, f"unknown LEASE status {status}") from None
+        out.append(LeaseReplyEntry(code, lease_id, offset, length, ck))
+    return out
+
+
+def pack_lease_ids(ids: Iterable[int]) -> bytes:
+    """Wire bytes of the lease ids of a RELEASE."""
+    return b"".join(LEASE_ID.pack(i) for i in ids)
+
+
+def unpack_lease_ids(data: bytes | bytearray | memoryview) -> list[int]:
+    """Parse the lease ids of a RELEASE (``len(data)`` a multiple of 8)."""
+    return [i for (i,) in LEASE_ID.iter_unpack(data)]
+
+
+def unpack_statuses(data: bytes, kind: type[_E]) -> list[_E]:
+    """Parse one status byte per item as members of ``kind``.
+
+    Raises:
+        ProtocolError: An unknown status.
+    """
+    try:
+        return [kind(b) for b in data]
+    except ValueError as exc:
+        raise ProtocolError(ErrorCode.MALFORMED, f"unknown {kind.__name__}: {exc}") from None
+
+
 def encode_error(code: ErrorCode, message: str) -> bytes:
     """A complete ERROR message."""
     text = message.encode("utf-8", "replace")[:MAX_ERROR_MESSAGE]
@@ -314,8 +584,14 @@ def read_error(sock: socket.socket, header: Header) -> ProtocolError:
     return ProtocolError(code, f"peer closed the connection: {text}")
 
 
-def recv_reply_header(sock: socket.socket, opcode: Opcode, count: int) -> Header:
+def recv_reply_header(sock: socket.socket, opcode: Opcode, count: int | None) -> Header:
     """Read the header of the reply to a request, checking it is the one expected.
+
+    Args:
+        sock: The connection.
+        opcode: The reply's opcode.
+        count: The entries expected; ``None`` where the count is a body
+            length (ATTACH_REPLY), checked by the caller.
 
     Raises:
         ProtocolError: The peer sent ERROR, or a reply of the wrong kind or size.
@@ -324,163 +600,9 @@ def recv_reply_header(sock: socket.socket, opcode: Opcode, count: int) -> Header
     header = unpack_header(recv_exact(sock, HEADER.size))
     if header.opcode is Opcode.ERROR:
         raise read_error(sock, header)
-    if header.opcode is not opcode or header.count != count:
+    if header.opcode is not opcode or (count is not None and header.count != count):
         raise ProtocolError(
             ErrorCode.MALFORMED,
             f"expected {opcode.name} of {count}, got {header.opcode.name} of {header.count}",
         )
     return header
-
-
-def byte_view(buf: bytes | bytearray | memoryview) -> memoryview:
-    """A flat unsigned-byte view of ``buf`` without copying.
-
-    Views with another format or shape (float16 tensors, say) are cast, so
-    lengths are always in bytes.
-
-    Raises:
-        InvalidArgument: If ``buf`` is not contiguous.
-    """
-    view = buf if isinstance(buf, memoryview) else memoryview(buf)
-    if not view.c_contiguous:
-        raise InvalidArgument("buffers must be contiguous")
-    if view.format == "B" and view.ndim == 1:
-        return view
-    return view.cast("B")
-
-
-def _translate(exc: OSError, what: str) -> Unavailable:
-    if isinstance(exc, TimeoutError | BlockingIOError):
-        return TimedOut(f"{what} timed out")
-    if isinstance(exc, ConnectionError) or exc.errno in (errno.EPIPE, errno.ECONNRESET):
-        return PeerClosed(f"{what} failed: peer closed the connection ({exc})")
-    return Unavailable(f"{what} failed: {exc}")
-
-
-def send_all(sock: socket.socket, buffers: Sequence[bytes | bytearray | memoryview]) -> None:
-    """Send every buffer in order, with as few ``sendmsg`` calls as possible.
-
-    Nothing is concatenated: the buffers are handed to the kernel as an I/O
-    vector and a partial send resumes from a slice of the first unsent one.
-
-    Raises:
-        PeerClosed: The peer closed or reset the connection.
-        TimedOut: The peer stopped reading.
-        Unavailable: The connection failed otherwise.
-    """
-    views = [v for v in (byte_view(b) for b in buffers) if v.nbytes]
-    i = 0
-    while i < len(views):
-        try:
-            sent = sock.sendmsg(views[i : i + _IOV_MAX])
-        except OSError as exc:
-            raise _translate(exc, "send") from exc
-        if sent <= 0:
-            raise Unavailable("send failed: the socket accepted no bytes")
-        while sent:
-            n = views[i].nbytes
-            if sent >= n:
-                sent -= n
-                i += 1
-            else:
-                views[i] = views[i][sent:]
-                sent = 0
-
-
-def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
-    """Fill ``view`` completely from the socket.
-
-    Raises:
-        PeerClosed: The peer closed the connection before ``view`` was full.
-        TimedOut: No bytes arrived within the socket's timeout.
-        Unavailable: The connection failed otherwise.
-    """
-    view = byte_view(view)
-    total = view.nbytes
-    got = 0
-    while got < total:
-        try:
-            # MSG_WAITALL lets the kernel fill the whole view in one call on a
-            # blocking socket instead of one call per arriving segment.
-            n = sock.recv_into(view[got:] if got else view, total - got, socket.MSG_WAITALL)
-        except OSError as exc:
-            raise _translate(exc, "receive") from exc
-        if n == 0:
-            raise PeerClosed(f"peer closed the connection after {got} of {total} bytes")
-        got += n
-
-
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    """Receive exactly ``n`` bytes (for headers and entries, not payloads).
-
-    Raises:
-        PeerClosed: The peer closed the connection first.
-        Unavailable: The connection failed or timed out.
-    """
-    buf = bytearray(n)
-    recv_exact_into(sock, memoryview(buf))
-    return bytes(buf)
-
-
-_scratch = threading.local()
-
-
-def _thread_scratch() -> memoryview:
-    view: memoryview | None = getattr(_scratch, "view", None)
-    if view is None:
-        view = memoryview(bytearray(_SCRATCH_BYTES))
-        _scratch.view = view
-    return view
-
-
-def drain(sock: socket.socket, n: int, scratch: memoryview | None = None) -> None:
-    """Read and discard ``n`` bytes (a payload that will not be stored).
-
-    Args:
-        sock: The socket to read from.
-        n: Bytes to discard.
-        scratch: Reusable buffer to read into; a per-thread one by default.
-
-    Raises:
-        PeerClosed: The peer closed the connection first.
-        Unavailable: The connection failed or timed out.
-    """
-    buf = byte_view(scratch) if scratch is not None else _thread_scratch()
-    size = buf.nbytes
-    while n > 0:
-        step = min(n, size)
-        recv_exact_into(sock, buf[:step] if step < size else buf)
-        n -= step
-
-
-def set_io_timeout(sock: socket.socket, seconds: float) -> None:
-    """Make ``sock`` blocking with kernel send and receive timeouts.
-
-    Kernel timeouts (``SO_RCVTIMEO``/``SO_SNDTIMEO``) instead of Python's
-    socket timeouts keep large transfers at one system call each: Python's
-    timeout mode polls before every call and cannot use ``MSG_WAITALL``.
-    A timeout surfaces from the helpers above as :class:`Unavailable`.
-    """
-    if sock.gettimeout() is not None:
-        sock.settimeout(None)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(seconds))
-    set_recv_timeout(sock, seconds)
-
-
-def set_send_timeout(sock: socket.socket, seconds: float) -> None:
-    """Change only the kernel send timeout of a socket set up by :func:`set_io_timeout`."""
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(seconds))
-
-
-def set_recv_timeout(sock: socket.socket, seconds: float) -> None:
-    """Change only the kernel receive timeout of a socket set up by :func:`set_io_timeout`."""
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(seconds))
-
-
-def _timeval(seconds: float) -> bytes:
-    if seconds <= 0:
-        # A zero timeval means "wait forever" to the kernel; never what a caller meant.
-        raise InvalidArgument(f"socket timeouts must be positive, got {seconds}")
-    whole = int(seconds)
-    micros = max(int((seconds - whole) * 1_000_000), 0 if whole else 1)
-    return struct.pack("ll", whole, micros)

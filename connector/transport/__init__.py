@@ -1,9 +1,12 @@
 """Data plane transports, by name.
 
-``tcp`` is always available; ``shm`` and ``nixl`` register themselves where
-they can run. A transport is created by name from configuration::
+``tcp`` (kvdepot's framed protocol over sockets) and ``shm`` (same-host
+shared memory) are always available, ``nixl`` (one-sided RDMA through NVIDIA
+NIXL) where the ``kvdepot[rdma]`` extra is installed, and ``auto`` picks one
+of them per store: shm on the same host, nixl where RDMA devices exist, tcp
+otherwise. A transport is created by name from configuration::
 
-    transport = create_transport("tcp", io_timeout_s=10.0)
+    transport = create_transport("auto", io_timeout_s=10.0)
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+from kvdepot.connector.transport.auto import AutoTransport
 from kvdepot.connector.transport.base import (
     GetItem,
     GetOutcome,
@@ -18,8 +22,9 @@ from kvdepot.connector.transport.base import (
     PutStatus,
     Transport,
 )
+from kvdepot.connector.transport.shm import ShmTransport
 from kvdepot.connector.transport.tcp import TcpTransport
-from kvdepot.errors import InvalidArgument
+from kvdepot.errors import InvalidArgument, Unavailable
 
 TransportFactory = Callable[..., Transport]
 """Builds a transport from keyword arguments (its constructor, typically)."""
@@ -64,13 +69,26 @@ def create_transport(name: str, **kwargs: object) -> Transport:
     return factory(**kwargs)
 
 
+def _create_nixl(**kwargs: object) -> Transport:
+    try:
+        from kvdepot.connector.transport.nixl import NixlTransport
+    except ImportError as exc:  # pragma: no cover - the module itself has no hard deps
+        raise Unavailable(f"the nixl transport cannot be loaded: {exc}") from exc
+    return NixlTransport(**kwargs)  # type: ignore[arg-type]
+
+
 register_transport("tcp", TcpTransport)
+register_transport("shm", ShmTransport)
+register_transport("auto", AutoTransport)
+register_transport("nixl", _create_nixl)
 
 __all__ = [
+    "AutoTransport",
     "GetItem",
     "GetOutcome",
     "PutItem",
     "PutStatus",
+    "ShmTransport",
     "TcpTransport",
     "Transport",
     "TransportFactory",

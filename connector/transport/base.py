@@ -28,12 +28,15 @@ class PutItem:
     Attributes:
         key: The chunk's key.
         data: The chunk's bytes (any contiguous buffer; sent without copying).
-        checksum: xxh3-64 of ``data``, see :func:`kvdepot.store.chunks.checksum`.
+        checksum: xxh3-64 of ``data``, see :func:`kvdepot.store.chunks.checksum`;
+            ``None`` lets the transport compute it while it reads ``data`` for
+            sending or copying (one pass over memory instead of two). Either
+            way the store verifies the bytes it received against it.
     """
 
     key: ChunkKey
     data: memoryview | bytes
-    checksum: int
+    checksum: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

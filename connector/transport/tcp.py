@@ -1,8 +1,17 @@
 """The ``tcp`` transport: kvdepot's framed binary protocol over plain sockets.
 
 Payloads never pass through an intermediate buffer: a put hands the caller's
-buffers to ``sendmsg`` as one I/O vector, a get ``recv_into``\\s each chunk
-straight into the caller's destination and then checks its checksum there.
+buffers to ``sendmsg``, a get ``recv_into``\\s each chunk straight into the
+caller's destination. Checksums never cost a pass over memory of their own:
+a reader hashes each block of a chunk right after it arrived (still in
+cache), and a writer that did not compute its checksum beforehand
+(``PutItem.checksum is None``) sends a PUT_TRAILED, hashing each block right
+after the kernel copied it and sending the checksum after the payload.
+
+A large batch is split over several connections to the same store that run
+in parallel: one Python thread per connection spends its time in system calls
+that release the GIL, so a single request no longer has to wait for one
+connection's round trips, wake-ups and hashing in series.
 
 Connections are pooled per peer and reused across calls; a connection that saw
 any error is closed, never returned to the pool, because after an error the
@@ -17,6 +26,7 @@ import logging
 import socket
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from kvdepot.connector.transport.base import (
@@ -26,9 +36,9 @@ from kvdepot.connector.transport.base import (
     PutStatus,
     Transport,
 )
-from kvdepot.errors import InvalidArgument, KVDepotError, Unavailable
+from kvdepot.connector.transport.control import connect, looks_alive, parse_address
+from kvdepot.errors import InvalidArgument, KVDepotError
 from kvdepot.metadata.keys import KEY_BYTES, ChunkKey
-from kvdepot.store.chunks import checksum
 from kvdepot.store.protocol import (
     GET_REPLY_ENTRY,
     DeleteCode,
@@ -48,11 +58,12 @@ from kvdepot.store.protocol import (
     pack_keys,
     pack_put_entries,
     recv_exact,
-    recv_exact_into,
+    recv_hashed_into,
     recv_reply_header,
     send_all,
-    set_io_timeout,
+    send_hashed,
     unpack_get_reply_entries,
+    unpack_statuses,
 )
 
 logger = logging.getLogger(__name__)
@@ -60,36 +71,117 @@ logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 _A = TypeVar("_A")
 
-_PUT_STATUS = {
+PUT_STATUS = {
     PutCode.OK: PutStatus.OK,
     PutCode.EXISTS: PutStatus.EXISTS,
     PutCode.NO_SPACE: PutStatus.NO_SPACE,
     PutCode.CORRUPT: PutStatus.CORRUPT,
     PutCode.INVALID: PutStatus.INVALID,
 }
+"""Wire status of a put to the transport's :class:`PutStatus`."""
 
+PARALLEL_MIN_BYTES = 8 << 20
+"""A batch at least this large is spread over several connections."""
 
-def parse_address(address: str) -> tuple[str, int]:
-    """Split ``"host:port"`` (``"[v6]:port"`` for IPv6) into its parts.
+__all__ = [
+    "PUT_STATUS",
+    "TcpTransport",
+    "check_get_items",
+    "check_put_items",
+    "parse_address",
+    "split_batches",
+]
 
-    Raises:
-        InvalidArgument: If the address is malformed.
-    """
-    host, sep, port_text = address.rpartition(":")
-    if not sep or not host or not port_text.isdigit():
-        raise InvalidArgument(f"data plane address must be host:port, got {address!r}")
-    port = int(port_text)
-    if not 0 < port < 65536:
-        raise InvalidArgument(f"bad port in data plane address {address!r}")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    return host, port
+PutWork = tuple[int, PutEntry, memoryview, bool]
+"""An item to put: its index, entry, bytes, and whether the checksum trails."""
+GetWork = tuple[int, GetEntry, memoryview]
+"""An item to get: its index, entry and destination."""
 
 
 def _check_key(key: bytes) -> ChunkKey:
     if not isinstance(key, bytes) or len(key) != KEY_BYTES:
         raise InvalidArgument(f"chunk keys are {KEY_BYTES} bytes")
     return ChunkKey(key)
+
+
+def check_put_items(
+    items: Sequence[PutItem], limits: ProtocolLimits
+) -> tuple[list[PutStatus], list[PutWork]]:
+    """Validate put items: statuses preset to FAILED (INVALID for empty or
+    oversized chunks) and the work left to do.
+
+    Raises:
+        InvalidArgument: A malformed key or buffer.
+    """
+    statuses = [PutStatus.FAILED] * len(items)
+    todo: list[PutWork] = []
+    for i, item in enumerate(items):
+        key = _check_key(item.key)
+        view = byte_view(item.data)
+        if view.nbytes == 0 or view.nbytes > limits.largest_chunk:
+            statuses[i] = PutStatus.INVALID
+            continue
+        trailed = item.checksum is None
+        todo.append((i, PutEntry(key, view.nbytes, item.checksum or 0), view, trailed))
+    return statuses, todo
+
+
+def check_get_items(items: Sequence[GetItem]) -> list[GetWork]:
+    """Validate get items and return the work to do.
+
+    Raises:
+        InvalidArgument: A malformed key, range, or a read-only or too small buffer.
+    """
+    todo: list[GetWork] = []
+    for i, item in enumerate(items):
+        key = _check_key(item.key)
+        buf = byte_view(item.buffer)
+        if buf.readonly:
+            raise InvalidArgument("get buffers must be writable")
+        if buf.nbytes == 0:
+            raise InvalidArgument("get buffers must not be empty")
+        if item.offset < 0 or item.length < 0:
+            raise InvalidArgument(f"bad range offset={item.offset} length={item.length}")
+        if item.length > buf.nbytes:
+            raise InvalidArgument(
+                f"buffer of {buf.nbytes} bytes cannot hold a read of {item.length} bytes"
+            )
+        todo.append((i, GetEntry(key, item.offset, item.length), buf))
+    return todo
+
+
+def split_batches(
+    items: list[_T], size: Callable[[_T], int], limits: ProtocolLimits
+) -> Iterator[list[_T]]:
+    """Split ``items`` into requests within the batch and request-size limits."""
+    batch: list[_T] = []
+    total = 0
+    for item in items:
+        n = size(item)
+        if batch and (len(batch) >= limits.max_batch or total + n > limits.max_request_bytes):
+            yield batch
+            batch, total = [], 0
+        batch.append(item)
+        total += n
+    if batch:
+        yield batch
+
+
+def _spread(items: list[_T], size: Callable[[_T], int], ways: int) -> list[list[_T]]:
+    """Split ``items`` into at most ``ways`` consecutive runs of about equal bytes."""
+    total = sum(size(t) for t in items)
+    if ways <= 1 or len(items) <= 1 or total < PARALLEL_MIN_BYTES:
+        return [items]
+    ways = min(ways, len(items))
+    share = total / ways
+    runs: list[list[_T]] = [[]]
+    acc = 0
+    for item in items:
+        if runs[-1] and acc >= share * len(runs) and len(runs) < ways:
+            runs.append([])
+        runs[-1].append(item)
+        acc += size(item)
+    return runs
 
 
 class _Pool:
@@ -114,8 +206,8 @@ class _Pool:
                 idle = self._idle.get(address)
                 sock = idle.pop() if idle else None
             if sock is None:
-                return self._connect(address), False
-            if _looks_alive(sock):
+                return connect(address, self._connect_timeout_s, self._io_timeout_s), False
+            if looks_alive(sock):
                 return sock, True
             sock.close()
 
@@ -136,48 +228,6 @@ class _Pool:
             for sock in socks:
                 sock.close()
 
-    def _connect(self, address: str) -> socket.socket:
-        host, port = parse_address(address)
-        try:
-            sock = socket.create_connection((host, port), timeout=self._connect_timeout_s)
-        except OSError as exc:
-            raise Unavailable(f"cannot connect to data plane {address}: {exc}") from exc
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            set_io_timeout(sock, self._io_timeout_s)
-        except OSError as exc:
-            sock.close()
-            raise Unavailable(f"cannot set up connection to {address}: {exc}") from exc
-        return sock
-
-
-def _looks_alive(sock: socket.socket) -> bool:
-    # An idle connection has nothing to read: EOF means the store closed it
-    # (idle timeout, restart), data means the stream is out of sync.
-    try:
-        return not sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False
-
-
-def _batches(
-    items: list[_T], size: Callable[[_T], int], limits: ProtocolLimits
-) -> Iterator[list[_T]]:
-    """Split ``items`` into requests within the batch and request-size limits."""
-    batch: list[_T] = []
-    total = 0
-    for item in items:
-        n = size(item)
-        if batch and (len(batch) >= limits.max_batch or total + n > limits.max_request_bytes):
-            yield batch
-            batch, total = [], 0
-        batch.append(item)
-        total += n
-    if batch:
-        yield batch
-
 
 class TcpTransport(Transport):
     """The ``tcp`` data plane client.
@@ -189,10 +239,11 @@ class TcpTransport(Transport):
         max_idle_per_peer: Idle connections kept per store for reuse.
         limits: The protocol limits of the stores; requests are split to stay
             within them.
+        streams: Connections one large batch is spread over, in parallel.
 
     Raises:
-        InvalidArgument: If a timeout is not positive or ``max_idle_per_peer``
-            is negative.
+        InvalidArgument: If a timeout is not positive, ``max_idle_per_peer``
+            is negative or ``streams`` is below 1.
     """
 
     def __init__(
@@ -202,73 +253,71 @@ class TcpTransport(Transport):
         max_idle_per_peer: int = 4,
         *,
         limits: ProtocolLimits | None = None,
+        streams: int = 2,
     ) -> None:
         if connect_timeout_s <= 0 or io_timeout_s <= 0:
             raise InvalidArgument("transport timeouts must be positive")
         if max_idle_per_peer < 0:
             raise InvalidArgument("max_idle_per_peer must not be negative")
+        if streams < 1:
+            raise InvalidArgument("streams must be at least 1")
         self._limits = limits or ProtocolLimits()
-        self._pool = _Pool(connect_timeout_s, io_timeout_s, max_idle_per_peer)
+        self._pool = _Pool(connect_timeout_s, io_timeout_s, max(max_idle_per_peer, streams))
+        self._streams = streams
+        self._executor: ThreadPoolExecutor | None = None
+        self._executor_lock = threading.Lock()
         self._closed = False
 
     def put(self, address: str, items: Sequence[PutItem]) -> list[PutStatus]:
         """Write chunks; see :meth:`Transport.put`."""
         self._check_usable(address)
-        limits = self._limits
-        statuses = [PutStatus.FAILED] * len(items)
-        todo: list[tuple[int, PutEntry, memoryview]] = []
-        for i, item in enumerate(items):
-            key = _check_key(item.key)
-            view = byte_view(item.data)
-            if view.nbytes == 0 or view.nbytes > limits.largest_chunk:
-                statuses[i] = PutStatus.INVALID
-                continue
-            todo.append((i, PutEntry(key, view.nbytes, item.checksum), view))
-        for batch in _batches(todo, lambda t: t[2].nbytes, limits):
-            try:
-                codes = self._exchange(address, _put_batch, batch)
-            except KVDepotError as exc:
-                # This batch and the rest stay FAILED: the store is unreachable or broken.
-                logger.warning("put of %d chunks to %s failed: %s", len(todo), address, str(exc))
-                break
-            for (i, _, _), code in zip(batch, codes, strict=True):
-                statuses[i] = _PUT_STATUS[code]
+        statuses, todo = check_put_items(items, self._limits)
+
+        def run(run_items: list[PutWork]) -> None:
+            for batch in split_batches(run_items, lambda t: t[2].nbytes, self._limits):
+                try:
+                    codes = self._exchange(address, _put_batch, batch)
+                except KVDepotError as exc:
+                    # This batch and the rest stay FAILED: the store is unreachable or broken.
+                    logger.warning(
+                        "put of %d chunks to %s failed: %s", len(run_items), address, str(exc)
+                    )
+                    return
+                for (i, _, _, _), code in zip(batch, codes, strict=True):
+                    statuses[i] = PUT_STATUS[code]
+
+        self._in_parallel(_spread(todo, lambda t: t[2].nbytes, self._streams), run)
         return statuses
 
     def get_into(self, address: str, items: Sequence[GetItem]) -> list[GetOutcome]:
         """Read chunks into caller buffers; see :meth:`Transport.get_into`."""
         self._check_usable(address)
-        todo: list[tuple[int, GetEntry, memoryview]] = []
-        for i, item in enumerate(items):
-            key = _check_key(item.key)
-            buf = byte_view(item.buffer)
-            if buf.readonly:
-                raise InvalidArgument("get buffers must be writable")
-            if buf.nbytes == 0:
-                raise InvalidArgument("get buffers must not be empty")
-            if item.offset < 0 or item.length < 0:
-                raise InvalidArgument(f"bad range offset={item.offset} length={item.length}")
-            if item.length > buf.nbytes:
-                raise InvalidArgument(
-                    f"buffer of {buf.nbytes} bytes cannot hold a read of {item.length} bytes"
-                )
-            todo.append((i, GetEntry(key, item.offset, item.length), buf))
+        todo = check_get_items(items)
         outcomes = [GetOutcome(False, 0, "transport: not attempted")] * len(items)
         cap = self._limits.max_chunk_bytes
-        batches = list(_batches(todo, lambda t: min(t[1].length or t[2].nbytes, cap), self._limits))
-        for k, batch in enumerate(batches):
-            try:
-                results = self._exchange(address, self._get_batch, batch)
-            except KVDepotError as exc:
-                # This batch and the rest are misses: the store is unreachable or broken.
-                logger.warning("get of %d chunks from %s failed: %s", len(todo), address, str(exc))
-                failed = GetOutcome(False, 0, f"transport: {exc}")
-                for rest in batches[k:]:
-                    for i, _, _ in rest:
-                        outcomes[i] = failed
-                break
-            for (i, _, _), outcome in zip(batch, results, strict=True):
-                outcomes[i] = outcome
+
+        def size(t: GetWork) -> int:
+            return min(t[1].length or t[2].nbytes, cap)
+
+        def run(run_items: list[GetWork]) -> None:
+            batches = list(split_batches(run_items, size, self._limits))
+            for k, batch in enumerate(batches):
+                try:
+                    results = self._exchange(address, self._get_batch, batch)
+                except KVDepotError as exc:
+                    # This batch and the rest are misses: the store is unreachable or broken.
+                    logger.warning(
+                        "get of %d chunks from %s failed: %s", len(run_items), address, str(exc)
+                    )
+                    failed = GetOutcome(False, 0, f"transport: {exc}")
+                    for rest in batches[k:]:
+                        for i, _, _ in rest:
+                            outcomes[i] = failed
+                    return
+                for (i, _, _), outcome in zip(batch, results, strict=True):
+                    outcomes[i] = outcome
+
+        self._in_parallel(_spread(todo, size, self._streams), run)
         return outcomes
 
     def delete(self, address: str, keys: Sequence[ChunkKey]) -> list[bool]:
@@ -276,7 +325,7 @@ class TcpTransport(Transport):
         self._check_usable(address)
         todo = [(i, _check_key(k)) for i, k in enumerate(keys)]
         removed = [False] * len(keys)
-        for batch in _batches(todo, lambda _: 0, self._limits):
+        for batch in split_batches(todo, lambda _: 0, self._limits):
             try:
                 codes = self._exchange(address, _delete_batch, batch)
             except KVDepotError as exc:
@@ -290,11 +339,36 @@ class TcpTransport(Transport):
         """Close every pooled connection; later calls raise ``InvalidArgument``."""
         self._closed = True
         self._pool.close()
+        with self._executor_lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
 
     def _check_usable(self, address: str) -> None:
         if self._closed:
             raise InvalidArgument("transport is closed")
         parse_address(address)
+
+    def _in_parallel(self, runs: list[list[_T]], fn: Callable[[list[_T]], None]) -> None:
+        # The first run goes on the caller's thread, the others on helpers.
+        runs = [r for r in runs if r]
+        if not runs:
+            return
+        if len(runs) == 1:
+            fn(runs[0])
+            return
+        with self._executor_lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(
+                    max_workers=max(1, self._streams - 1), thread_name_prefix="kvdepot-tcp"
+                )
+            executor = self._executor
+        futures = [executor.submit(fn, r) for r in runs[1:]]
+        try:
+            fn(runs[0])
+        finally:
+            for f in futures:
+                f.result()
 
     def _exchange(self, address: str, request: Callable[[socket.socket, _A], _T], batch: _A) -> _T:
         """Run one request/reply on a pooled connection.
@@ -321,9 +395,7 @@ class TcpTransport(Transport):
             return result
         raise AssertionError("unreachable")
 
-    def _get_batch(
-        self, sock: socket.socket, batch: list[tuple[int, GetEntry, memoryview]]
-    ) -> list[GetOutcome]:
+    def _get_batch(self, sock: socket.socket, batch: list[GetWork]) -> list[GetOutcome]:
         n = len(batch)
         send_all(sock, [Header(Opcode.GET, n).pack() + pack_get_entries(e for _, e, _ in batch)])
         recv_reply_header(sock, Opcode.GET_REPLY, n)
@@ -351,30 +423,39 @@ class TcpTransport(Transport):
                 outcomes.append(GetOutcome(False, 0, why))
                 continue
             dest = buf[:length] if length < buf.nbytes else buf
-            recv_exact_into(sock, dest)
-            if checksum(dest) != reply.checksum:
+            # Hashed block by block as it arrives: verified without a second pass.
+            if recv_hashed_into(sock, dest) != reply.checksum:
                 outcomes.append(GetOutcome(False, 0, "checksum mismatch"))
                 continue
             outcomes.append(GetOutcome(True, length))
         return outcomes
 
 
-def _put_batch(sock: socket.socket, batch: list[tuple[int, PutEntry, memoryview]]) -> list[PutCode]:
-    n = len(batch)
-    head = Header(Opcode.PUT, n).pack() + pack_put_entries(e for _, e, _ in batch)
-    send_all(sock, [head, *(view for _, _, view in batch)])
-    recv_reply_header(sock, Opcode.PUT_REPLY, n)
-    try:
-        return [PutCode(b) for b in recv_exact(sock, n)]
-    except ValueError as exc:
-        raise ProtocolError(ErrorCode.MALFORMED, f"unknown PUT status: {exc}") from None
+def _put_batch(sock: socket.socket, batch: list[PutWork]) -> list[PutCode]:
+    # Items whose checksum is known go as one PUT, the others as one
+    # PUT_TRAILED whose checksums are computed while sending.
+    known = [t for t in batch if not t[3]]
+    trailed = [t for t in batch if t[3]]
+    codes: dict[int, PutCode] = {}
+    if known:
+        n = len(known)
+        head = Header(Opcode.PUT, n).pack() + pack_put_entries(e for _, e, _, _ in known)
+        send_all(sock, [head, *(view for _, _, view, _ in known)])
+        recv_reply_header(sock, Opcode.PUT_REPLY, n)
+        got = unpack_statuses(recv_exact(sock, n), PutCode)
+        codes.update((t[0], code) for t, code in zip(known, got, strict=True))
+    if trailed:
+        n = len(trailed)
+        head = Header(Opcode.PUT_TRAILED, n).pack() + pack_put_entries(e for _, e, _, _ in trailed)
+        send_hashed(sock, [head], [view for _, _, view, _ in trailed])
+        recv_reply_header(sock, Opcode.PUT_REPLY, n)
+        got = unpack_statuses(recv_exact(sock, n), PutCode)
+        codes.update((t[0], code) for t, code in zip(trailed, got, strict=True))
+    return [codes[i] for i, _, _, _ in batch]
 
 
 def _delete_batch(sock: socket.socket, batch: list[tuple[int, ChunkKey]]) -> list[DeleteCode]:
     n = len(batch)
     send_all(sock, [Header(Opcode.DELETE, n).pack() + pack_keys(k for _, k in batch)])
     recv_reply_header(sock, Opcode.DELETE_REPLY, n)
-    try:
-        return [DeleteCode(b) for b in recv_exact(sock, n)]
-    except ValueError as exc:
-        raise ProtocolError(ErrorCode.MALFORMED, f"unknown DELETE status: {exc}") from None
+    return unpack_statuses(recv_exact(sock, n), DeleteCode)

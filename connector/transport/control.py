@@ -1,0 +1,262 @@
+"""Control connections of clients that move chunk bytes themselves.
+
+The ``shm`` and ``nixl`` transports copy or RDMA the bytes directly into and
+out of the store's arena; what goes over the store's data-plane socket is
+only control: ATTACH (where is the arena, which generation), RESERVE and
+COMMIT around a write, LEASE and RELEASE around a read, all batched. The
+store ties reservations and leases to the connection that took them, so a
+connection that saw any error is closed (the store then drops whatever it
+held) and never returned to the pool.
+
+COMMITs may be pipelined: :meth:`ControlConnection.send_commit` sends one
+without waiting, so the store verifies a chunk's checksum on its own core
+while the client copies the next one; :meth:`ControlConnection.finish_commits`
+collects the answers in order.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from collections.abc import Sequence
+
+from kvdepot.errors import InvalidArgument, Unavailable
+from kvdepot.metadata.keys import ChunkKey
+from kvdepot.store.protocol import (
+    LEASE_REPLY_ENTRY,
+    MAX_ATTACH_BODY,
+    RESERVE_REPLY_ENTRY,
+    AttachInfo,
+    AttachKind,
+    CommitEntry,
+    ErrorCode,
+    GetEntry,
+    Header,
+    HeldCode,
+    LeaseReplyEntry,
+    Opcode,
+    ProtocolError,
+    PutCode,
+    PutEntry,
+    ReserveReplyEntry,
+    pack_commit_entries,
+    pack_get_entries,
+    pack_keys,
+    pack_lease_ids,
+    pack_put_entries,
+    recv_exact,
+    recv_reply_header,
+    send_all,
+    set_io_timeout,
+    unpack_attach_info,
+    unpack_lease_reply_entries,
+    unpack_reserve_reply_entries,
+    unpack_statuses,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """Split ``"host:port"`` (``"[v6]:port"`` for IPv6) into its parts.
+
+    Raises:
+        InvalidArgument: If the address is malformed.
+    """
+    host, sep, port_text = address.rpartition(":")
+    if not sep or not host or not port_text.isdigit():
+        raise InvalidArgument(f"data plane address must be host:port, got {address!r}")
+    port = int(port_text)
+    if not 0 < port < 65536:
+        raise InvalidArgument(f"bad port in data plane address {address!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, port
+
+
+def connect(address: str, connect_timeout_s: float, io_timeout_s: float) -> socket.socket:
+    """A blocking data-plane connection with kernel I/O timeouts and no Nagle delay.
+
+    Raises:
+        Unavailable: If the store cannot be reached.
+    """
+    host, port = parse_address(address)
+    try:
+        sock = socket.create_connection((host, port), timeout=connect_timeout_s)
+    except OSError as exc:
+        raise Unavailable(f"cannot connect to data plane {address}: {exc}") from exc
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        set_io_timeout(sock, io_timeout_s)
+    except OSError as exc:
+        sock.close()
+        raise Unavailable(f"cannot set up connection to {address}: {exc}") from exc
+    return sock
+
+
+def looks_alive(sock: socket.socket) -> bool:
+    """Whether an idle pooled connection may be reused.
+
+    An idle connection has nothing to read: EOF means the store closed it
+    (idle timeout, restart), data means the stream is out of sync.
+    """
+    try:
+        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return True  # nothing to read: the normal state of an idle connection
+    except OSError:
+        return False
+    return False  # EOF (b"") or unexpected bytes
+
+
+class ControlConnection:
+    """One attached data-plane connection and the arena it attached to.
+
+    Not thread-safe: a connection is used by one caller at a time (checked
+    out of a :class:`ControlPool`).
+    """
+
+    def __init__(self, sock: socket.socket, info: AttachInfo) -> None:
+        self.sock = sock
+        self.info = info
+        self._commits_in_flight = 0
+
+    def close(self) -> None:
+        """Close the socket; the store drops what this connection held."""
+        self.sock.close()
+
+    def reserve(self, entries: Sequence[PutEntry]) -> list[ReserveReplyEntry]:
+        """Reserve room for chunks; OK entries carry their arena offset."""
+        n = len(entries)
+        send_all(self.sock, [Header(Opcode.RESERVE, n).pack() + pack_put_entries(entries)])
+        recv_reply_header(self.sock, Opcode.RESERVE_REPLY, n)
+        return unpack_reserve_reply_entries(recv_exact(self.sock, n * RESERVE_REPLY_ENTRY.size))
+
+    def send_commit(self, entries: Sequence[CommitEntry]) -> None:
+        """Ask the store to verify and commit chunks; the answer is read later."""
+        n = len(entries)
+        send_all(self.sock, [Header(Opcode.COMMIT, n).pack() + pack_commit_entries(entries)])
+        self._commits_in_flight += 1
+
+    def finish_commits(self, counts: Sequence[int]) -> list[PutCode]:
+        """Read the answers of the COMMITs sent, of ``counts[i]`` entries each."""
+        if len(counts) != self._commits_in_flight:
+            raise InvalidArgument(
+                f"{len(counts)} COMMIT answers expected, {self._commits_in_flight} in flight"
+            )
+        out: list[PutCode] = []
+        for n in counts:
+            recv_reply_header(self.sock, Opcode.COMMIT_REPLY, n)
+            self._commits_in_flight -= 1
+            out.extend(unpack_statuses(recv_exact(self.sock, n), PutCode))
+        return out
+
+    def abort(self, keys: Sequence[ChunkKey]) -> list[HeldCode]:
+        """Revoke reservations this connection holds."""
+        n = len(keys)
+        send_all(self.sock, [Header(Opcode.ABORT, n).pack() + pack_keys(keys)])
+        recv_reply_header(self.sock, Opcode.ABORT_REPLY, n)
+        return unpack_statuses(recv_exact(self.sock, n), HeldCode)
+
+    def lease(self, entries: Sequence[GetEntry]) -> list[LeaseReplyEntry]:
+        """Lease chunks (or ranges); OK entries say where their bytes are."""
+        n = len(entries)
+        send_all(self.sock, [Header(Opcode.LEASE, n).pack() + pack_get_entries(entries)])
+        recv_reply_header(self.sock, Opcode.LEASE_REPLY, n)
+        return unpack_lease_reply_entries(recv_exact(self.sock, n * LEASE_REPLY_ENTRY.size))
+
+    def release(self, lease_ids: Sequence[int]) -> list[HeldCode]:
+        """End leases this connection holds."""
+        n = len(lease_ids)
+        if not n:
+            return []
+        send_all(self.sock, [Header(Opcode.RELEASE, n).pack() + pack_lease_ids(lease_ids)])
+        recv_reply_header(self.sock, Opcode.RELEASE_REPLY, n)
+        return unpack_statuses(recv_exact(self.sock, n), HeldCode)
+
+
+def attach(sock: socket.socket, kind: AttachKind) -> AttachInfo:
+    """Send ATTACH on a fresh connection and parse what the store answers.
+
+    Raises:
+        ProtocolError: The store answered ERROR or something unparsable.
+        Unavailable: The connection failed.
+    """
+    send_all(sock, [Header(Opcode.ATTACH, 0, int(kind)).pack()])
+    header = recv_reply_header(sock, Opcode.ATTACH_REPLY, None)
+    if header.count > MAX_ATTACH_BODY:
+        raise ProtocolError(ErrorCode.MALFORMED, f"ATTACH_REPLY of {header.count} bytes")
+    return unpack_attach_info(recv_exact(sock, header.count))
+
+
+class ControlPool:
+    """Idle attached connections per store; those in use belong to their caller.
+
+    Args:
+        kind: What the connections attach as (SHM, NIXL, or PROBE).
+        connect_timeout_s: Time allowed to establish a connection.
+        io_timeout_s: Time a control exchange may stall.
+        max_idle: Idle connections kept per store.
+    """
+
+    def __init__(
+        self, kind: AttachKind, connect_timeout_s: float, io_timeout_s: float, max_idle: int = 4
+    ) -> None:
+        self._kind = kind
+        self._connect_timeout_s = connect_timeout_s
+        self._io_timeout_s = io_timeout_s
+        self._max_idle = max_idle
+        self._lock = threading.Lock()
+        self._idle: dict[str, list[ControlConnection]] = {}
+        self._closed = False
+
+    def checkout(self, address: str) -> ControlConnection:
+        """An attached connection to ``address`` (a pooled one if it is still alive).
+
+        Raises:
+            Unavailable: The store cannot be reached or did not attach.
+            ProtocolError: The store answered something unparsable.
+        """
+        while True:
+            with self._lock:
+                if self._closed:
+                    raise InvalidArgument("transport is closed")
+                idle = self._idle.get(address)
+                conn = idle.pop() if idle else None
+            if conn is None:
+                break
+            if looks_alive(conn.sock):
+                return conn
+            conn.close()
+        sock = connect(address, self._connect_timeout_s, self._io_timeout_s)
+        try:
+            return ControlConnection(sock, attach(sock, self._kind))
+        except BaseException:
+            sock.close()
+            raise
+
+    def checkin(self, address: str, conn: ControlConnection) -> None:
+        """Return a connection after complete exchanges (nothing left in flight)."""
+        with self._lock:
+            idle = self._idle.setdefault(address, [])
+            if not self._closed and len(idle) < self._max_idle:
+                idle.append(conn)
+                return
+        conn.close()
+
+    def drop(self, address: str) -> None:
+        """Close the idle connections to ``address`` (its store restarted)."""
+        with self._lock:
+            idle = self._idle.pop(address, [])
+        for conn in idle:
+            conn.close()
+
+    def close(self) -> None:
+        """Close every idle connection; later checkouts raise."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, {}
+        for conns in idle.values():
+            for conn in conns:
+                conn.close()

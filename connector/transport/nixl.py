@@ -1,0 +1,379 @@
+"""The ``nixl`` transport: one-sided RDMA READ/WRITE against the store's arena.
+
+NVIDIA NIXL moves the bytes (UCX inside: RDMA verbs on clusters with RDMA
+NICs; TCP and shared memory elsewhere) between buffers this process
+registered and the arena the store registered, without the store's CPU. The
+store's agent metadata and arena address come from its gRPC
+``Store.GetTransferInfo``; the store's gRPC address from the data plane's
+ATTACH. Control stays on the data-plane connection, batched, as for ``shm``:
+
+* put: RESERVE the batch, one WRITE transfer of every chunk to its offset
+  (the writer's checksums are computed while the transfer is in flight),
+  COMMIT; the store verifies each chunk's checksum in its arena.
+* get: LEASE the batch, one READ transfer, verify each checksum, RELEASE.
+
+Registrations of caller buffers are cached (a buffer registered once is not
+registered again) and hold a reference to the buffer's owner, so cached
+registered memory is never freed and reused under the cache.
+
+A store that restarted has a new arena generation: the next connection sees
+it and the transport loads the new agent's metadata before any transfer.
+Needs the ``kvdepot[rdma]`` extra (``nixl``, ``nixl-cu12``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+
+from kvdepot.connector.transport.base import GetItem, GetOutcome, PutItem, PutStatus, Transport
+from kvdepot.connector.transport.control import ControlConnection, ControlPool
+from kvdepot.connector.transport.tcp import (
+    PUT_STATUS,
+    GetWork,
+    PutWork,
+    TcpTransport,
+    check_get_items,
+    check_put_items,
+    split_batches,
+)
+from kvdepot.errors import InvalidArgument, KVDepotError, Unavailable
+from kvdepot.metadata.keys import ChunkKey
+from kvdepot.proto.gen import store_pb2, store_pb2_grpc
+from kvdepot.store.nixl_agent import create_agent, nixl_available
+from kvdepot.store.protocol import (
+    AttachFlags,
+    AttachInfo,
+    AttachKind,
+    CommitEntry,
+    ErrorCode,
+    GetCode,
+    LeaseReplyEntry,
+    ProtocolError,
+    ProtocolLimits,
+    PutCode,
+    PutEntry,
+)
+from kvdepot.store.xxh3 import xxh3_64
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["NixlTransport", "nixl_available"]
+
+_POLL_S = 0.00005
+
+
+@dataclass(frozen=True, slots=True)
+class _Peer:
+    """A store's agent as loaded into ours, for one arena generation."""
+
+    generation: int
+    agent_name: str
+    arena_address: int
+    arena_size: int
+
+
+def _address_of(view: memoryview) -> int:
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+class NixlTransport(Transport):
+    """The ``nixl`` data plane client.
+
+    Args:
+        connect_timeout_s: Time allowed to connect to a store.
+        io_timeout_s: Time a control exchange or a transfer may take.
+        max_idle_per_peer: Idle control connections kept per store.
+        limits: The stores' protocol limits; batches are split to fit.
+        max_registrations: Caller buffers kept registered (least recently
+            used ones are deregistered beyond it).
+
+    Raises:
+        Unavailable: NIXL is not installed or its agent does not start.
+        InvalidArgument: If a timeout is not positive.
+    """
+
+    def __init__(
+        self,
+        connect_timeout_s: float = 5.0,
+        io_timeout_s: float = 30.0,
+        max_idle_per_peer: int = 4,
+        *,
+        limits: ProtocolLimits | None = None,
+        max_registrations: int = 256,
+    ) -> None:
+        if connect_timeout_s <= 0 or io_timeout_s <= 0:
+            raise InvalidArgument("transport timeouts must be positive")
+        self._io_timeout_s = io_timeout_s
+        self._limits = limits or ProtocolLimits()
+        self._agent = create_agent(f"kvdepot-client-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        self._pool = ControlPool(
+            AttachKind.NIXL, connect_timeout_s, io_timeout_s, max_idle_per_peer
+        )
+        self._tcp = TcpTransport(connect_timeout_s, io_timeout_s, 1, limits=self._limits)
+        # One lock around the agent: transfers of concurrent callers are
+        # serialised through it (NIXL agents are not thread-safe by default).
+        self._lock = threading.Lock()
+        self._peers: dict[str, _Peer] = {}
+        self._registrations: OrderedDict[tuple[int, int], tuple[Any, object]] = OrderedDict()
+        self._max_registrations = max_registrations
+        self._closed = False
+
+    # -- peers ----------------------------------------------------------------
+    def usable(self, address: str) -> bool:
+        """Whether the store at ``address`` runs a NIXL agent this one can reach."""
+        try:
+            conn, _ = self._open(address)
+        except (KVDepotError, OSError) as exc:
+            logger.debug("nixl to %s not usable: %s", address, str(exc))
+            return False
+        self._pool.checkin(address, conn)
+        return True
+
+    def _open(self, address: str) -> tuple[ControlConnection, _Peer]:
+        if self._closed:
+            raise InvalidArgument("transport is closed")
+        conn = self._pool.checkout(address)
+        try:
+            return conn, self._peer(address, conn.info)
+        except BaseException:
+            conn.close()
+            raise
+
+    def _peer(self, address: str, info: AttachInfo) -> _Peer:
+        with self._lock:
+            peer = self._peers.get(address)
+        if peer is not None and peer.generation == info.generation:
+            return peer
+        if not info.flags & AttachFlags.NIXL or not info.control_address:
+            raise Unavailable(f"store {address} runs no NIXL agent")
+        reply = self._transfer_info(info.control_address)
+        if reply.generation != info.generation or not reply.HasField("nixl"):
+            raise Unavailable(f"store {address} changed while attaching; try again")
+        with self._lock:
+            if peer is not None:
+                self._pool.drop(address)
+                try:
+                    self._agent.remove_remote_agent(peer.agent_name)
+                except Exception as exc:
+                    logger.debug("removing agent %s: %s", peer.agent_name, exc)
+            try:
+                name = self._agent.add_remote_agent(reply.nixl.agent_metadata)
+            except Exception as exc:
+                raise Unavailable(f"cannot load the NIXL agent of {address}: {exc}") from exc
+            name = name.decode() if isinstance(name, bytes) else str(name)
+            new = _Peer(reply.generation, name, reply.nixl.arena_address, reply.nixl.arena_size)
+            self._peers[address] = new
+        return new
+
+    def _transfer_info(self, control_address: str) -> store_pb2.TransferInfo:
+        try:
+            with grpc.insecure_channel(control_address) as channel:
+                stub = store_pb2_grpc.StoreStub(channel)
+                reply: store_pb2.TransferInfo = stub.GetTransferInfo(
+                    store_pb2.TransferInfoRequest(), timeout=self._io_timeout_s
+                )
+                return reply
+        except grpc.RpcError as exc:
+            raise Unavailable(f"GetTransferInfo at {control_address} failed: {exc}") from exc
+
+    # -- memory -----------------------------------------------------------------
+    def _register(self, view: memoryview) -> int:
+        # Called under the lock. Registers the buffer's whole extent once.
+        addr = _address_of(view)
+        key = (addr, view.nbytes)
+        if key in self._registrations:
+            self._registrations.move_to_end(key)
+            return addr
+        try:
+            descs = self._agent.register_memory([(addr, view.nbytes, 0, "")], "DRAM")
+        except Exception as exc:
+            raise Unavailable(f"cannot register a buffer with NIXL: {exc}") from exc
+        # The owner is kept alive while registered: its memory cannot be freed.
+        self._registrations[key] = (descs, view.obj)
+        while len(self._registrations) > self._max_registrations:
+            _, (old, _) = self._registrations.popitem(last=False)
+            try:
+                self._agent.deregister_memory(old)
+            except Exception as exc:
+                logger.debug("deregistration failed: %s", exc)
+        return addr
+
+    def _transfer(
+        self, op: str, peer: _Peer, pairs: list[tuple[memoryview, int]], on_wait: Any = None
+    ) -> None:
+        """One READ or WRITE of every (local view, arena offset) pair.
+
+        ``on_wait`` runs once the transfer is posted (CPU work that overlaps it).
+
+        Raises:
+            Unavailable: The transfer failed or did not finish in time.
+        """
+        with self._lock:
+            local = [(self._register(v), v.nbytes, 0) for v, _ in pairs]
+            remote = [(peer.arena_address + off, v.nbytes, 0) for v, off in pairs]
+            try:
+                src = self._agent.get_xfer_descs(local, "DRAM")
+                dst = self._agent.get_xfer_descs(remote, "DRAM")
+                handle = self._agent.initialize_xfer(op, src, dst, peer.agent_name, b"")
+                state = self._agent.transfer(handle)
+            except Exception as exc:
+                raise Unavailable(f"NIXL {op} could not start: {exc}") from exc
+            try:
+                if on_wait is not None:
+                    on_wait()
+                deadline = time.monotonic() + self._io_timeout_s
+                while state == "PROC":
+                    if time.monotonic() > deadline:
+                        raise Unavailable(f"NIXL {op} did not finish in {self._io_timeout_s} s")
+                    time.sleep(_POLL_S)
+                    state = self._agent.check_xfer_state(handle)
+                if state != "DONE":
+                    raise Unavailable(f"NIXL {op} failed ({state})")
+            finally:
+                try:
+                    self._agent.release_xfer_handle(handle)
+                except Exception as exc:
+                    logger.debug("releasing a transfer handle: %s", exc)
+
+    # -- data -----------------------------------------------------------------------
+    def put(self, address: str, items: Sequence[PutItem]) -> list[PutStatus]:
+        """Write chunks with RDMA WRITEs into the store's arena; see :meth:`Transport.put`."""
+        statuses, todo = check_put_items(items, self._limits)
+        if not todo:
+            return statuses
+        try:
+            conn, peer = self._open(address)
+        except (KVDepotError, OSError) as exc:
+            logger.warning("nixl put to %s failed: %s", address, str(exc))
+            return statuses
+        try:
+            for batch in split_batches(todo, lambda t: t[2].nbytes, self._limits):
+                for i, code in self._put_batch(conn, peer, batch, items):
+                    statuses[i] = code
+        except (KVDepotError, OSError) as exc:
+            conn.close()  # the store revokes this connection's reservations
+            logger.warning("nixl put to %s failed: %s", address, str(exc))
+            return statuses
+        self._pool.checkin(address, conn)
+        return statuses
+
+    def _put_batch(
+        self, conn: ControlConnection, peer: _Peer, batch: list[PutWork], items: Sequence[PutItem]
+    ) -> list[tuple[int, PutStatus]]:
+        replies = conn.reserve([PutEntry(e.key, e.size, 0) for _, e, _, _ in batch])
+        out: list[tuple[int, PutStatus]] = []
+        pairs: list[tuple[memoryview, int]] = []
+        writes: list[tuple[int, ChunkKey, memoryview]] = []
+        for (i, entry, view, _), reply in zip(batch, replies, strict=True):
+            if reply.status is not PutCode.OK:
+                out.append((i, PUT_STATUS[reply.status]))
+                continue
+            if reply.offset + entry.size > peer.arena_size:
+                raise ProtocolError(ErrorCode.MALFORMED, "reservation outside the arena")
+            pairs.append((view, reply.offset))
+            writes.append((i, entry.key, view))
+        if not writes:
+            return out
+        sums: list[int] = []
+
+        def hash_sources() -> None:
+            # The writer's checksums, computed while the WRITE is in flight.
+            for i, _, view in writes:
+                given = items[i].checksum
+                sums.append(given if given is not None else xxh3_64(view))
+
+        self._transfer("WRITE", peer, pairs, hash_sources)
+        commits = [CommitEntry(key, ck) for (_, key, _), ck in zip(writes, sums, strict=True)]
+        conn.send_commit(commits)
+        codes = conn.finish_commits([len(commits)])
+        out.extend((i, PUT_STATUS[c]) for (i, _, _), c in zip(writes, codes, strict=True))
+        return out
+
+    def get_into(self, address: str, items: Sequence[GetItem]) -> list[GetOutcome]:
+        """Read chunks with RDMA READs from the store's arena; see :meth:`Transport.get_into`."""
+        todo = check_get_items(items)
+        outcomes = [GetOutcome(False, 0, "transport: not attempted")] * len(items)
+        if not todo:
+            return outcomes
+        try:
+            conn, peer = self._open(address)
+        except (KVDepotError, OSError) as exc:
+            logger.warning("nixl get from %s failed: %s", address, str(exc))
+            return [GetOutcome(False, 0, f"transport: {exc}")] * len(items)
+        try:
+            for batch in split_batches(todo, lambda _: 0, self._limits):
+                for i, outcome in self._get_batch(conn, peer, batch):
+                    outcomes[i] = outcome
+        except (KVDepotError, OSError) as exc:
+            conn.close()  # the store releases this connection's leases
+            logger.warning("nixl get from %s failed: %s", address, str(exc))
+            failed = GetOutcome(False, 0, f"transport: {exc}")
+            return [o if o.ok else failed for o in outcomes]
+        self._pool.checkin(address, conn)
+        return outcomes
+
+    def _get_batch(
+        self, conn: ControlConnection, peer: _Peer, batch: list[GetWork]
+    ) -> list[tuple[int, GetOutcome]]:
+        replies = conn.lease([e for _, e, _ in batch])
+        lease_ids = [r.lease_id for r in replies if r.status is GetCode.OK]
+        out: list[tuple[int, GetOutcome]] = []
+        reads: list[tuple[int, memoryview, LeaseReplyEntry]] = []
+        try:
+            for (i, entry, buf), reply in zip(batch, replies, strict=True):
+                if reply.status is GetCode.NOT_FOUND:
+                    out.append((i, GetOutcome(False, 0, "not found")))
+                    continue
+                if reply.status is GetCode.INVALID:
+                    out.append((i, GetOutcome(False, 0, "invalid range")))
+                    continue
+                length = reply.length
+                if reply.offset + length > peer.arena_size:
+                    raise ProtocolError(ErrorCode.MALFORMED, "lease outside the arena")
+                if length > buf.nbytes:
+                    why = f"buffer of {buf.nbytes} bytes too small for {length}"
+                    out.append((i, GetOutcome(False, 0, why)))
+                    continue
+                if entry.length and length != entry.length:
+                    why = f"store leased {length} bytes for a range of {entry.length}"
+                    out.append((i, GetOutcome(False, 0, why)))
+                    continue
+                reads.append((i, buf[:length], reply))
+            if reads:
+                self._transfer("READ", peer, [(dest, r.offset) for _, dest, r in reads])
+                for i, dest, r in reads:
+                    if xxh3_64(dest) != r.checksum:
+                        out.append((i, GetOutcome(False, 0, "checksum mismatch")))
+                    else:
+                        out.append((i, GetOutcome(True, r.length)))
+        finally:
+            conn.release(lease_ids)
+        return out
+
+    def delete(self, address: str, keys: Sequence[ChunkKey]) -> list[bool]:
+        """Delete chunks (over the store's socket); see :meth:`Transport.delete`."""
+        return self._tcp.delete(address, keys)
+
+    def close(self) -> None:
+        """Close control connections and deregister every cached buffer."""
+        self._closed = True
+        self._pool.close()
+        self._tcp.close()
+        with self._lock:
+            regs, self._registrations = self._registrations, OrderedDict()
+            for descs, _ in regs.values():
+                try:
+                    self._agent.deregister_memory(descs)
+                except Exception as exc:
+                    logger.debug("deregistration failed: %s", exc)

@@ -1,0 +1,230 @@
+"""Reservations and read leases held by one data-plane connection.
+
+Clients of the ``shm`` and ``nixl`` transports move chunk bytes themselves:
+they reserve room in the arena, write it through their own mapping (or an
+RDMA WRITE), then ask the store to commit; they lease a chunk, read it, then
+release it. A :class:`Session` is what one connection holds between those
+steps. It belongs to the connection: when the connection closes, cleanly or
+because the client died, :meth:`Session.close` revokes every reservation and
+releases every lease, so a dead client never leaks arena memory nor pins
+chunks against eviction.
+
+Commit is where the store checks the client's work: it hashes the reserved
+bytes and commits only if they match the checksum the writer announced, so
+the checksum is verified end to end whichever way the bytes came in.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+from kvdepot.errors import CapacityExceeded, InvalidArgument
+from kvdepot.metadata.keys import ChunkKey
+from kvdepot.store.chunks import ChunkStore, ReadLease, Reservation, checksum
+from kvdepot.store.protocol import (
+    AttachKind,
+    CommitEntry,
+    ErrorCode,
+    GetCode,
+    GetEntry,
+    HeldCode,
+    LeaseReplyEntry,
+    ProtocolError,
+    PutCode,
+    PutEntry,
+    ReserveReplyEntry,
+)
+
+logger = logging.getLogger(__name__)
+
+HeldListener = Callable[[int], None]
+"""Told the change in items a session of kind NIXL holds (+n, -n)."""
+
+
+class Session:
+    """What one connection holds on behalf of a client that moves bytes itself.
+
+    Not thread-safe: one connection's requests are handled one at a time by
+    its own thread.
+
+    Args:
+        chunks: The chunk table.
+        max_held: Most reservations plus leases held at once; a request that
+            would exceed it is a protocol error (the connection is closed).
+        on_held: Told the change in the number of held items of sessions
+            that attached as NIXL (the store's NIXL agent progresses UCX
+            while remote transfers may be in flight).
+    """
+
+    def __init__(
+        self, chunks: ChunkStore, max_held: int, on_held: HeldListener | None = None
+    ) -> None:
+        self._chunks = chunks
+        self._max_held = max_held
+        self._on_held = on_held
+        self._reservations: dict[ChunkKey, Reservation] = {}
+        self._leases: dict[int, ReadLease] = {}
+        self._next_lease = 1
+        self.kind = AttachKind.PROBE
+
+    @property
+    def held(self) -> int:
+        """Reservations plus leases held now."""
+        return len(self._reservations) + len(self._leases)
+
+    def attach(self, kind: AttachKind) -> None:
+        """Record how the client means to move bytes (counts only for NIXL)."""
+        if kind is not self.kind:
+            held = self.held
+            self._notify(-held)
+            self.kind = kind
+            self._notify(held)
+
+    def _notify(self, delta: int) -> None:
+        if delta and self._on_held is not None and self.kind is AttachKind.NIXL:
+            self._on_held(delta)
+
+    def _check_room(self, n: int) -> None:
+        if self.held + n > self._max_held:
+            raise ProtocolError(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"connection would hold {self.held + n} reservations and leases, "
+                f"above the limit of {self._max_held}",
+            )
+
+    # -- writes -------------------------------------------------------------------
+    def reserve(self, entries: Sequence[PutEntry]) -> list[ReserveReplyEntry]:
+        """Reserve room for each chunk; the client writes it at the offset returned.
+
+        Raises:
+            ProtocolError: The connection would hold too many items.
+        """
+        self._check_room(len(entries))
+        out: list[ReserveReplyEntry] = []
+        added = 0
+        for e in entries:
+            if e.size == 0:
+                out.append(ReserveReplyEntry(PutCode.INVALID))
+                continue
+            try:
+                res = self._chunks.reserve(e.key, e.size, e.checksum)
+            except CapacityExceeded:
+                out.append(ReserveReplyEntry(PutCode.NO_SPACE))
+                continue
+            except InvalidArgument:
+                out.append(ReserveReplyEntry(PutCode.INVALID))
+                continue
+            if res is None:
+                out.append(ReserveReplyEntry(PutCode.EXISTS))
+                continue
+            self._reservations[e.key] = res
+            added += 1
+            out.append(ReserveReplyEntry(PutCode.OK, res.offset))
+        self._notify(added)
+        return out
+
+    def commit(self, entries: Sequence[CommitEntry]) -> list[tuple[PutCode, int]]:
+        """Verify and commit reserved chunks.
+
+        Returns:
+            Per chunk its size (0 if unknown) and OK (committed), CORRUPT (its
+            bytes do not match the checksum: revoked, never visible) or
+            INVALID (not reserved on this connection).
+        """
+        out: list[tuple[PutCode, int]] = []
+        dropped = 0
+        for e in entries:
+            res = self._reservations.pop(e.key, None)
+            if res is None:
+                out.append((PutCode.INVALID, 0))
+                continue
+            dropped += 1
+            if checksum(res.view) != e.checksum:
+                self._chunks.revoke(res)
+                out.append((PutCode.CORRUPT, res.size))
+                continue
+            try:
+                self._chunks.commit(res, e.checksum)
+            except InvalidArgument:
+                out.append((PutCode.INVALID, res.size))
+                continue
+            out.append((PutCode.OK, res.size))
+        self._notify(-dropped)
+        return out
+
+    def abort(self, keys: Sequence[ChunkKey]) -> list[HeldCode]:
+        """Revoke reservations of this connection (a client that gave up on them)."""
+        out: list[HeldCode] = []
+        for key in keys:
+            res = self._reservations.pop(key, None)
+            if res is None:
+                out.append(HeldCode.NOT_HELD)
+                continue
+            self._chunks.revoke(res)
+            self._notify(-1)
+            out.append(HeldCode.OK)
+        return out
+
+    # -- reads --------------------------------------------------------------------
+    def lease(self, entries: Sequence[GetEntry]) -> list[LeaseReplyEntry]:
+        """Lease each chunk (or range of it): it stays put until released.
+
+        Raises:
+            ProtocolError: The connection would hold too many items.
+        """
+        self._check_room(len(entries))
+        out: list[LeaseReplyEntry] = []
+        added = 0
+        for e in entries:
+            lease = self._chunks.acquire(e.key)
+            if lease is None:
+                out.append(LeaseReplyEntry(GetCode.NOT_FOUND))
+                continue
+            size = lease.size
+            length = e.length or size - e.offset
+            if e.offset >= size or length <= 0 or e.offset + length > size:
+                self._chunks.release(lease)
+                out.append(LeaseReplyEntry(GetCode.INVALID))
+                continue
+            if length == size:
+                ck = lease.checksum
+            else:
+                ck = checksum(lease.view[e.offset : e.offset + length])
+            lease_id = self._next_lease
+            self._next_lease += 1
+            self._leases[lease_id] = lease
+            added += 1
+            out.append(LeaseReplyEntry(GetCode.OK, lease_id, lease.offset + e.offset, length, ck))
+        self._notify(added)
+        return out
+
+    def release(self, lease_ids: Sequence[int]) -> list[HeldCode]:
+        """End leases of this connection."""
+        out: list[HeldCode] = []
+        for lease_id in lease_ids:
+            lease = self._leases.pop(lease_id, None)
+            if lease is None:
+                out.append(HeldCode.NOT_HELD)
+                continue
+            self._chunks.release(lease)
+            self._notify(-1)
+            out.append(HeldCode.OK)
+        return out
+
+    def close(self) -> None:
+        """Revoke every reservation and release every lease still held."""
+        held = self.held
+        if held:
+            logger.debug(
+                "closing a session holding %d reservations and %d leases",
+                len(self._reservations),
+                len(self._leases),
+            )
+        for res in self._reservations.values():
+            self._chunks.revoke(res)
+        for lease in self._leases.values():
+            self._chunks.release(lease)
+        self._reservations.clear()
+        self._leases.clear()
+        self._notify(-held)

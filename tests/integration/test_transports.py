@@ -1,0 +1,317 @@
+"""The ``shm``, ``auto`` and tuned ``tcp`` transports against real store daemons,
+and clients that die mid-transfer as real processes."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kvdepot.cluster import LocalCluster
+from kvdepot.connector.client import ClientConfig, KVDepotClient
+from kvdepot.connector.transport import (
+    AutoTransport,
+    GetItem,
+    PutItem,
+    PutStatus,
+    ShmTransport,
+    TcpTransport,
+    create_transport,
+)
+from kvdepot.metadata.keys import ChunkKey
+from kvdepot.proto.gen import store_pb2, store_pb2_grpc
+from kvdepot.store import protocol as p
+from kvdepot.store.chunks import ChunkStore, checksum
+from kvdepot.store.dataplane import DataPlaneServer
+
+pytestmark = pytest.mark.integration
+
+KiB = 1 << 10
+MiB = 1 << 20
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.02)
+
+
+def store_stats(grpc_address: str) -> store_pb2.StoreStats:
+    with grpc.insecure_channel(grpc_address) as ch:
+        return store_pb2_grpc.StoreStub(ch).GetStats(store_pb2.StoreStatsRequest(), timeout=5)
+
+
+def used_bytes(grpc_address: str) -> int:
+    return int(store_stats(grpc_address).tiers[0].used_bytes)
+
+
+def chunks(rng: random.Random, sizes: list[int]) -> tuple[list[ChunkKey], list[bytes]]:
+    return [ChunkKey(rng.randbytes(16)) for _ in sizes], [rng.randbytes(n) for n in sizes]
+
+
+def round_trip(transport: object, address: str, rng: random.Random) -> None:
+    """Byte-exact batch, whole and ranged reads, misses, through ``transport``."""
+    assert isinstance(transport, ShmTransport | TcpTransport | AutoTransport) or hasattr(
+        transport, "put"
+    )
+    sizes = [1, 4 * KiB + 3, 300 * KiB, 2 * MiB + 17] + [rng.randrange(1, MiB) for _ in range(8)]
+    keys, data = chunks(rng, sizes)
+    items = [PutItem(k, d) for k, d in zip(keys, data, strict=True)]
+    assert transport.put(address, items) == [PutStatus.OK] * len(items)  # type: ignore[attr-defined]
+    assert transport.put(address, items[:2]) == [PutStatus.EXISTS] * 2  # type: ignore[attr-defined]
+    bufs = [bytearray(n) for n in sizes]
+    outs = transport.get_into(  # type: ignore[attr-defined]
+        address, [GetItem(k, memoryview(b)) for k, b in zip(keys, bufs, strict=True)]
+    )
+    assert [o.length for o in outs] == sizes and all(o.ok for o in outs)
+    assert bufs == [bytearray(d) for d in data]
+    big = data[3]
+    layer = bytearray(64 * KiB)
+    miss = ChunkKey(rng.randbytes(16))
+    outs = transport.get_into(  # type: ignore[attr-defined]
+        address,
+        [
+            GetItem(keys[3], memoryview(layer), offset=MiB, length=64 * KiB),
+            GetItem(keys[3], memoryview(bytearray(10)), offset=len(big), length=1),
+            GetItem(miss, memoryview(bytearray(10))),
+            GetItem(keys[2], memoryview(bytearray(10))),
+        ],
+    )
+    assert outs[0].ok and layer == big[MiB : MiB + 64 * KiB]
+    assert (outs[1].ok, outs[1].error) == (False, "invalid range")
+    assert (outs[2].ok, outs[2].error) == (False, "not found")
+    assert not outs[3].ok and "too small" in outs[3].error
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """Metadata + one store daemon whose arena is shared under /dev/shm (the default)."""
+    c = LocalCluster(nodes=1, capacity="96MiB", log_dir=tmp_path_factory.mktemp("logs"))
+    c.start()
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def test_shm_round_trips_batches_and_ranges(stores: LocalCluster) -> None:
+    info = stores.stores[0].info
+    assert info["arena_path"].startswith("/dev/shm/")
+    assert os.stat(info["arena_path"]).st_mode & 0o777 == 0o600
+    with ShmTransport(io_timeout_s=5) as t:
+        assert t.usable(info["address"])
+        round_trip(t, info["address"], random.Random(1))
+    assert store_stats(info["grpc_address"]).connections >= 1
+
+
+def test_shm_concurrent_clients_are_byte_exact(stores: LocalCluster) -> None:
+    address = stores.stores[0].info["address"]
+    errors: list[BaseException] = []
+    with ShmTransport() as t:
+
+        def client(seed: int) -> None:
+            try:
+                rng = random.Random(seed)
+                for _ in range(3):
+                    keys, data = chunks(rng, [rng.randrange(KiB, 700 * KiB) for _ in range(5)])
+                    items = [PutItem(k, d) for k, d in zip(keys, data, strict=True)]
+                    assert t.put(address, items) == [PutStatus.OK] * 5
+                    bufs = [bytearray(len(d)) for d in data]
+                    gets = [GetItem(k, memoryview(b)) for k, b in zip(keys, bufs, strict=True)]
+                    assert all(o.ok for o in t.get_into(address, gets))
+                    assert bufs == data
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=client, args=(100 + s,)) for s in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(30)
+    assert errors == []
+
+
+def test_client_publishes_to_its_own_node_through_shm(stores: LocalCluster) -> None:
+    info = stores.stores[0].info
+    config = ClientConfig(metadata=stores.metadata_address, node_id=info["node_id"])
+    assert config.transport == "auto"
+    rng = random.Random(2)
+    keys, data = chunks(rng, [MiB] * 4)
+    with KVDepotClient(config) as client:
+        result = client.put(keys, data)
+        assert result.stored == 4
+        transport = client._transport
+        assert isinstance(transport, AutoTransport)
+        assert transport.choice(info["address"]) == "shm"
+        bufs = [bytearray(MiB) for _ in keys]
+        assert client.get_into(keys, bufs).leading == 4 and bufs == data
+
+
+def test_auto_uses_tcp_when_the_arena_is_not_shared(tmp_path: Path) -> None:
+    env = dict(os.environ, KVDEPOT_STORE_SHM="0")
+    with LocalCluster(nodes=1, capacity="16MiB", env=env, log_dir=tmp_path) as c:
+        info = c.stores[0].info
+        assert info["arena_path"] == ""
+        with AutoTransport() as t:
+            assert t.choice(info["address"]) == "tcp"
+            round_trip(t, info["address"], random.Random(3))
+
+
+def test_tcp_put_with_trailing_checksums_over_parallel_connections(stores: LocalCluster) -> None:
+    address = stores.stores[0].info["address"]
+    rng = random.Random(4)
+    keys, data = chunks(rng, [3 * MiB + i for i in range(6)])
+    with TcpTransport(streams=3) as t:
+        assert (
+            t.put(address, [PutItem(k, d) for k, d in zip(keys, data, strict=True)])
+            == [PutStatus.OK] * 6
+        )
+        bufs = [bytearray(len(d)) for d in data]
+        outs = t.get_into(
+            address, [GetItem(k, memoryview(b)) for k, b in zip(keys, bufs, strict=True)]
+        )
+        assert all(o.ok for o in outs) and bufs == data
+        assert t.delete(address, keys) == [True] * 6
+
+
+def test_tcp_trailing_checksum_mismatch_is_corrupt(stores: LocalCluster) -> None:
+    host, port = stores.stores[0].info["address"].rsplit(":", 1)
+    rng = random.Random(5)
+    key, data = ChunkKey(rng.randbytes(16)), rng.randbytes(100 * KiB)
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        head = p.Header(p.Opcode.PUT_TRAILED, 1).pack()
+        s.sendall(head + p.pack_put_entries([p.PutEntry(key, len(data), 0)]))
+        s.sendall(data + p.CHECKSUM.pack(checksum(data) ^ 1))
+        p.recv_reply_header(s, p.Opcode.PUT_REPLY, 1)
+        assert p.recv_exact(s, 1) == bytes([p.PutCode.CORRUPT])
+    with TcpTransport() as t:
+        assert not t.get_into(
+            stores.stores[0].info["address"], [GetItem(key, memoryview(bytearray(10)))]
+        )[0].ok
+
+
+DYING_CLIENT = textwrap.dedent(
+    """
+    import os, sys, time
+    from kvdepot.connector.transport.control import ControlPool
+    from kvdepot.store import protocol as p
+    from kvdepot.metadata.keys import ChunkKey
+    address, mode, key_hex = sys.argv[1], sys.argv[2], sys.argv[3]
+    conn = ControlPool(p.AttachKind.SHM, 5, 5).checkout(address)
+    key = ChunkKey(bytes.fromhex(key_hex))
+    if mode == "reserve":
+        replies = conn.reserve([p.PutEntry(key, 8 << 20, 0)])
+        assert replies[0].status is p.PutCode.OK, replies
+    else:
+        replies = conn.lease([p.GetEntry(key)])
+        assert replies[0].status is p.GetCode.OK, replies
+    print("holding", flush=True)
+    time.sleep(60)
+    """
+)
+
+
+@pytest.mark.parametrize("mode", ["reserve", "lease"])
+def test_client_that_dies_frees_what_it_held(stores: LocalCluster, mode: str) -> None:
+    info = stores.stores[0].info
+    address, grpc_address = info["address"], info["grpc_address"]
+    rng = random.Random(f"dies-{mode}")
+    key = ChunkKey(rng.randbytes(16))
+    with ShmTransport() as t:
+        if mode == "lease":
+            assert t.put(address, [PutItem(key, rng.randbytes(8 * MiB))]) == [PutStatus.OK]
+        before = used_bytes(grpc_address)
+        child = subprocess.Popen(
+            [sys.executable, "-c", DYING_CLIENT, address, mode, key.hex()],
+            stdout=subprocess.PIPE,
+        )
+        try:
+            assert child.stdout is not None and child.stdout.readline() == b"holding\n"
+            if mode == "reserve":
+                assert used_bytes(grpc_address) == before + 8 * MiB
+                # Being written: another writer of the same key is told it exists.
+                assert t.put(address, [PutItem(key, b"x")]) == [PutStatus.EXISTS]
+            else:
+                # Leased: deleting hides it at once, its memory stays until release.
+                assert t.delete(address, [key]) == [True]
+                assert used_bytes(grpc_address) == before
+        finally:
+            child.send_signal(signal.SIGKILL)
+            child.wait(10)
+            assert child.stdout is not None
+            child.stdout.close()
+        expected = before if mode == "reserve" else before - 8 * MiB
+        wait_for(lambda: used_bytes(grpc_address) == expected)
+        if mode == "reserve":
+            data = rng.randbytes(MiB)
+            assert t.put(address, [PutItem(key, data)]) == [PutStatus.OK]
+
+
+def test_shm_client_survives_a_store_restart_without_stale_reads(tmp_path: Path) -> None:
+    with LocalCluster(nodes=0, capacity="16MiB", log_dir=tmp_path) as c:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        first = c.add_store("store-r", "--port", str(port))
+        address = first.info["address"]
+        rng = random.Random(7)
+        key, data = ChunkKey(rng.randbytes(16)), rng.randbytes(MiB)
+        with ShmTransport(io_timeout_s=5) as t:
+            assert t.put(address, [PutItem(key, data)]) == [PutStatus.OK]
+            old_generation = t.generation(address)
+            assert old_generation == first.info["generation"]
+            first.proc.send_signal(signal.SIGTERM)
+            first.proc.wait(10)
+            assert not os.path.exists(first.info["arena_path"])
+            second = c.add_store("store-r", "--port", str(port))
+            assert second.info["address"] == address
+            # The old chunk is gone with the old arena: a miss, never stale bytes.
+            buf = bytearray(MiB)
+            out = t.get_into(address, [GetItem(key, memoryview(buf))])
+            assert (out[0].ok, out[0].error) == (False, "not found")
+            assert t.generation(address) == second.info["generation"] != old_generation
+            assert t.put(address, [PutItem(key, data)]) == [PutStatus.OK]
+            assert t.get_into(address, [GetItem(key, memoryview(buf))])[0].ok and buf == data
+
+
+def test_shm_refuses_a_store_on_another_host(tmp_path: Path) -> None:
+    # Same file, another host identity: the client must not map it.
+    path = f"/dev/shm/kvdepot-test-{os.getpid()}"
+    chunks_ = ChunkStore(4 * MiB, arena_path=path)
+    server = DataPlaneServer(chunks_)
+    server.start()
+    try:
+        import dataclasses
+
+        server.attach_info = dataclasses.replace(server.attach_info, host_id="boot:elsewhere")
+        host, port = server.address
+        with ShmTransport() as t:
+            assert not t.usable(f"{host}:{port}")
+            k = ChunkKey(bytes(16))
+            assert t.put(f"{host}:{port}", [PutItem(k, b"abc")]) == [PutStatus.FAILED]
+        with AutoTransport() as auto:
+            assert auto.choice(f"{host}:{port}") == "tcp"
+            assert auto.put(f"{host}:{port}", [PutItem(k, b"abc")]) == [PutStatus.OK]
+    finally:
+        server.stop()
+        chunks_.close()
+    assert not os.path.exists(path)
+
+
+def test_registry_knows_every_transport() -> None:
+    for name in ("tcp", "shm", "auto"):
+        t = create_transport(name, io_timeout_s=1.0)
+        t.close()

@@ -1,0 +1,60 @@
+"""Hashing while sending and receiving (store/sockets.py) and the shm copy."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+
+from kvdepot.connector.transport.shm import copy_hashed
+from kvdepot.store.chunks import checksum
+from kvdepot.store.sockets import CHECKSUM_SIZE, recv_exact, recv_hashed_into, send_hashed
+
+
+def test_send_hashed_then_recv_hashed_agree_with_checksum() -> None:
+    payloads = [os.urandom(n) for n in (1, 1000, 3 * 65536 + 5)]
+    a, b = socket.socketpair()
+    sums: list[int] = []
+    sender = threading.Thread(
+        target=lambda: sums.extend(
+            send_hashed(a, [b"head"], [memoryview(x) for x in payloads], block=65536)
+        )
+    )
+    sender.start()
+    assert recv_exact(b, 4) == b"head"
+    for data in payloads:
+        buf = bytearray(len(data))
+        got = recv_hashed_into(b, memoryview(buf), block=65536)
+        trailer = int.from_bytes(recv_exact(b, CHECKSUM_SIZE), "little")
+        assert buf == data and got == trailer == checksum(data)
+    sender.join(5)
+    assert sums == [checksum(d) for d in payloads]
+    a.close()
+    b.close()
+
+
+def test_copy_hashed_copies_and_hashes_either_side() -> None:
+    for n in (1, 4096, 5 * 65536 + 3):
+        src = os.urandom(n)
+        dst = bytearray(n)
+        assert copy_hashed(
+            memoryview(dst), memoryview(src), hash_dst=False, block=65536
+        ) == checksum(src)
+        assert dst == src
+        dst2 = bytearray(n)
+        assert copy_hashed(
+            memoryview(dst2), memoryview(src), hash_dst=True, block=65536
+        ) == checksum(src)
+
+
+def test_xxh3_without_the_gil_matches_xxhash() -> None:
+    import xxhash
+
+    from kvdepot.store.xxh3 import Xxh3Stream, xxh3_64
+
+    for n in (0, 1, 1000, 64 << 10, (1 << 20) + 7):
+        data = memoryview(os.urandom(n))
+        stream = Xxh3Stream()
+        stream.update(data[: n // 3])
+        stream.update(data[n // 3 :])
+        assert xxh3_64(data) == stream.digest() == xxhash.xxh3_64_intdigest(data)

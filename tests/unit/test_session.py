@@ -1,0 +1,121 @@
+"""Reservations and leases held by one data-plane connection (store/session.py),
+and the wire format of the messages that carry them."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvdepot.metadata.keys import ChunkKey
+from kvdepot.store import protocol as p
+from kvdepot.store.chunks import ChunkStore, checksum
+from kvdepot.store.session import Session
+
+PAGE = 4096
+
+
+def key(i: int) -> ChunkKey:
+    return ChunkKey(i.to_bytes(16, "little"))
+
+
+@pytest.fixture
+def chunks() -> ChunkStore:
+    return ChunkStore(16 * PAGE)
+
+
+def write(chunks: ChunkStore, offset: int, data: bytes) -> None:
+    chunks.arena.view(offset, len(data))[:] = data
+
+
+def test_reserve_write_commit_then_lease_and_release(chunks: ChunkStore) -> None:
+    s = Session(chunks, max_held=8)
+    data = bytes(range(256)) * 16
+    (r,) = s.reserve([p.PutEntry(key(1), len(data), 0)])
+    assert r.status is p.PutCode.OK and s.held == 1
+    write(chunks, r.offset, data)
+    assert s.commit([p.CommitEntry(key(1), checksum(data))]) == [(p.PutCode.OK, len(data))]
+    assert chunks.contains(key(1)) and s.held == 0
+    whole, part, miss, bad = s.lease(
+        [
+            p.GetEntry(key(1)),
+            p.GetEntry(key(1), 100, 50),
+            p.GetEntry(key(2)),
+            p.GetEntry(key(1), len(data), 1),
+        ]
+    )
+    assert (whole.status, whole.offset, whole.length) == (p.GetCode.OK, r.offset, len(data))
+    assert whole.checksum == checksum(data)
+    assert (part.offset, part.length, part.checksum) == (
+        r.offset + 100,
+        50,
+        checksum(data[100:150]),
+    )
+    assert miss.status is p.GetCode.NOT_FOUND and bad.status is p.GetCode.INVALID
+    assert s.held == 2
+    assert s.release([whole.lease_id, whole.lease_id, part.lease_id]) == [
+        p.HeldCode.OK,
+        p.HeldCode.NOT_HELD,
+        p.HeldCode.OK,
+    ]
+    assert s.held == 0
+
+
+def test_corrupt_commit_is_revoked_and_unknown_keys_are_invalid(chunks: ChunkStore) -> None:
+    s = Session(chunks, max_held=8)
+    (r,) = s.reserve([p.PutEntry(key(1), PAGE, 0)])
+    write(chunks, r.offset, b"x" * PAGE)
+    assert s.commit([p.CommitEntry(key(1), 12345), p.CommitEntry(key(9), 0)]) == [
+        (p.PutCode.CORRUPT, PAGE),
+        (p.PutCode.INVALID, 0),
+    ]
+    assert not chunks.contains(key(1)) and chunks.stats().used_bytes == 0
+
+
+def test_close_drops_everything_the_connection_held(chunks: ChunkStore) -> None:
+    s = Session(chunks, max_held=8)
+    (r,) = s.reserve([p.PutEntry(key(1), PAGE, 0)])
+    write(chunks, r.offset, b"y" * PAGE)
+    s.commit([p.CommitEntry(key(1), checksum(b"y" * PAGE))])
+    s.lease([p.GetEntry(key(1))])
+    s.reserve([p.PutEntry(key(2), 2 * PAGE, 0)])
+    assert chunks.stats().used_bytes == 3 * PAGE
+    assert s.abort([key(3)]) == [p.HeldCode.NOT_HELD]
+    s.close()
+    assert chunks.stats().used_bytes == PAGE  # the committed chunk stays, unleased
+    assert chunks.delete(key(1)) and chunks.stats().used_bytes == 0
+
+
+def test_limits_and_nixl_accounting(chunks: ChunkStore) -> None:
+    seen: list[int] = []
+    s = Session(chunks, max_held=2, on_held=seen.append)
+    s.reserve([p.PutEntry(key(1), PAGE, 0)])
+    assert seen == []  # not a NIXL session yet
+    s.attach(p.AttachKind.NIXL)
+    assert seen == [1]
+    with pytest.raises(p.ProtocolError) as info:
+        s.reserve([p.PutEntry(key(2), PAGE, 0), p.PutEntry(key(3), PAGE, 0)])
+    assert info.value.code is p.ErrorCode.LIMIT_EXCEEDED
+    assert s.abort([key(1)]) == [p.HeldCode.OK]
+    assert sum(seen) == 0
+
+
+def test_session_messages_round_trip() -> None:
+    info = p.AttachInfo(
+        7, 1 << 30, 5, 6, p.AttachFlags.SHM | p.AttachFlags.NIXL, "/dev/shm/a", "boot:x", "h:1"
+    )
+    assert p.unpack_attach_info(info.pack()) == info
+    with pytest.raises(p.ProtocolError):
+        p.unpack_attach_info(info.pack()[:-1])
+    leases = [
+        p.LeaseReplyEntry(p.GetCode.OK, 3, 4096, 100, 99),
+        p.LeaseReplyEntry(p.GetCode.NOT_FOUND),
+    ]
+    assert p.unpack_lease_reply_entries(p.pack_lease_reply_entries(leases)) == leases
+    reserved = [p.ReserveReplyEntry(p.PutCode.OK, 8192), p.ReserveReplyEntry(p.PutCode.NO_SPACE)]
+    assert p.unpack_reserve_reply_entries(p.pack_reserve_reply_entries(reserved)) == reserved
+    commits = [p.CommitEntry(key(1), 2**64 - 1)]
+    assert p.unpack_commit_entries(p.pack_commit_entries(commits)) == commits
+    assert p.unpack_lease_ids(p.pack_lease_ids([1, 2**63])) == [1, 2**63]
+    with pytest.raises(p.ProtocolError):
+        p.unpack_statuses(bytes([0, 77]), p.PutCode)
+    sizes = (p.RESERVE_REPLY_ENTRY.size, p.COMMIT_ENTRY.size, p.LEASE_REPLY_ENTRY.size)
+    assert sizes == (16, 24, 40) and p.ATTACH_INFO.size == 48
