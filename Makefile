@@ -27,6 +27,14 @@ $(VENV)/.installed-vllm: $(VENV)/.installed
 	else echo "vLLM tests need x86_64 Linux; they will be skipped"; fi
 	touch $@
 
+# NIXL (RDMA data plane; here it runs over UCX TCP and shared memory). --no-deps:
+# the `nixl` meta package would otherwise pull several GB of CUDA.
+$(VENV)/.installed-nixl: $(VENV)/.installed
+	@if [ "$$(uname -m)" = x86_64 ] && [ "$$(uname -s)" = Linux ]; then \
+		$(BIN)/python -m pip install -q --no-deps 'nixl==1.5.1' 'nixl-cu12==1.5.1'; \
+	else echo "NIXL wheels are x86_64 Linux only; its tests will be skipped"; fi
+	touch $@
+
 install: $(VENV)/.installed
 
 demo: install
@@ -41,10 +49,15 @@ system-deps:
 		echo "installing redis-server"; \
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server >/dev/null; }
+	@# docker-compose (v1) validates deploy/docker-compose.yml without an engine.
+	@command -v docker-compose >/dev/null 2>&1 || { \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get install -y -qq docker-compose >/dev/null 2>&1 || \
+		echo "docker-compose unavailable: the compose file is checked as YAML only"; }
 	@# Debian starts a system redis on 6379; the tests use their own servers.
 	@-service redis-server stop >/dev/null 2>&1 || true
 
-test: install $(VENV)/.installed-vllm system-deps
+test: install $(VENV)/.installed-vllm $(VENV)/.installed-nixl system-deps
 	$(BIN)/python -m pytest -q -ra
 
 proto: install

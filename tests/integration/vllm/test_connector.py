@@ -27,7 +27,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kvdepot[
 
 from .engine import build_tiny_llama, engine_env
 
-pytestmark = [pytest.mark.vllm, pytest.mark.integration]
+pytestmark = [pytest.mark.vllm, pytest.mark.integration, pytest.mark.timeout(1200)]
 
 ROOT = Path(__file__).resolve().parents[3]
 CHUNK = 128  # = the CPU backend's block size

@@ -22,7 +22,7 @@ pytest.importorskip("aiohttp", reason="the proxy needs aiohttp")
 from .engine import build_tiny_llama, engine_env
 from .test_connector import CHUNK, PROMPT_A, kv, run_engine, spec
 
-pytestmark = [pytest.mark.vllm, pytest.mark.integration]
+pytestmark = [pytest.mark.vllm, pytest.mark.integration, pytest.mark.timeout(1200)]
 
 
 def free_port() -> int:
