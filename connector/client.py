@@ -43,6 +43,9 @@ class ClientConfig:
         rpc_timeout_s: Deadline of each metadata call.
         connect_timeout_s: Deadline to connect to a store.
         io_timeout_s: Deadline for a stalled data-plane transfer.
+        replicate_on_read: After pulling chunks from another node, also store
+            them on ``node_id``'s store and register that replica, so the next
+            reader on this node reads locally.
     """
 
     metadata: str = "127.0.0.1:7700"
@@ -52,9 +55,12 @@ class ClientConfig:
     rpc_timeout_s: float = 10.0
     connect_timeout_s: float = 5.0
     io_timeout_s: float = 30.0
+    replicate_on_read: bool = False
 
     def __post_init__(self) -> None:
         parse_endpoints(self.metadata)
+        if self.replicate_on_read and not self.node_id:
+            raise InvalidArgument("replicate_on_read needs node_id (the store to replicate to)")
         if min(self.rpc_timeout_s, self.connect_timeout_s, self.io_timeout_s) <= 0:
             raise InvalidArgument("timeouts must be positive")
         if self.tokens_per_chunk < 0:
@@ -294,6 +300,7 @@ class KVDepotClient:
             reply = self.lookup_locations(keys)
         self._learn_local(r for loc in reply.locations for r in loc.replicas)
         loaded = [False] * len(keys)
+        remote: list[int] = []
         received = 0
         if early is not None:
             for i in range(reply.hits):
@@ -323,9 +330,83 @@ class KVDepotClient:
                     if out.ok and out.length == reply.locations[i].size:
                         loaded[i] = True
                         received += out.length
+                        if address != self._local_address:
+                            remote.append(i)
             todo = [i for i in todo if not loaded[i]]
             attempt += 1
+        if remote and self.config.replicate_on_read:
+            self._replicate(
+                [ckeys[i] for i in remote], [views[i][: reply.locations[i].size] for i in remote]
+            )
         return GetResult(tuple(loaded), received)
+
+    def _replicate(self, keys: list[ChunkKey], views: list[memoryview]) -> None:
+        """Store pulled chunks on this node too and register the replicas."""
+        if self._local_address is None:
+            self._learn_local(self.stats().nodes)
+        local = self._local_address
+        if local is None:
+            return
+        items = [PutItem(k, v) for k, v in zip(keys, views, strict=True)]
+        statuses = self._transport.put(local, items)
+        done = [i for i, st in enumerate(statuses) if st in _WRITTEN]
+        if done:
+            self._call(
+                "PutEnd",
+                metadata_pb2.PutEndRequest(
+                    keys=[keys[i] for i in done],
+                    node_id=self.config.node_id,
+                    sizes=[views[i].nbytes for i in done],
+                ),
+            )
+
+    def get_ranges_into(
+        self,
+        keys: Sequence[bytes],
+        ranges: Sequence[tuple[int, int]],
+        buffers: Sequence[Buffer],
+        replicas: Sequence[Sequence[str]],
+    ) -> list[bool]:
+        """Read byte ranges of chunks whose replicas a lookup already found.
+
+        For pipelined loads: one lookup, then several batches of ranged reads
+        (e.g. one layer of every chunk at a time). Item ``i`` reads
+        ``ranges[i] = (offset, length)`` of chunk ``keys[i]`` into ``buffers[i]``,
+        trying ``replicas[i]`` (data-plane addresses) in order. The store
+        checksums what it serves; callers that need end-to-end verification of
+        a range keep their own checksums inside the chunk.
+
+        Returns:
+            Per item, whether its range arrived complete and verified.
+        """
+        n = len(keys)
+        if not n == len(ranges) == len(buffers) == len(replicas):
+            raise InvalidArgument("keys, ranges, buffers and replicas must have equal lengths")
+        ckeys = _check_keys(keys)
+        views = [_as_view(b, writable=True) for b in buffers]
+        for (offset, length), view in zip(ranges, views, strict=True):
+            if offset < 0 or length <= 0 or view.nbytes < length:
+                raise InvalidArgument("each range needs a positive length that fits its buffer")
+        done = [False] * n
+        attempt = 0
+        todo = list(range(n))
+        while todo:
+            groups: dict[str, list[int]] = defaultdict(list)
+            for i in todo:
+                if attempt < len(replicas[i]):
+                    groups[replicas[i][attempt]].append(i)
+            if not groups:
+                break
+            for address, idx in groups.items():
+                items = [
+                    GetItem(ckeys[i], views[i][: ranges[i][1]], ranges[i][0], ranges[i][1])
+                    for i in idx
+                ]
+                for i, out in zip(idx, self._transport.get_into(address, items), strict=True):
+                    done[i] = out.ok and out.length == ranges[i][1]
+            todo = [i for i in todo if not done[i]]
+            attempt += 1
+        return done
 
     def stats(self) -> metadata_pb2.ClusterStats:
         """Cluster-wide statistics from the metadata service."""

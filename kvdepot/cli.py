@@ -132,6 +132,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         metadata_port=args.metadata_port,
         capacity=args.capacity,
         host=args.host,
+        index=args.index,
     )
     # Children get SIGINT from the terminal too; we only wait and clean up.
     stop = False
@@ -316,6 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--metadata-port", type=int, default=7700, help="metadata port (default 7700)")
     u.add_argument("--capacity", default="512MiB", help="arena per store (default 512MiB)")
     u.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    u.add_argument("--index", default="memory://", help="index backend (e.g. redis://host:6379)")
     u.set_defaults(func=cmd_up)
 
     st = sub.add_parser("stats", help="cluster statistics over gRPC")

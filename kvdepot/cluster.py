@@ -106,6 +106,7 @@ class LocalCluster:
         extra_store_args: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
         ready_timeout_s: float = 60.0,
+        index: str = "memory://",
     ) -> None:
         self.nodes = nodes
         self.metadata_port = metadata_port
@@ -118,6 +119,7 @@ class LocalCluster:
         self.extra_store_args = extra_store_args
         self.env = env
         self.ready_timeout_s = ready_timeout_s
+        self.index = index
         self.metadata: DaemonProcess | None = None
         self.stores: list[DaemonProcess] = []
         self._logs: list[IO[bytes]] = []
@@ -153,6 +155,7 @@ class LocalCluster:
                     "--port", str(self.metadata_port),
                     "--lease-ttl", str(self.lease_ttl_s),
                     "--heartbeat-interval", str(self.heartbeat_interval_s),
+                    "--index", self.index,
                 ],
             )
             self.metadata.info = wait_ready(self.metadata.proc, "metadata", self.ready_timeout_s)

@@ -122,3 +122,52 @@ def test_example_config_is_accepted() -> None:
     out = run("store", "--config", cfg, "--check")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["store"]["capacity_bytes"] == 4 << 30
+
+
+@pytest.mark.redis
+def test_up_with_the_redis_index(redis_server: str, tmp_path: Path) -> None:
+    import redis
+
+    port = free_port()
+    prefix = f"up-{port}"
+    url = f"{redis_server}?prefix={prefix}"
+    proc = subprocess.Popen(
+        [
+            *KVDEPOT,
+            "up",
+            "--nodes",
+            "2",
+            "--metadata-port",
+            str(port),
+            "--capacity",
+            "32MiB",
+            "--index",
+            url,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_nodes(f"127.0.0.1:{port}", 2, timeout_s=60)
+        out = run(
+            "demo",
+            "--json",
+            "--metadata",
+            f"127.0.0.1:{port}",
+            "--prompts",
+            "4",
+            "--chunk-bytes",
+            "64KiB",
+        )
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["verified"] is True
+        with redis.Redis.from_url(redis_server) as r:
+            assert any(True for _ in r.scan_iter(match=f"{prefix}:*", count=100))
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()

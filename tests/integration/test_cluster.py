@@ -210,3 +210,24 @@ def test_store_and_client_fail_over_between_metadata_replicas(tmp_path: Path) ->
             if p.poll() is None:
                 p.kill()
             p.wait()
+
+
+def test_reader_adds_a_replica_on_its_own_node(cluster: LocalCluster) -> None:
+    size = 64 << 10
+    keys = chunk_keys(NS, list(range(700, 700 + 16 * 3)))
+    writer, reader = (s.info["node_id"] for s in cluster.stores)
+    with KVDepotClient(ClientConfig(metadata=cluster.metadata_address, node_id=writer)) as c:
+        assert c.put(keys, [payload(k, size) for k in keys]).stored == 3
+    cfg = ClientConfig(metadata=cluster.metadata_address, node_id=reader, replicate_on_read=True)
+    with KVDepotClient(cfg) as c:
+        bufs = [np.zeros(size, dtype=np.uint8) for _ in keys]
+        assert c.get_into(keys, bufs).leading == 3
+        loc = c.lookup_locations(keys)
+        # Both nodes hold the chunks now; the reader's own copy is listed first.
+        assert all([r.node_id for r in x.replicas] == [reader, writer] for x in loc.locations)
+    # With the writer gone, the chunks are still served, from the reader's node.
+    os.kill(cluster.stores[0].pid, signal.SIGKILL)
+    with KVDepotClient(ClientConfig(metadata=cluster.metadata_address)) as c:
+        bufs = [np.zeros(size, dtype=np.uint8) for _ in keys]
+        assert c.get_into(keys, bufs).leading == 3
+        assert all(np.array_equal(b, payload(k, size)) for k, b in zip(keys, bufs, strict=True))
