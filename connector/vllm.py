@@ -45,6 +45,7 @@ from kvdepot.connector.vllm_layout import (
     layout_from_config,
     namespace_for,
 )
+from kvdepot.connector.vllm_loader import LayerLoader, LoadJob, header_bytes, write_header
 from kvdepot.errors import KVDepotError
 from kvdepot.metadata.keys import ChunkKey, chunk_keys
 
@@ -172,6 +173,12 @@ class KVDepotConnector(KVConnectorBase_V1):
         self._load_errors: set[int] = set()
         self._staged: list[tuple[ChunkTransfer, np.ndarray]] = []
         self._layer_index: dict[str, int] = {}
+        self._header_bytes = 0
+        self._loader: LayerLoader | None = None
+        self._load_job: LoadJob | None = None
+        self._load_xfers: list[ChunkTransfer] = []
+        self._scattered: set[int] = set()
+        self._load_timeout_s = 60.0
         self._interval = KVDepotConnectorStats()
         logger.info(
             "KVDepotConnector (%s, %s): metadata %s, %d-token chunks, layout %s",
@@ -336,6 +343,8 @@ class KVDepotConnector(KVConnectorBase_V1):
         first = next(iter(self._kv_caches.values()))
         # CPU and most backends: [num_blocks, ...]; flash-attn: [2, num_blocks, ...].
         self._block_dim = 1 if first.dim() == 5 and first.shape[0] == 2 else 0
+        self._header_bytes = header_bytes(len(self._kv_caches))
+        self._loader = LayerLoader(self._client, len(self._kv_caches), self._layer_chunk_bytes())
         logger.info(
             "kvdepot: %d KV layers of shape %s (%s), %d bytes per chunk",
             len(self._kv_caches),
@@ -350,7 +359,7 @@ class KVDepotConnector(KVConnectorBase_V1):
         return per_block * self.layout.blocks_per_chunk
 
     def _chunk_bytes(self) -> int:
-        return self._layer_chunk_bytes() * len(self._kv_caches)
+        return self._header_bytes + self._layer_chunk_bytes() * len(self._kv_caches)
 
     def _meta(self) -> KVDepotConnectorMetadata | None:
         if not self.has_connector_metadata():
@@ -360,19 +369,44 @@ class KVDepotConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._meta()
-        if meta is None or not meta.loads or not self._kv_caches:
+        if meta is None or not meta.loads or not self._kv_caches or self._loader is None:
             return
+        # Fetched layer by layer on a background thread; each attention layer
+        # waits only for its own layer (wait_for_layer_load).
+        self._load_xfers = list(meta.loads)
+        self._load_job = self._loader.start([x.keys for x in meta.loads])
+        self._scattered = set()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        job = self._load_job
+        li = self._layer_index.get(layer_name)
+        if job is None or li is None or li in self._scattered:
+            return
+        ok = job.wait_layer(li, self._load_timeout_s)
+        if ok is None:
+            logger.warning("kvdepot: layer %s did not arrive in time; recomputing", layer_name)
+            job.error = job.error or "timeout"
+            return
+        self._scattered.add(li)
+        kv = list(self._kv_caches.values())[li]
+        for xfer, staging, n in zip(self._load_xfers, job.staging, ok, strict=True):
+            if n:
+                self._scatter_layer(kv, li, staging[:n], xfer.block_ids[:n], xfer.skip_blocks)
+
+    def _finish_load(self) -> None:
+        job, self._load_job = self._load_job, None
+        if job is None:
+            return
+        for li in range(len(self._kv_caches)):
+            if li not in self._scattered:
+                # Its attention ran without the loaded KV (or the layer never
+                # came): nothing of this step's loads can be trusted.
+                job.wait_layer(li, self._load_timeout_s)
+                job.ok = [0] * len(job.ok)
+        if job.error:
+            job.ok = [0] * len(job.ok)
         size = self._chunk_bytes()
-        for xfer in meta.loads:
-            staging = np.empty((len(xfer.keys), size), dtype=np.uint8)
-            try:
-                result = self._client.get_into(list(xfer.keys), list(staging))
-                loaded = result.leading
-            except KVDepotError as exc:
-                logger.warning("kvdepot load for %s failed: %s", xfer.req_id, exc)
-                loaded = 0
-            if loaded:
-                self._scatter(staging[:loaded], xfer.block_ids[:loaded], xfer.skip_blocks)
+        for xfer, loaded in zip(self._load_xfers, job.ok, strict=True):
             # Everything from the first chunk that did not arrive is recomputed.
             failed = {b for blocks in xfer.block_ids[loaded:] for b in blocks} - xfer.skip_blocks
             self._load_errors |= failed
@@ -388,9 +422,12 @@ class KVDepotConnector(KVConnectorBase_V1):
                     len(xfer.keys),
                     xfer.req_id,
                 )
+        self._load_xfers = []
 
-    def _scatter(
+    def _scatter_layer(
         self,
+        kv: torch.Tensor,
+        li: int,
         staging: np.ndarray,
         block_ids: tuple[tuple[int, ...], ...],
         skip: frozenset[int],
@@ -400,27 +437,20 @@ class KVDepotConnector(KVConnectorBase_V1):
         keep = [i for i, b in enumerate(flat) if b not in skip]
         if not keep:
             return
-        src_all = torch.from_numpy(staging)
-        ids = torch.tensor([flat[i] for i in keep], dtype=torch.long)
-        sel = torch.tensor(keep, dtype=torch.long)
-        for li, kv in enumerate(self._kv_caches.values()):
-            part = src_all[:, li * layer_bytes : (li + 1) * layer_bytes].contiguous()
-            blocks = part.view(kv.dtype)
-            shape = self._block_shape(kv)
-            blocks = blocks.reshape(len(flat), *shape).index_select(0, sel)
-            if self._block_dim == 0:
-                kv.index_copy_(0, ids.to(kv.device), blocks.to(kv.device))
-            else:
-                kv.index_copy_(1, ids.to(kv.device), blocks.transpose(0, 1).to(kv.device))
+        start = self._header_bytes + li * layer_bytes
+        part = torch.from_numpy(staging[:, start : start + layer_bytes]).contiguous()
+        blocks = part.view(kv.dtype).reshape(len(flat), *self._block_shape(kv))
+        blocks = blocks.index_select(0, torch.tensor(keep, dtype=torch.long))
+        ids = torch.tensor([flat[i] for i in keep], dtype=torch.long, device=kv.device)
+        if self._block_dim == 0:
+            kv.index_copy_(0, ids, blocks.to(kv.device))
+        else:
+            kv.index_copy_(1, ids, blocks.transpose(0, 1).to(kv.device))
 
     def _block_shape(self, kv: torch.Tensor) -> tuple[int, ...]:
         if self._block_dim == 0:
             return tuple(kv.shape[1:])
         return (kv.shape[0], *kv.shape[2:])
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        # Loads complete in start_load_kv, before the first layer runs.
-        return
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
@@ -433,28 +463,18 @@ class KVDepotConnector(KVConnectorBase_V1):
         li = self._layer_index.get(layer_name)
         if li is None:
             return
-        reg = self._kv_caches[layer_name]
-        logger.warning(
-            "DEBUG save %s shape %s stride %s ptr %s | reg shape %s stride %s ptr %s",
-            layer_name,
-            tuple(kv_layer.shape),
-            kv_layer.stride(),
-            kv_layer.data_ptr(),
-            tuple(reg.shape),
-            reg.stride(),
-            reg.data_ptr(),
-        )
         if not self._staged:
             size = self._chunk_bytes()
             self._staged = [(x, np.empty((len(x.keys), size), dtype=np.uint8)) for x in meta.saves]
         layer_bytes = self._layer_chunk_bytes()
+        start = self._header_bytes + li * layer_bytes
         for xfer, staging in self._staged:
             flat = torch.tensor([b for blocks in xfer.block_ids for b in blocks], dtype=torch.long)
             blocks = kv_layer.index_select(self._block_dim, flat.to(kv_layer.device))
             if self._block_dim == 1:
                 blocks = blocks.transpose(0, 1).contiguous()
             raw = blocks.cpu().contiguous().view(torch.uint8).reshape(len(xfer.keys), layer_bytes)
-            staging[:, li * layer_bytes : (li + 1) * layer_bytes] = raw.numpy()
+            staging[:, start : start + layer_bytes] = raw.numpy()
 
     def wait_for_save(self) -> None:
         meta = self._meta()
@@ -462,6 +482,7 @@ class KVDepotConnector(KVConnectorBase_V1):
             self._count(chunks_skipped=meta.skipped)
         staged, self._staged = self._staged, []
         for xfer, staging in staged:
+            write_header(staging, len(self._kv_caches), self._layer_chunk_bytes())
             try:
                 r = self._client.put(list(xfer.keys), list(staging))
             except KVDepotError as exc:
@@ -476,6 +497,8 @@ class KVDepotConnector(KVConnectorBase_V1):
             )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        # Called once per step after the forward pass: every layer was used.
+        self._finish_load()
         errors, self._load_errors = self._load_errors, set()
         return errors
 
@@ -483,4 +506,6 @@ class KVDepotConnector(KVConnectorBase_V1):
         return None, None
 
     def shutdown(self) -> None:
+        if self._loader is not None:
+            self._loader.close()
         self._client.close()

@@ -88,7 +88,8 @@ class KVLayout:
     def signature(self) -> str:
         """The layout part of the key namespace."""
         return (
-            f"vllm:{self.device}:{self.kernel}:bs{self.block_size}:"
+            # fmt2: a per-layer checksum header precedes the layers.
+            f"vllm-fmt2:{self.device}:{self.kernel}:bs{self.block_size}:"
             f"L{self.num_layers}:H{self.num_kv_heads}:D{self.head_size}"
         )
 

@@ -135,25 +135,32 @@ def _plant_random(llm: Any, kv: dict[str, Any], prompts: list[list[int]]) -> Non
 
     from kvdepot.connector.client import ClientConfig, KVDepotClient
     from kvdepot.connector.vllm_layout import ConnectorSettings, layout_from_config, namespace_for
+    from kvdepot.connector.vllm_loader import header_bytes, write_header
     from kvdepot.metadata.keys import chunk_keys
 
     cfg = llm.llm_engine.vllm_config
     settings = ConnectorSettings.from_extra(kv["kv_connector_extra_config"])
     layout = layout_from_config(cfg, settings)
     ns = namespace_for(cfg, settings, layout, 0)
-    size = layout.num_layers * layout.chunk_tokens * layout.num_kv_heads * layout.head_size * 2 * 2
+    layer_bytes = layout.chunk_tokens * layout.num_kv_heads * layout.head_size * 2 * 2
+    size = header_bytes(layout.num_layers) + layout.num_layers * layer_bytes
     rng = np.random.default_rng(7)
     with KVDepotClient(ClientConfig(metadata=settings.metadata)) as client:
         for ids in prompts:
             keys = chunk_keys(ns, ids)
-            # Small normal values in bf16: valid-looking KV, just not this prompt's.
-            fake = [
-                (rng.standard_normal(size // 2).astype(np.float32).view(np.uint32) >> 16)
+            # Small normal values in bf16 with a correct checksum header:
+            # well-formed chunks, just not this prompt's KV.
+            fake = (
+                (
+                    rng.standard_normal((len(keys), size // 2)).astype(np.float32).view(np.uint32)
+                    >> 16
+                )
                 .astype(np.uint16)
                 .view(np.uint8)
-                for _ in keys
-            ]
-            client.put(keys, fake)
+            )
+            write_header(fake, layout.num_layers, layer_bytes)
+            fake_rows = list(fake)
+            client.put(keys, fake_rows)
 
 
 if __name__ == "__main__":
