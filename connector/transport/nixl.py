@@ -36,16 +36,14 @@ from typing import Any
 import grpc
 import numpy as np
 
-from kvdepot.connector.transport.base import GetItem, GetOutcome, PutItem, PutStatus, Transport
+from kvdepot.connector.transport.arena import ArenaTransport
+from kvdepot.connector.transport.base import GetOutcome, PutItem, PutStatus
 from kvdepot.connector.transport.control import ControlConnection, ControlPool
 from kvdepot.connector.transport.tcp import (
     PUT_STATUS,
     GetWork,
     PutWork,
     TcpTransport,
-    check_get_items,
-    check_put_items,
-    split_batches,
 )
 from kvdepot.errors import InvalidArgument, KVDepotError, Unavailable
 from kvdepot.metadata.keys import ChunkKey
@@ -87,7 +85,7 @@ def _address_of(view: memoryview) -> int:
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
 
-class NixlTransport(Transport):
+class NixlTransport(ArenaTransport[_Peer]):
     """The ``nixl`` data plane client.
 
     Args:
@@ -102,6 +100,8 @@ class NixlTransport(Transport):
         Unavailable: NIXL is not installed or its agent does not start.
         InvalidArgument: If a timeout is not positive.
     """
+
+    name = "nixl"
 
     def __init__(
         self,
@@ -247,27 +247,6 @@ class NixlTransport(Transport):
                     logger.debug("releasing a transfer handle: %s", exc)
 
     # -- data -----------------------------------------------------------------------
-    def put(self, address: str, items: Sequence[PutItem]) -> list[PutStatus]:
-        """Write chunks with RDMA WRITEs into the store's arena; see :meth:`Transport.put`."""
-        statuses, todo = check_put_items(items, self._limits)
-        if not todo:
-            return statuses
-        try:
-            conn, peer = self._open(address)
-        except (KVDepotError, OSError) as exc:
-            logger.warning("nixl put to %s failed: %s", address, str(exc))
-            return statuses
-        try:
-            for batch in split_batches(todo, lambda t: t[2].nbytes, self._limits):
-                for i, code in self._put_batch(conn, peer, batch, items):
-                    statuses[i] = code
-        except (KVDepotError, OSError) as exc:
-            conn.close()  # the store revokes this connection's reservations
-            logger.warning("nixl put to %s failed: %s", address, str(exc))
-            return statuses
-        self._pool.checkin(address, conn)
-        return statuses
-
     def _put_batch(
         self, conn: ControlConnection, peer: _Peer, batch: list[PutWork], items: Sequence[PutItem]
     ) -> list[tuple[int, PutStatus]]:
@@ -299,29 +278,6 @@ class NixlTransport(Transport):
         codes = conn.finish_commits([len(commits)])
         out.extend((i, PUT_STATUS[c]) for (i, _, _), c in zip(writes, codes, strict=True))
         return out
-
-    def get_into(self, address: str, items: Sequence[GetItem]) -> list[GetOutcome]:
-        """Read chunks with RDMA READs from the store's arena; see :meth:`Transport.get_into`."""
-        todo = check_get_items(items)
-        outcomes = [GetOutcome(False, 0, "transport: not attempted")] * len(items)
-        if not todo:
-            return outcomes
-        try:
-            conn, peer = self._open(address)
-        except (KVDepotError, OSError) as exc:
-            logger.warning("nixl get from %s failed: %s", address, str(exc))
-            return [GetOutcome(False, 0, f"transport: {exc}")] * len(items)
-        try:
-            for batch in split_batches(todo, lambda _: 0, self._limits):
-                for i, outcome in self._get_batch(conn, peer, batch):
-                    outcomes[i] = outcome
-        except (KVDepotError, OSError) as exc:
-            conn.close()  # the store releases this connection's leases
-            logger.warning("nixl get from %s failed: %s", address, str(exc))
-            failed = GetOutcome(False, 0, f"transport: {exc}")
-            return [o if o.ok else failed for o in outcomes]
-        self._pool.checkin(address, conn)
-        return outcomes
 
     def _get_batch(
         self, conn: ControlConnection, peer: _Peer, batch: list[GetWork]
@@ -361,15 +317,8 @@ class NixlTransport(Transport):
             conn.release(lease_ids)
         return out
 
-    def delete(self, address: str, keys: Sequence[ChunkKey]) -> list[bool]:
-        """Delete chunks (over the store's socket); see :meth:`Transport.delete`."""
-        return self._tcp.delete(address, keys)
-
-    def close(self) -> None:
-        """Close control connections and deregister every cached buffer."""
-        self._closed = True
-        self._pool.close()
-        self._tcp.close()
+    def _release(self) -> None:
+        # Deregister every cached buffer.
         with self._lock:
             regs, self._registrations = self._registrations, OrderedDict()
             for descs, _ in regs.values():

@@ -32,18 +32,15 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvdepot.connector.transport.base import GetItem, GetOutcome, PutItem, PutStatus, Transport
+from kvdepot.connector.transport.arena import ArenaTransport
+from kvdepot.connector.transport.base import GetOutcome, PutItem, PutStatus
 from kvdepot.connector.transport.control import ControlConnection, ControlPool
 from kvdepot.connector.transport.tcp import (
     PUT_STATUS,
     PutWork,
     TcpTransport,
-    check_get_items,
-    check_put_items,
-    split_batches,
 )
 from kvdepot.errors import InvalidArgument, KVDepotError, Unavailable
-from kvdepot.metadata.keys import ChunkKey
 from kvdepot.store.host import host_identity
 from kvdepot.store.protocol import (
     HASH_BLOCK,
@@ -142,7 +139,7 @@ def _map_arena(info: AttachInfo) -> _Mapping:
     return _Mapping(info.generation, memoryview(mm))
 
 
-class ShmTransport(Transport):
+class ShmTransport(ArenaTransport[_Mapping]):
     """The ``shm`` data plane client: same-host stores only.
 
     Items for a store on another host (or whose arena is not shared) fail
@@ -229,28 +226,6 @@ class ShmTransport(Transport):
         # The old mapping is unmapped when the last transfer using it ends.
         return new
 
-    def put(self, address: str, items: Sequence[PutItem]) -> list[PutStatus]:
-        """Write chunks by copying them into the store's arena; see :meth:`Transport.put`."""
-        statuses, todo = check_put_items(items, self._limits)
-        if not todo:
-            return statuses
-        try:
-            conn, m = self._open(address)
-        except (KVDepotError, OSError) as exc:
-            logger.warning("shm put to %s failed: %s", address, str(exc))
-            return statuses
-        try:
-            for batch in split_batches(todo, lambda t: t[2].nbytes, self._limits):
-                for i, code in self._put_batch(conn, m, batch, items):
-                    statuses[i] = code
-        except (KVDepotError, OSError) as exc:
-            # The store drops this connection's reservations when it closes.
-            conn.close()
-            logger.warning("shm put to %s failed: %s", address, str(exc))
-            return statuses
-        self._pool.checkin(address, conn)
-        return statuses
-
     def _put_batch(
         self,
         conn: ControlConnection,
@@ -292,30 +267,6 @@ class ShmTransport(Transport):
         out.extend((i, PUT_STATUS[c]) for i, c in zip(committed, codes, strict=True))
         return out
 
-    def get_into(self, address: str, items: Sequence[GetItem]) -> list[GetOutcome]:
-        """Read chunks by copying them out of the store's arena; see :meth:`Transport.get_into`."""
-        todo = check_get_items(items)
-        outcomes = [GetOutcome(False, 0, "transport: not attempted")] * len(items)
-        if not todo:
-            return outcomes
-        try:
-            conn, m = self._open(address)
-        except (KVDepotError, OSError) as exc:
-            logger.warning("shm get from %s failed: %s", address, str(exc))
-            return [GetOutcome(False, 0, f"transport: {exc}")] * len(items)
-        try:
-            for batch in split_batches(todo, lambda _: 0, self._limits):
-                for i, outcome in self._get_batch(conn, m, batch):
-                    outcomes[i] = outcome
-        except (KVDepotError, OSError) as exc:
-            # The store releases this connection's leases when it closes.
-            conn.close()
-            logger.warning("shm get from %s failed: %s", address, str(exc))
-            failed = GetOutcome(False, 0, f"transport: {exc}")
-            return [o if o.ok else failed for o in outcomes]
-        self._pool.checkin(address, conn)
-        return outcomes
-
     def _get_batch(
         self, conn: ControlConnection, m: _Mapping, batch: list[tuple[int, GetEntry, memoryview]]
     ) -> list[tuple[int, GetOutcome]]:
@@ -330,15 +281,7 @@ class ShmTransport(Transport):
             conn.release(lease_ids)
         return out
 
-    def delete(self, address: str, keys: Sequence[ChunkKey]) -> list[bool]:
-        """Delete chunks (over the store's socket); see :meth:`Transport.delete`."""
-        return self._tcp.delete(address, keys)
-
-    def close(self) -> None:
-        """Close the control connections and drop the mappings."""
-        self._closed = True
-        self._pool.close()
-        self._tcp.close()
+    def _release(self) -> None:
         with self._lock:
             self._maps.clear()
 
