@@ -27,12 +27,10 @@ EXIT_ERROR = 1
 EXIT_USAGE = 2
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+def _setup_logging(level: str, fmt: str) -> None:
+    from kvdepot.logs import setup_logging
+
+    setup_logging(level, fmt)
 
 
 def _announce(line: str) -> None:
@@ -72,6 +70,10 @@ def cmd_metadata(args: argparse.Namespace) -> int:
             "lease_ttl_s": args.lease_ttl,
             "heartbeat_interval_s": args.heartbeat_interval,
             "allocation_ttl_s": args.allocation_ttl,
+            "kv_events": args.kv_events,
+            "kv_events_replay": args.kv_events_replay,
+            "kv_events_block_size": args.kv_events_block_size,
+            "metrics_port": args.metrics_port,
         },
     )
     if args.check:
@@ -81,7 +83,15 @@ def cmd_metadata(args: argparse.Namespace) -> int:
     async def main() -> None:
         server = MetadataServer(config)
         port = await server.start()
-        _announce("KVDEPOT READY " + json.dumps({"role": "metadata", "port": port}))
+        ready: dict[str, Any] = {
+            "role": "metadata",
+            "port": port,
+            "metrics_port": server.metrics_port,
+        }
+        if server.events is not None:
+            ready["kv_events"] = server.events.endpoint
+            ready["kv_events_replay"] = server.events.replay_endpoint
+        _announce("KVDEPOT READY " + json.dumps(ready))
         try:
             await server.wait()
         finally:
@@ -113,12 +123,64 @@ def cmd_store(args: argparse.Namespace) -> int:
             "max_chunk_bytes": args.max_chunk,
             "shm": False if args.no_shm else None,
             "nixl": args.nixl,
+            "metrics_port": args.metrics_port,
+            **_tier_overrides(args),
         },
     )
     if args.check:
         print(json.dumps({"store": _asdict(config)}))
         return 0
     return _run_until_signal(lambda: run_store(config, announce=_announce))
+
+
+def _add_tier_flags(s: argparse.ArgumentParser) -> None:
+    t = s.add_argument_group("tiers (GPU, DRAM, SSD)")
+    t.add_argument("--gpu-capacity", help="GPU tier size, e.g. 8GiB (default: no GPU tier)")
+    t.add_argument("--gpu-device", help="torch device of the GPU tier (default cuda)")
+    t.add_argument("--ssd-dir", help="directory of the SSD tier (default: no SSD tier)")
+    t.add_argument("--ssd-capacity", help="SSD tier size (default 90%% of the free space)")
+    t.add_argument("--ssd-segment", help="SSD segment file size (default min(64MiB, cap/8))")
+    t.add_argument("--ssd-fsync", choices=["always", "segment", "never"], help="default segment")
+    t.add_argument("--ssd-io-threads", type=int, help="SSD writer threads (default 4)")
+    t.add_argument("--no-ssd-verify", action="store_true", help="do not check SSD chunks at start")
+    t.add_argument("--ssd-compact-ratio", type=float, help="freed share that compacts (0.5)")
+    t.add_argument("--eviction-policy", help="order tiers give chunks up in (default lru)")
+    t.add_argument("--promote-hits", type=int, help="SSD reads that promote to DRAM (1)")
+    t.add_argument("--gpu-promote-hits", type=int, help="DRAM reads that promote to GPU (2)")
+    t.add_argument(
+        "--watermarks",
+        action="append",
+        default=[],
+        metavar="TIER=HIGH:LOW",
+        help="demote above HIGH down to LOW, e.g. cpu=0.95:0.85 (repeatable)",
+    )
+    t.add_argument("--pin-memory", choices=["auto", "on", "off"], help="page-lock DRAM for CUDA")
+    t.add_argument("--demotion-buffer", help="most bytes on their way to SSD (default 256MiB)")
+
+
+def _tier_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "gpu_capacity_bytes": args.gpu_capacity,
+        "gpu_device": args.gpu_device,
+        "ssd_dir": args.ssd_dir,
+        "ssd_capacity_bytes": args.ssd_capacity,
+        "ssd_segment_bytes": args.ssd_segment,
+        "ssd_fsync": args.ssd_fsync,
+        "ssd_io_threads": args.ssd_io_threads,
+        "ssd_verify_on_open": False if args.no_ssd_verify else None,
+        "ssd_compact_ratio": args.ssd_compact_ratio,
+        "eviction_policy": args.eviction_policy,
+        "promote_hits": args.promote_hits,
+        "gpu_promote_hits": args.gpu_promote_hits,
+        "pin_memory": args.pin_memory,
+        "demotion_buffer_bytes": args.demotion_buffer,
+    }
+    for item in args.watermarks:
+        tier, sep, value = item.partition("=")
+        if not sep or tier not in ("gpu", "cpu", "ssd"):
+            raise KVDepotError(f"--watermarks {item!r}: use TIER=HIGH:LOW, TIER gpu, cpu or ssd")
+        out[f"{tier}_watermarks"] = value
+    return out
 
 
 # -- up -----------------------------------------------------------------------
@@ -133,6 +195,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         capacity=args.capacity,
         host=args.host,
         index=args.index,
+        metrics=args.metrics,
+        log_format=args.log_format,
     )
     # Children get SIGINT from the terminal too; we only wait and clean up.
     stop = False
@@ -152,6 +216,10 @@ def cmd_up(args: argparse.Namespace) -> int:
                 f"gRPC {s.info['grpc_address']}, pid {s.pid}",
                 flush=True,
             )
+        for d in [cluster.metadata, *cluster.stores]:
+            if d is not None and d.info.get("metrics_port") is not None:
+                url = f"http://{args.host}:{d.info['metrics_port']}/metrics"
+                print(f"  {d.name} metrics: {url}", flush=True)
         print("Ctrl-C stops all.", flush=True)
         while not stop:
             for d in [cluster.metadata, *cluster.stores]:
@@ -215,13 +283,32 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 # -- proxy --------------------------------------------------------------------
 def cmd_proxy(args: argparse.Namespace) -> int:
+    from kvdepot.metadata.keys import Namespace
     from kvdepot.proxy import ProxyConfig, serve
+    from kvdepot.router import parse_node_map
 
+    namespace = None
+    if args.routing == "kv-aware":
+        if not args.model:
+            raise KVDepotError("--routing kv-aware needs --model (the engines' model id)")
+        namespace = Namespace(
+            model=args.model,
+            kv_dtype=args.kv_dtype,
+            kv_layout=args.kv_layout,
+            tp_size=args.tp_size,
+            chunk_tokens=args.chunk_tokens,
+            extra=(args.cache_salt,) if args.cache_salt else (),
+        )
     config = ProxyConfig(
         prefill=tuple(u for v in args.prefill for u in v.split(",") if u),
         decode=tuple(u for v in args.decode for u in v.split(",") if u),
         host=args.host,
         port=args.port,
+        routing=args.routing,
+        prefill_nodes=parse_node_map(args.prefill_node),
+        decode_nodes=parse_node_map(args.decode_node),
+        metadata=args.metadata or "",
+        namespace=namespace,
     )
     if args.check:
         print(json.dumps({"proxy": _asdict(config)}))
@@ -283,6 +370,13 @@ def _asdict(obj: Any) -> dict[str, Any]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvdepot", description="KV cache store for LLM inference")
     p.add_argument("--log-level", default="INFO", help="daemon log level (default INFO)")
+    p.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        default=None,
+        help="log lines on stderr: text (default) or json, one object per line "
+        "(env KVDEPOT_LOG_FORMAT)",
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     m = sub.add_parser("metadata", help="run the metadata service")
@@ -293,6 +387,16 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--lease-ttl", type=float, help="store lease in seconds (default 5)")
     m.add_argument("--heartbeat-interval", type=float, help="store heartbeat seconds (default 1)")
     m.add_argument("--allocation-ttl", type=float, help="uncommitted put lifetime (default 30)")
+    m.add_argument(
+        "--kv-events",
+        metavar="ENDPOINT",
+        help="publish KV events (vLLM ZeroMQ format) on e.g. tcp://127.0.0.1:5557 (default off)",
+    )
+    m.add_argument("--kv-events-replay", metavar="ENDPOINT", help="replay socket (default port+1)")
+    m.add_argument("--kv-events-block-size", type=int, help="tokens per chunk in events (256)")
+    m.add_argument(
+        "--metrics-port", type=int, help="serve Prometheus /metrics on this port (default off)"
+    )
     m.add_argument("--check", action="store_true", help="validate the config, print it, exit")
     m.set_defaults(func=cmd_metadata)
 
@@ -309,6 +413,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-chunk", help="largest chunk accepted (default: the arena size)")
     s.add_argument("--no-shm", action="store_true", help="do not offer same-host shared memory")
     s.add_argument("--nixl", choices=["auto", "on", "off"], help="offer NIXL (RDMA) transfers")
+    s.add_argument(
+        "--metrics-port", type=int, help="serve Prometheus /metrics on this port (default off)"
+    )
+    _add_tier_flags(s)
     s.add_argument("--check", action="store_true", help="validate the config, print it, exit")
     s.set_defaults(func=cmd_store)
 
@@ -317,6 +425,9 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--metadata-port", type=int, default=7700, help="metadata port (default 7700)")
     u.add_argument("--capacity", default="512MiB", help="arena per store (default 512MiB)")
     u.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    u.add_argument(
+        "--metrics", action="store_true", help="serve /metrics on each daemon (free ports)"
+    )
     u.add_argument("--index", default="memory://", help="index backend (e.g. redis://host:6379)")
     u.set_defaults(func=cmd_up)
 
@@ -344,6 +455,33 @@ def build_parser() -> argparse.ArgumentParser:
     px.add_argument("--decode", action="append", required=True, help="decode engine URL(s)")
     px.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     px.add_argument("--port", type=int, default=8000, help="listen port (default 8000; 0 picks)")
+    px.add_argument(
+        "--routing",
+        choices=["round-robin", "kv-aware"],
+        default="round-robin",
+        help="engine choice: round-robin (default) or by cached prefix (Route)",
+    )
+    px.add_argument(
+        "--prefill-node",
+        action="append",
+        default=[],
+        metavar="URL=NODE_ID",
+        help="store node of a prefill engine (kv-aware)",
+    )
+    px.add_argument(
+        "--decode-node",
+        action="append",
+        default=[],
+        metavar="URL=NODE_ID",
+        help="store node of a decode engine (kv-aware; else decode is round-robin)",
+    )
+    px.add_argument("--metadata", help="metadata service host:port (kv-aware)")
+    px.add_argument("--model", help="model id of the engines' key namespace (kv-aware)")
+    px.add_argument("--kv-dtype", default="bfloat16", help="namespace KV dtype (bfloat16)")
+    px.add_argument("--kv-layout", default="default", help="namespace KV layout signature")
+    px.add_argument("--tp-size", type=int, default=1, help="namespace tensor-parallel size")
+    px.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk (256)")
+    px.add_argument("--cache-salt", default="", help="namespace cache salt, if any")
     px.add_argument("--check", action="store_true", help="validate the config, print it, exit")
     px.set_defaults(func=cmd_proxy)
 
@@ -363,8 +501,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    _setup_logging(args.log_level)
     try:
+        if args.log_format is None:
+            args.log_format = os.environ.get("KVDEPOT_LOG_FORMAT", "text")
+        _setup_logging(args.log_level, args.log_format)
         code: int = args.func(args)
         return code
     except KVDepotError as exc:

@@ -107,6 +107,8 @@ class LocalCluster:
         env: dict[str, str] | None = None,
         ready_timeout_s: float = 60.0,
         index: str = "memory://",
+        metrics: bool = False,
+        log_format: str | None = None,
     ) -> None:
         self.nodes = nodes
         self.metadata_port = metadata_port
@@ -120,6 +122,10 @@ class LocalCluster:
         self.env = env
         self.ready_timeout_s = ready_timeout_s
         self.index = index
+        # Each daemon serves /metrics on a free port, announced as "metrics_port".
+        self.metrics = metrics
+        # "text" or "json"; None leaves it to the daemons (KVDEPOT_LOG_FORMAT).
+        self.log_format = log_format
         self.metadata: DaemonProcess | None = None
         self.stores: list[DaemonProcess] = []
         self._logs: list[IO[bytes]] = []
@@ -136,8 +142,9 @@ class LocalCluster:
             log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - closed in stop()
             self._logs.append(log)
             stderr = log
+        fmt = ["--log-format", self.log_format] if self.log_format else []
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kvdepot.cli", *args],
+            [sys.executable, "-m", "kvdepot.cli", *fmt, *args],
             stdout=subprocess.PIPE,
             stderr=stderr,
             stdin=subprocess.DEVNULL,
@@ -156,6 +163,7 @@ class LocalCluster:
                     "--lease-ttl", str(self.lease_ttl_s),
                     "--heartbeat-interval", str(self.heartbeat_interval_s),
                     "--index", self.index,
+                    *self._metrics_args(),
                 ],
             )
             self.metadata.info = wait_ready(self.metadata.proc, "metadata", self.ready_timeout_s)
@@ -178,6 +186,7 @@ class LocalCluster:
                 "--grpc-port", "0",
                 "--metadata", self.metadata_address,
                 "--capacity", self.capacity,
+                *self._metrics_args(),
                 *self.extra_store_args,
                 *extra,
             ],
@@ -185,6 +194,9 @@ class LocalCluster:
         self.stores.append(store)
         store.info = wait_ready(store.proc, name, self.ready_timeout_s)
         return store
+
+    def _metrics_args(self) -> list[str]:
+        return ["--metrics-port", "0"] if self.metrics else []
 
     def stop(self, timeout_s: float = 10.0) -> None:
         procs = [s.proc for s in self.stores]

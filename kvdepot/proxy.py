@@ -4,7 +4,9 @@ Each completion request goes first to a prefill engine with ``max_tokens=1``
 (it computes the prompt's KV and its connector publishes it to kvdepot), then
 unchanged to a decode engine, whose connector loads the prefix from kvdepot
 instead of recomputing it. The decode engine's answer is relayed back,
-streamed when the client asked for a stream. Engines are chosen round-robin.
+streamed when the client asked for a stream. Engines are chosen round-robin,
+or with ``routing="kv-aware"`` by the metadata service's ``Route`` query
+(see :mod:`kvdepot.router`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvdepot.errors import InvalidArgument
+from kvdepot.metadata.keys import ChunkKey, Namespace
+from kvdepot.router import ROUTING_MODES, Choice, EnginePool, KVRouter, prompt_keys
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +38,11 @@ class ProxyConfig:
         host: Address the proxy binds.
         port: Port the proxy listens on.
         timeout_s: Deadline of each upstream request.
+        routing: ``"round-robin"`` or ``"kv-aware"``.
+        prefill_nodes: ``(url, store node id)`` of prefill engines (kv-aware).
+        decode_nodes: ``(url, store node id)`` of decode engines (kv-aware).
+        metadata: Metadata service ``host:port`` (kv-aware).
+        namespace: The engines' key namespace, to key prompts (kv-aware).
     """
 
     prefill: tuple[str, ...]
@@ -41,6 +50,11 @@ class ProxyConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     timeout_s: float = 600.0
+    routing: str = "round-robin"
+    prefill_nodes: tuple[tuple[str, str], ...] = ()
+    decode_nodes: tuple[tuple[str, str], ...] = ()
+    metadata: str = ""
+    namespace: Namespace | None = None
 
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:
@@ -50,6 +64,16 @@ class ProxyConfig:
                 raise InvalidArgument(f"engine URL {url!r} must start with http:// or https://")
         if not 0 <= self.port < 65536:
             raise InvalidArgument(f"bad port {self.port}")
+        if self.routing not in ROUTING_MODES:
+            raise InvalidArgument(f"routing must be one of {', '.join(ROUTING_MODES)}")
+        if self.routing == "kv-aware":
+            if not self.metadata or self.namespace is None:
+                raise InvalidArgument("kv-aware routing needs --metadata and a model namespace")
+            if not self.prefill_nodes:
+                raise InvalidArgument("kv-aware routing needs --prefill-node URL=NODE_ID")
+        for url, _ in (*self.prefill_nodes, *self.decode_nodes):
+            if url not in (*self.prefill, *self.decode):
+                raise InvalidArgument(f"{url!r} is mapped to a node but is not an engine")
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -68,9 +92,26 @@ class Proxy:
 
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
-        self._prefill = itertools.cycle(config.prefill)
         self._decode = itertools.cycle(config.decode)
         self.requests = 0
+        self.prefill_pool = EnginePool(config.prefill, dict(config.prefill_nodes))
+        self.decode_pool = EnginePool(config.decode, dict(config.decode_nodes))
+        self._router: KVRouter | None = None
+        self.routed = 0
+
+    async def _choose(self, pool: EnginePool, keys: list[ChunkKey] | None, mapped: bool) -> Choice:
+        if keys is None or not mapped:
+            return Choice(pool.next_round_robin(), routed=False)
+        if self._router is None:
+            assert self.config.namespace is not None
+            self._router = KVRouter(self.config.metadata, self.config.namespace.chunk_tokens)
+        choice = await self._router.choose(pool, keys)
+        self.routed += choice.routed
+        return choice
+
+    async def close(self) -> None:
+        if self._router is not None:
+            await self._router.close()
 
     def app(self) -> Any:
         from aiohttp import web
@@ -85,7 +126,7 @@ class Proxy:
     async def _health(self, request: Any) -> Any:
         from aiohttp import web
 
-        return web.json_response({"status": "ok", "requests": self.requests})
+        return web.json_response({"status": "ok", "requests": self.requests, "routed": self.routed})
 
     async def _models(self, request: Any) -> Any:
         import aiohttp
@@ -109,53 +150,76 @@ class Proxy:
             return web.json_response({"error": "request body must be an object"}, status=400)
         self.requests += 1
         path = request.path
-        prefill, decode = next(self._prefill), next(self._decode)
+        keys = None
+        if self.config.routing == "kv-aware" and self.config.namespace is not None:
+            keys = prompt_keys(body, self.config.namespace)
+        prefill = (await self._choose(self.prefill_pool, keys, True)).url
         timeout = aiohttp.ClientTimeout(total=self.config.timeout_s)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             try:
-                async with session.post(prefill + path, json=prefill_body(body)) as r:
-                    if r.status != 200:
-                        text = await r.text()
-                        logger.warning("prefill %s answered %d: %s", prefill, r.status, text[:200])
-                        return web.Response(
-                            status=r.status, text=text, content_type="application/json"
-                        )
-                    await r.read()
-                async with session.post(decode + path, json=body) as r:
-                    if not body.get("stream"):
-                        return web.Response(
-                            status=r.status,
-                            body=await r.read(),
-                            content_type=r.content_type or "application/json",
-                        )
-                    resp = web.StreamResponse(status=r.status)
-                    resp.content_type = r.content_type or "text/event-stream"
-                    await resp.prepare(request)
-                    async for chunk in r.content.iter_any():
-                        await resp.write(chunk)
-                    await resp.write_eof()
-                    return resp
+                self.prefill_pool.inflight[prefill] += 1
+                try:
+                    async with session.post(prefill + path, json=prefill_body(body)) as r:
+                        if r.status != 200:
+                            text = await r.text()
+                            logger.warning(
+                                "prefill %s answered %d: %s", prefill, r.status, text[:200]
+                            )
+                            return web.Response(
+                                status=r.status, text=text, content_type="application/json"
+                            )
+                        await r.read()
+                finally:
+                    self.prefill_pool.inflight[prefill] -= 1
+                mapped = bool(self.config.decode_nodes)
+                decode = (await self._choose(self.decode_pool, keys, mapped)).url
+                self.decode_pool.inflight[decode] += 1
+                try:
+                    return await self._relay(session, request, decode + path, body)
+                finally:
+                    self.decode_pool.inflight[decode] -= 1
             except (TimeoutError, aiohttp.ClientError) as exc:
                 logger.warning("upstream engine failed: %s", exc)
                 return web.json_response(
                     {"error": f"upstream engine unavailable: {exc}"}, status=502
                 )
 
+    async def _relay(self, session: Any, request: Any, url: str, body: dict[str, Any]) -> Any:
+        """Send ``body`` to the decode engine and relay its answer."""
+        from aiohttp import web
+
+        async with session.post(url, json=body) as r:
+            if not body.get("stream"):
+                return web.Response(
+                    status=r.status,
+                    body=await r.read(),
+                    content_type=r.content_type or "application/json",
+                )
+            resp = web.StreamResponse(status=r.status)
+            resp.content_type = r.content_type or "text/event-stream"
+            await resp.prepare(request)
+            async for chunk in r.content.iter_any():
+                await resp.write(chunk)
+            await resp.write_eof()
+            return resp
+
 
 async def serve(config: ProxyConfig, announce: Any = None) -> None:
     """Serve until cancelled."""
     from aiohttp import web
 
-    runner = web.AppRunner(Proxy(config).app())
+    proxy = Proxy(config)
+    runner = web.AppRunner(proxy.app())
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
     await site.start()
     sockets: Sequence[Any] = getattr(site._server, "sockets", ()) or ()
     port = sockets[0].getsockname()[1] if sockets else config.port
     logger.info(
-        "proxy on %s:%d: prefill %s, decode %s",
+        "proxy on %s:%d (%s): prefill %s, decode %s",
         config.host,
         port,
+        config.routing,
         ", ".join(config.prefill),
         ", ".join(config.decode),
     )
@@ -165,3 +229,4 @@ async def serve(config: ProxyConfig, announce: Any = None) -> None:
         await asyncio.Event().wait()
     finally:
         await runner.cleanup()
+        await proxy.close()

@@ -21,6 +21,14 @@ def _tier(t: Any) -> dict[str, Any]:
     }
 
 
+def _transfer(r: Any) -> dict[str, float]:
+    return {
+        "bytes_in_per_s": r.bytes_in_per_s,
+        "bytes_out_per_s": r.bytes_out_per_s,
+        "window_s": round(r.window_s, 3),
+    }
+
+
 def stats_to_dict(s: metadata_pb2.ClusterStats) -> dict[str, Any]:
     """The JSON shape of ``kvdepot stats --json``."""
     looked = s.hit_keys + s.miss_keys
@@ -34,6 +42,7 @@ def stats_to_dict(s: metadata_pb2.ClusterStats) -> dict[str, Any]:
                 "chunks_indexed": n.chunks_indexed,
                 "lease_remaining_s": round(n.lease_remaining_s, 3),
                 "tiers": [_tier(t) for t in n.tiers],
+                "transfer": _transfer(n.transfer),
             }
             for n in s.nodes
         ],
@@ -51,6 +60,9 @@ def stats_to_dict(s: metadata_pb2.ClusterStats) -> dict[str, Any]:
         "bytes_saved": s.bytes_saved,
         "nodes_expired": s.nodes_expired,
         "allocations_expired": s.allocations_expired,
+        # Recent data-plane throughput of all nodes (each over its last ~10 s).
+        "transfer_bytes_in_per_s": sum(n.transfer.bytes_in_per_s for n in s.nodes),
+        "transfer_bytes_out_per_s": sum(n.transfer.bytes_out_per_s for n in s.nodes),
     }
 
 
@@ -62,20 +74,67 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def gb_per_s(bytes_per_s: float) -> str:
+    """Bytes per second as decimal GB/s, e.g. ``"1.250"``."""
+    return f"{bytes_per_s / 1e9:.3f}"
+
+
 def render_table(d: dict[str, Any]) -> str:
     """A fixed-width table of the nodes and the cluster counters."""
-    rows = [("node", "address", "tier", "capacity", "used", "use%", "chunks", "hits", "misses",
-             "evict")]
+    rows = [
+        (
+            "node",
+            "address",
+            "tier",
+            "capacity",
+            "used",
+            "use%",
+            "chunks",
+            "hits",
+            "misses",
+            "evict",
+            "promo",
+            "demote",
+            "in GB/s",
+            "out GB/s",
+        )
+    ]
     for n in d["nodes"]:
-        for t in n["tiers"] or [{"name": "-", "capacity_bytes": 0, "used_bytes": 0, "chunks": 0,
-                                  "hits": 0, "misses": 0, "evictions": 0}]:
+        for i, t in enumerate(
+            n["tiers"]
+            or [
+                {
+                    "name": "-",
+                    "capacity_bytes": 0,
+                    "used_bytes": 0,
+                    "chunks": 0,
+                    "hits": 0,
+                    "misses": 0,
+                    "evictions": 0,
+                }
+            ]
+        ):
             cap = t["capacity_bytes"]
-            rows.append((
-                n["node_id"], n["address"], t["name"], human_bytes(cap),
-                human_bytes(t["used_bytes"]),
-                f"{100 * t['used_bytes'] / cap:.0f}%" if cap else "-",
-                str(t["chunks"]), str(t["hits"]), str(t["misses"]), str(t["evictions"]),
-            ))
+            # Transfer rates are the node's, shown on its first tier's row.
+            xfer = n.get("transfer") if i == 0 else None
+            rows.append(
+                (
+                    n["node_id"],
+                    n["address"],
+                    t["name"],
+                    human_bytes(cap),
+                    human_bytes(t["used_bytes"]),
+                    f"{100 * t['used_bytes'] / cap:.0f}%" if cap else "-",
+                    str(t["chunks"]),
+                    str(t["hits"]),
+                    str(t["misses"]),
+                    str(t["evictions"]),
+                    str(t.get("promotions", 0)),
+                    str(t.get("demotions", 0)),
+                    gb_per_s(xfer["bytes_in_per_s"]) if xfer else "",
+                    gb_per_s(xfer["bytes_out_per_s"]) if xfer else "",
+                )
+            )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     lines.append("")
@@ -87,6 +146,11 @@ def render_table(d: dict[str, Any]) -> str:
         f"committed {d['puts_committed']} chunks ({human_bytes(d['bytes_committed'])})  "
         f"deduplicated {d['chunks_deduplicated']} chunks, saved {human_bytes(d['bytes_saved'])}"
     )
+    if "transfer_bytes_in_per_s" in d:
+        lines.append(
+            f"transfer (last ~10 s) in {gb_per_s(d['transfer_bytes_in_per_s'])} GB/s, "
+            f"out {gb_per_s(d['transfer_bytes_out_per_s'])} GB/s"
+        )
     if not d["nodes"]:
         lines.insert(0, "(no store nodes registered)")
     return "\n".join(lines)

@@ -9,13 +9,15 @@ import time
 from collections.abc import Sequence
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from kvdepot.errors import InvalidArgument, KVDepotError
+from kvdepot.health import HealthState
 from kvdepot.metadata.config import MetadataConfig
+from kvdepot.metadata.events import EventsConfig, KVEventPublisher
 from kvdepot.metadata.index import IndexBackend, IndexConfig, create_backend
 from kvdepot.metadata.keys import KEY_BYTES, ChunkKey
+from kvdepot.metadata.replica_tiers import record_moves
+from kvdepot.metadata.routing import Candidate, RoutingWeights, best, score_candidates
 from kvdepot.metadata.types import (
     Action,
     IndexStats,
@@ -23,7 +25,9 @@ from kvdepot.metadata.types import (
     NodeInfo,
     Replica,
     TierUsage,
+    TransferRate,
 )
+from kvdepot.metrics import ClusterCollector, MetricsServer, on_loop
 from kvdepot.proto.gen import common_pb2, metadata_pb2, metadata_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -84,6 +88,11 @@ def stats_to_proto(s: IndexStats) -> metadata_pb2.ClusterStats:
                 tiers=tiers_to_proto(n.info.tiers),
                 chunks_indexed=n.chunks_indexed,
                 lease_remaining_s=n.lease_remaining_s,
+                transfer=common_pb2.TransferRate(
+                    bytes_in_per_s=n.info.transfer.bytes_in_per_s,
+                    bytes_out_per_s=n.info.transfer.bytes_out_per_s,
+                    window_s=n.info.transfer.window_s,
+                ),
             )
             for n in s.nodes
         ],
@@ -105,8 +114,14 @@ def stats_to_proto(s: IndexStats) -> metadata_pb2.ClusterStats:
 class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
     """Validates requests, calls the index, maps errors to gRPC statuses."""
 
-    def __init__(self, index: IndexBackend, config: MetadataConfig) -> None:
+    def __init__(
+        self,
+        index: IndexBackend,
+        config: MetadataConfig,
+        events: KVEventPublisher | None = None,
+    ) -> None:
         self._index = index
+        self._events = events
         self._config = config
 
     # -- validation -------------------------------------------------------
@@ -156,6 +171,8 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
                 node_id, request.address, request.grpc_address, tiers_from_proto(request.tiers)
             )
             await self._index.register_node(info, inventory, time.monotonic())
+            if self._events is not None:
+                self._events.registered(node_id, [(i.key, i.tier) for i in inventory])
         except KVDepotError as exc:
             await self._guard(context, exc)
         return metadata_pb2.RegisterNodeResponse(
@@ -168,8 +185,12 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
     ) -> metadata_pb2.HeartbeatResponse:
         try:
             node_id = self._node_id(request.node_id)
+            transfer = None
+            if request.HasField("transfer"):
+                t = request.transfer
+                transfer = TransferRate(t.bytes_in_per_s, t.bytes_out_per_s, t.window_s)
             known = await self._index.heartbeat(
-                node_id, tiers_from_proto(request.tiers), time.monotonic()
+                node_id, tiers_from_proto(request.tiers), time.monotonic(), transfer
             )
         except KVDepotError as exc:
             await self._guard(context, exc)
@@ -182,10 +203,24 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
     ) -> metadata_pb2.ReportRemovedResponse:
         try:
             node_id = self._node_id(request.node_id)
-            removed = await self._index.remove_replicas(node_id, self._keys(request.keys))
+            gone = self._keys(request.keys)
+            removed = await self._index.remove_replicas(node_id, gone)
+            if removed and self._events is not None:
+                self._events.removed(node_id, gone)
         except KVDepotError as exc:
             await self._guard(context, exc)
         return metadata_pb2.ReportRemovedResponse(removed=removed)
+
+    async def ReportMoved(
+        self, request: metadata_pb2.ReportMovedRequest, context: grpc.aio.ServicerContext
+    ) -> metadata_pb2.ReportMovedResponse:
+        try:
+            node_id = self._node_id(request.node_id)
+            keys = self._keys(request.keys)
+            moved, recorded = await record_moves(self._index, node_id, keys, request.tier)
+        except KVDepotError as exc:
+            await self._guard(context, exc)
+        return metadata_pb2.ReportMovedResponse(moved=moved, recorded=recorded)
 
     async def PutStart(
         self, request: metadata_pb2.PutStartRequest, context: grpc.aio.ServicerContext
@@ -216,6 +251,8 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
             keys = self._keys(request.keys)
             sizes = self._sizes(keys, request.sizes)
             committed = await self._index.put_end(node_id, keys, sizes)
+            if committed and self._events is not None:
+                self._events.stored(node_id, keys)
         except KVDepotError as exc:
             await self._guard(context, exc)
         return metadata_pb2.PutEndResponse(committed=committed)
@@ -254,6 +291,45 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
     ) -> metadata_pb2.ClusterStats:
         return stats_to_proto(await self._index.stats(time.monotonic()))
 
+    async def Route(
+        self, request: metadata_pb2.RouteRequest, context: grpc.aio.ServicerContext
+    ) -> metadata_pb2.RouteResponse:
+        cfg = self._config
+        try:
+            keys = self._keys(request.keys)
+            candidates = [
+                Candidate(c.id, self._node_id(c.node_id, required=False), c.load)
+                for c in request.candidates
+            ]
+            weights = RoutingWeights(
+                link_bytes_per_s=request.link_bytes_per_s or cfg.route_link_bytes_per_s,
+                prefill_tokens_per_s=request.prefill_tokens_per_s or cfg.route_prefill_tokens_per_s,
+                load_penalty_s=request.load_penalty_s or cfg.route_load_penalty_s,
+            )
+            # tokens_per_key=0: the engine's own lookup counts these tokens.
+            result = await self._index.lookup(keys, "", 0)
+            scores = score_candidates(
+                result, len(keys), request.tokens_per_key, candidates, weights
+            )
+        except KVDepotError as exc:
+            await self._guard(context, exc)
+        return metadata_pb2.RouteResponse(
+            hits=result.hits,
+            scores=[
+                metadata_pb2.RouteScore(
+                    candidate_id=s.candidate_id,
+                    local_tokens=s.local_tokens,
+                    remote_tokens=s.remote_tokens,
+                    none_tokens=s.none_tokens,
+                    remote_bytes=s.remote_bytes,
+                    estimated_s=s.estimated_s,
+                    score=s.score,
+                )
+                for s in scores
+            ],
+            best=best(scores),
+        )
+
 
 class MetadataServer:
     """A running metadata service: gRPC server, index, lease reaper."""
@@ -270,6 +346,9 @@ class MetadataServer:
         self._server: grpc.aio.Server | None = None
         self._reaper: asyncio.Task[None] | None = None
         self.port = 0
+        self.events: KVEventPublisher | None = None
+        self.health: HealthState | None = None
+        self.metrics: MetricsServer | None = None
 
     async def start(self) -> int:
         """Bind and start serving; returns the bound port."""
@@ -280,44 +359,92 @@ class MetadataServer:
             ]
         )
         metadata_pb2_grpc.add_MetadataServicer_to_server(
-            MetadataServicer(self.index, self.config), server
+            MetadataServicer(self.index, self.config, await self._start_events()), server
         )
-        health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]  # stubs predate aio
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        names = (
-            metadata_pb2.DESCRIPTOR.services_by_name["Metadata"].full_name,
-            health.SERVICE_NAME,
-            reflection.SERVICE_NAME,
+        self.health = HealthState(
+            server, [metadata_pb2.DESCRIPTOR.services_by_name["Metadata"].full_name], "metadata"
         )
-        reflection.enable_server_reflection(names, server)
         self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
         if self.port == 0:
             raise InvalidArgument(f"cannot bind {self.config.host}:{self.config.port}")
         await server.start()
-        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-        await health_servicer.set(names[0], health_pb2.HealthCheckResponse.SERVING)
+        # SERVING while the index backend answers: the reaper checks it.
+        await self.health.set(True)
         self._server = server
+        if self.config.metrics_port is not None:
+            health = self.health
+            self.metrics = MetricsServer(
+                ClusterCollector(
+                    on_loop(asyncio.get_running_loop(), self.cluster_stats), lambda: health.serving
+                ),
+                self.config.host,
+                self.config.metrics_port,
+            )
         self._reaper = asyncio.create_task(self._reap_forever())
         logger.info("metadata service listening on %s:%d", self.config.host, self.port)
         return self.port
 
     async def _reap_forever(self) -> None:
+        health = self.health
+        assert health is not None
         while True:
             await asyncio.sleep(self.config.reap_interval_s)
             try:
-                await self.index.expire(time.monotonic())
-            except Exception:  # keep reaping whatever one pass hit
-                logger.exception("reaper pass failed")
+                dead, reclaimed = await asyncio.wait_for(
+                    self.index.expire(time.monotonic()), max(2.0, self.config.lease_ttl_s)
+                )
+                if dead and self.events is not None:
+                    live = await self.index.stats(time.monotonic())
+                    self.events.nodes_gone(n.info.node_id for n in live.nodes)
+            except Exception as exc:  # keep reaping whatever one pass hit
+                # One warning when the health changes, not a traceback per pass.
+                logger.debug("reaper pass failed", exc_info=True)
+                await health.set(False, f"index backend: {str(exc) or type(exc).__name__}")
+                continue
+            await health.set(True, "index backend answers")
+            if reclaimed:
+                logger.info(
+                    "reclaimed %d uncommitted put allocations",
+                    reclaimed,
+                    extra={"event": "allocations_expired", "allocations": reclaimed},
+                )
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The port of ``/metrics``, or None when the service serves none."""
+        return self.metrics.port if self.metrics is not None else None
+
+    async def cluster_stats(self) -> metadata_pb2.ClusterStats:
+        """What ``GetStats`` answers (raises when the index backend fails)."""
+        return stats_to_proto(await self.index.stats(time.monotonic()))
 
     async def wait(self) -> None:
         assert self._server is not None
         await self._server.wait_for_termination()
 
     async def stop(self, grace: float = 1.0) -> None:
+        if self.metrics is not None:
+            await asyncio.to_thread(self.metrics.close)
+            self.metrics = None
         if self._reaper is not None:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
         if self._server is not None:
             await self._server.stop(grace)
+        if self.events is not None:
+            await self.events.close()
         await self.index.close()
+
+    async def _start_events(self) -> KVEventPublisher | None:
+        if not self.config.kv_events:
+            return None
+        self.events = KVEventPublisher(
+            EventsConfig(
+                endpoint=self.config.kv_events,
+                replay_endpoint=self.config.kv_events_replay,
+                block_size=self.config.kv_events_block_size,
+            )
+        )
+        await self.events.start()
+        return self.events

@@ -29,6 +29,15 @@ class TierUsage:
 
 
 @dataclass(frozen=True, slots=True)
+class TransferRate:
+    """Recent data-plane throughput of one node, as the node reports it."""
+
+    bytes_in_per_s: float = 0.0
+    bytes_out_per_s: float = 0.0
+    window_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class NodeInfo:
     """A registered store node."""
 
@@ -36,6 +45,7 @@ class NodeInfo:
     address: str
     grpc_address: str = ""
     tiers: tuple[TierUsage, ...] = ()
+    transfer: TransferRate = TransferRate()
 
     @property
     def capacity_bytes(self) -> int:

@@ -1,164 +1,111 @@
-"""The chunk table of the DRAM tier: one arena, one allocator, LRU, leases.
+"""The chunk table of a store node: its tiers, two-phase writes, leases, moves.
 
-A chunk goes through two phases, so a half-written chunk is never visible:
+Chunks live in one tier at a time, fastest first: ``gpu`` (optional), ``cpu``
+(the DRAM arena, always) and ``ssd`` (optional); see
+:mod:`kvdepot.store.tiers`. Every chunk is written into DRAM, in two phases
+so a half-written chunk is never visible:
 
-1. :meth:`ChunkStore.reserve` allocates its bytes (evicting least-recently-used
-   chunks if needed) and hands the writer a :class:`Reservation` whose view is
-   the chunk's slice of the arena: the data plane ``recv_into``\\s it directly.
+1. :meth:`ChunkStore.reserve` allocates its bytes in the arena (making room
+   if needed) and hands the writer a :class:`Reservation` whose view is the
+   chunk's slice of the arena: the data plane ``recv_into``\\s it directly.
 2. :meth:`ChunkStore.commit` makes it readable; :meth:`ChunkStore.revoke`
    drops it (a failed or corrupt write), and it was never seen.
 
-Readers take a :class:`ReadLease`: while any lease on a chunk is held the chunk
-is neither evicted nor its memory reused, so a reader can send straight from
-the arena without copying. Deleting a leased chunk hides it at once and frees
-its memory when the last lease is released.
+Readers take a :class:`ReadLease`. For a chunk in DRAM its view is the
+arena itself, and while any lease is held those bytes are neither evicted,
+moved away nor reused, so a reader sends straight from the arena. A chunk in
+another tier is copied out for the reader (checked against its checksum when
+it comes off SSD), or promoted into DRAM first (see
+:class:`~kvdepot.store.tiers.TieringOptions`).
 
-Every state change happens under one lock; the ``on_removed`` callback runs
-outside it, so it may call back into the store or block on the network.
+Making room in a tier takes its coldest chunks (by the tier's
+:class:`~kvdepot.store.tiers.EvictionPolicy`) that no one leases, pins or is
+moving, and moves them to the next tier down: GPU to DRAM, DRAM to SSD,
+SSD out of the store. A chunk leaving DRAM for SSD on the write path is
+copied aside and written by the SSD tier's threads, served from that copy
+meanwhile, so a put never waits for the disk. A background thread
+(:mod:`kvdepot.store.tiering`) keeps each tier under its high watermark and
+moves hot chunks up, so that the write path rarely has to make room.
+
+Every state change happens under one lock (the placement primitives are in
+:mod:`kvdepot.store.placement`). Nothing under it waits for a disk: reads
+and writes of slow tiers run outside it (only a new SSD segment file is
+created under it), and copies between GPU and DRAM are device copies. The
+``on_removed`` and ``on_moved`` callbacks run outside it, so they may call
+back into the store or block on the network.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
-from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvdepot.errors import CapacityExceeded, InvalidArgument, Unavailable
+from kvdepot.errors import CapacityExceeded, Corrupt, InvalidArgument, Unavailable
 from kvdepot.metadata.keys import KEY_BYTES, ChunkKey
-from kvdepot.store.allocator import Allocator
 from kvdepot.store.arena import Arena
-from kvdepot.store.xxh3 import xxh3_64
+from kvdepot.store.chunk_types import (
+    ChunkStoreStats,
+    ChunkTooLarge,
+    Holding,
+    ReadLease,
+    Reservation,
+    checksum,
+)
+from kvdepot.store.placement import MovedListener, RemovedListener, TierPlacement
+from kvdepot.store.tiering import Copy, Entry, Level, Mover, State
+from kvdepot.store.tiers.base import TIER_ORDER, Tier, TierLimits, TierStats
+from kvdepot.store.tiers.cpu import CpuTier
+from kvdepot.store.tiers.policy import TieringOptions
+
+__all__ = [
+    "ChunkStore",
+    "ChunkStoreStats",
+    "ChunkTooLarge",
+    "Holding",
+    "MovedListener",
+    "ReadLease",
+    "RemovedListener",
+    "Reservation",
+    "checksum",
+]
 
 logger = logging.getLogger(__name__)
 
 
-def checksum(data: memoryview | bytes | bytearray) -> int:
-    """The checksum every chunk carries: xxh3-64 of its bytes.
+@dataclass(slots=True)
+class _Read:
+    """A read that needs I/O: from ``source`` into ``target`` (a promotion) or a copy."""
 
-    Computed by the writer over the whole chunk and checked whenever the bytes
-    cross the network or come off disk. Non-byte formats (a memoryview of
-    float16 values, say) are hashed as their raw bytes. Large inputs are
-    hashed without holding the GIL (see :mod:`kvdepot.store.xxh3`).
-    """
-    view = data if isinstance(data, memoryview) else memoryview(data)
-    if view.format != "B" or view.ndim != 1:
-        view = view.cast("B")
-    return xxh3_64(view)
+    entry: Entry
+    source: Copy
+    target: Copy | None
+    buf: bytearray | None = None
+    error: Exception | None = None
 
 
-class ChunkTooLarge(CapacityExceeded, InvalidArgument):
-    """A chunk larger than the whole store.
-
-    It is both: this store can never hold it (capacity), and retrying the same
-    put here will fail again (invalid for this store); another store with a
-    larger arena may take it.
-    """
-
-
-@dataclass(frozen=True, slots=True)
-class Reservation:
-    """Room for one chunk being written; not visible to readers until committed.
-
-    Attributes:
-        key: The chunk's key.
-        offset: Where the chunk starts in the arena.
-        size: The chunk's size in bytes.
-        checksum: The checksum the writer announced for the chunk.
-        view: Writable arena slice of exactly ``size`` bytes to receive into.
-    """
-
-    key: ChunkKey
-    offset: int
-    size: int
-    checksum: int
-    view: memoryview
-
-
-@dataclass(frozen=True, slots=True)
-class ReadLease:
-    """A read of one committed chunk; its bytes stay put until released.
-
-    Attributes:
-        key: The chunk's key.
-        size: The chunk's size in bytes.
-        checksum: The checksum stored with the chunk (the writer's).
-        view: Read-only arena slice of the chunk's bytes.
-        offset: Where the chunk starts in the arena (for clients that map it).
-    """
-
-    key: ChunkKey
-    size: int
-    checksum: int
-    view: memoryview
-    offset: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class ChunkStoreStats:
-    """A snapshot of the chunk table's counters.
-
-    Attributes:
-        capacity_bytes: Bytes the arena can hold.
-        used_bytes: Bytes allocated (committed, being written, or deleted but
-            still leased), counting alignment.
-        chunks: Committed chunks.
-        hits: :meth:`ChunkStore.acquire` calls that found a committed chunk.
-        misses: :meth:`ChunkStore.acquire` calls that did not.
-        evictions: Chunks evicted to make room.
-        puts: Chunks committed.
-        rejected: Reservations refused for lack of space.
-    """
-
-    capacity_bytes: int
-    used_bytes: int
-    chunks: int
-    hits: int
-    misses: int
-    evictions: int
-    puts: int
-    rejected: int
-
-
-class _State(enum.Enum):
-    WRITING = "writing"
-    COMMITTED = "committed"
-
-
-class _Entry:
-    """The table's record of one chunk (mutable; only touched under the lock)."""
-
-    __slots__ = ("alloc_size", "checksum", "deleted", "key", "leases", "offset", "size", "state")
-
-    def __init__(
-        self, key: ChunkKey, offset: int, size: int, alloc_size: int, checksum: int
-    ) -> None:
-        self.key = key
-        self.offset = offset
-        self.size = size
-        self.alloc_size = alloc_size
-        self.checksum = checksum
-        self.state = _State.WRITING
-        self.leases = 0
-        # Deleted while leased: out of the table, memory freed at the last release.
-        self.deleted = False
-
-
-class ChunkStore:
-    """Thread-safe table of the chunks held in one DRAM arena.
+class ChunkStore(TierPlacement):
+    """Thread-safe table of the chunks a store node holds, across its tiers.
 
     Args:
-        capacity: Bytes of the arena.
+        capacity: Bytes of the DRAM arena.
         arena_path: Back the arena with a shared file here (see :class:`Arena`).
         on_removed: Called with the keys of committed chunks that left the
-            store (evicted or deleted), outside the lock, so the daemon can
-            tell the metadata service. Exceptions from it are logged.
+            store (evicted, deleted, or found corrupt), outside the lock, so
+            the daemon can tell the metadata service. Exceptions are logged.
+        on_moved: Called with chunks that changed tier and their new tier,
+            outside the lock. Exceptions are logged.
         max_chunk_bytes: Largest chunk accepted; defaults to ``capacity``.
+        cpu_limits: Watermarks of the DRAM tier.
+        pin_memory: Page-lock the arena for CUDA (see :class:`CpuTier`).
+        tiers: Other tiers (``gpu``, ``ssd``); the store owns and closes them.
+            Chunks a persistent tier recovers are in the table at once.
+        options: How chunks move between tiers.
 
     Raises:
-        InvalidArgument: If ``capacity`` or ``max_chunk_bytes`` is not positive.
+        InvalidArgument: If ``capacity`` or ``max_chunk_bytes`` is not
+            positive, or two tiers have the same name.
     """
 
     def __init__(
@@ -166,48 +113,120 @@ class ChunkStore:
         capacity: int,
         *,
         arena_path: str | None = None,
-        on_removed: Callable[[list[ChunkKey]], None] | None = None,
+        on_removed: RemovedListener | None = None,
+        on_moved: MovedListener | None = None,
         max_chunk_bytes: int | None = None,
+        cpu_limits: TierLimits = TierLimits(),  # noqa: B008 - frozen, immutable default
+        pin_memory: bool = False,
+        tiers: Sequence[Tier] = (),
+        options: TieringOptions = TieringOptions(),  # noqa: B008 - frozen, immutable default
     ) -> None:
         if max_chunk_bytes is not None and max_chunk_bytes <= 0:
             raise InvalidArgument(f"max_chunk_bytes must be positive, got {max_chunk_bytes}")
-        self._allocator = Allocator(capacity)
-        self._arena = Arena(capacity, path=arena_path)
+        names = [t.name for t in tiers]
+        if "cpu" in names or len(set(names)) != len(names) or not set(names) <= set(TIER_ORDER):
+            raise InvalidArgument(f"tiers must be distinct, from gpu and ssd; got {names}")
+        cpu = CpuTier(capacity, arena_path=arena_path, limits=cpu_limits, pin=pin_memory)
+        ordered = sorted([cpu, *tiers], key=lambda t: TIER_ORDER.index(t.name))
+        self._options = options
+        self._levels = [Level(t, rank, options.policy) for rank, t in enumerate(ordered)]
+        self._cpu = next(lv for lv in self._levels if lv.tier is cpu)
+        self._cpu_tier = cpu
         self._on_removed = on_removed
+        self._on_moved = on_moved
         self._max_chunk_bytes = max_chunk_bytes or capacity
         self._lock = threading.Lock()
-        self._entries: dict[ChunkKey, _Entry] = {}
-        # Committed chunks, least recently used first.
-        self._lru: OrderedDict[ChunkKey, _Entry] = OrderedDict()
+        self._moved_cv = threading.Condition(self._lock)
+        self._entries: dict[ChunkKey, Entry] = {}
         # Outstanding leases by identity; the lease object is kept so its id
-        # cannot be reused while it is registered.
-        self._leases: dict[int, tuple[ReadLease, _Entry]] = {}
-        # Allocated bytes of committed chunks, and of those the leased ones:
-        # their difference is what eviction can free, known without a scan.
-        self._committed_bytes = 0
-        self._pinned_bytes = 0
+        # cannot be reused while it is registered. Private copies hold no Copy.
+        self._leases: dict[int, tuple[ReadLease, Copy | None]] = {}
         self._closed = False
-        self._hits = 0
-        self._misses = 0
-        self._evictions = 0
+        self._closing = False
         self._puts = 0
         self._rejected = 0
+        self._corrupt = 0
+        self._write_errors = 0
+        try:
+            self._recovered = self._recover()
+            self._mover = Mover(self) if len(self._levels) > 1 else None
+        except BaseException:
+            for level in self._levels:
+                level.tier.close()
+            raise
 
+    def _recover(self) -> int:
+        found = 0
+        for level in self._levels:
+            for rc in level.tier.recover():
+                if rc.key in self._entries:
+                    level.tier.free(rc.handle)
+                    continue
+                copy = Copy(level, rc.handle, level.tier.size_of(rc.handle))
+                entry = Entry(rc.key, rc.size, rc.checksum, copy)
+                entry.state = State.COMMITTED
+                self._entries[rc.key] = entry
+                self.attach(entry, copy)
+                found += 1
+            self._corrupt += getattr(level.tier, "dropped_on_open", 0)
+        return found
+
+    # -- properties -------------------------------------------------------------------
     @property
     def capacity(self) -> int:
-        """Bytes chunks can occupy (the arena's capacity rounded down to pages)."""
-        return self._allocator.capacity
+        """Bytes chunks can occupy in DRAM (the arena's capacity rounded down to pages)."""
+        return self._cpu_tier.capacity
 
     @property
     def arena(self) -> Arena:
-        """The arena holding the chunks (for transports that map it)."""
-        return self._arena
+        """The arena holding the DRAM chunks (for transports that map it)."""
+        return self._cpu_tier.arena
 
+    @property
+    def pinned(self) -> bool:
+        """Whether the arena is page-locked for CUDA."""
+        return self._cpu_tier.pinned
+
+    @property
+    def tiers(self) -> tuple[str, ...]:
+        """Names of the store's tiers, fastest first."""
+        return tuple(lv.name for lv in self._levels)
+
+    @property
+    def options(self) -> TieringOptions:
+        """How chunks move between tiers."""
+        return self._options
+
+    @property
+    def levels(self) -> list[Level]:
+        """The tiers as the table sees them, fastest first (for the mover)."""
+        return self._levels
+
+    @property
+    def lock(self) -> threading.Lock:
+        """The table's lock (for the mover)."""
+        return self._lock
+
+    @property
+    def cpu_level(self) -> Level:
+        """The DRAM tier as the table sees it."""
+        return self._cpu
+
+    @property
+    def moved_cv(self) -> threading.Condition:
+        """Notified (under the lock) whenever a move ends."""
+        return self._moved_cv
+
+    def entry(self, key: ChunkKey) -> Entry | None:
+        """The table's record of ``key`` (under the lock)."""
+        return self._entries.get(key)
+
+    # -- writes -------------------------------------------------------------------------
     def reserve(self, key: ChunkKey, size: int, checksum: int) -> Reservation | None:
-        """Allocate room for a chunk about to be written.
+        """Allocate room in DRAM for a chunk about to be written.
 
-        Least-recently-used committed chunks that are not leased are evicted,
-        one at a time, until the chunk fits.
+        The coldest chunks of DRAM that no one holds are moved down (or
+        dropped), one at a time, until the chunk fits.
 
         Args:
             key: The chunk's key (16 bytes).
@@ -216,77 +235,50 @@ class ChunkStore:
 
         Returns:
             The reservation to write into, or ``None`` if the key is already
-            committed or being written (the caller skips the bytes).
+            committed (in any tier) or being written (the caller skips the bytes).
 
         Raises:
             InvalidArgument: If the key is malformed, ``size`` is not positive
                 or above ``max_chunk_bytes``.
-            ChunkTooLarge: If ``size`` is above the store's capacity (both a
+            ChunkTooLarge: If ``size`` is above the arena's capacity (both a
                 :class:`CapacityExceeded` and an :class:`InvalidArgument`).
-            CapacityExceeded: If the chunk does not fit even after evicting
-                every chunk that may be evicted.
+            CapacityExceeded: If the chunk does not fit even after making room
+                from every chunk that may be moved or evicted.
             Unavailable: If the store is closed.
         """
         if len(key) != KEY_BYTES:
             raise InvalidArgument(f"chunk keys are {KEY_BYTES} bytes, got {len(key)}")
         if size <= 0:
             raise InvalidArgument(f"chunk size must be positive, got {size}")
-        if size > self._allocator.capacity:
+        if size > self.capacity:
             raise ChunkTooLarge(
-                f"chunk of {size} bytes is larger than the store ({self._allocator.capacity} bytes)"
+                f"chunk of {size} bytes is larger than the store ({self.capacity} bytes)"
             )
         if size > self._max_chunk_bytes:
             raise InvalidArgument(
                 f"chunk of {size} bytes is above the limit of {self._max_chunk_bytes} bytes"
             )
-        evicted: list[ChunkKey] = []
+        removed: list[ChunkKey] = []
+        moved: list[tuple[ChunkKey, str]] = []
         try:
             with self._lock:
                 self._check_open()
                 if key in self._entries:
                     return None
-                offset = self._allocate(size, evicted)
-                entry = _Entry(key, offset, size, self._allocator.size_of(offset), checksum)
-                self._entries[key] = entry
-                view = self._arena.view(offset, size)
+                try:
+                    handle = self.allocate(self._cpu, size, removed, moved)
+                except CapacityExceeded:
+                    self._rejected += 1
+                    raise
+                copy = Copy(self._cpu, handle, self._cpu_tier.size_of(handle))
+                self._entries[key] = Entry(key, size, checksum, copy)
+                view = self._cpu_tier.view(handle, size)
         finally:
-            self._notify_removed(evicted)
-        return Reservation(key=key, offset=offset, size=size, checksum=checksum, view=view)
-
-    def _allocate(self, size: int, evicted: list[ChunkKey]) -> int:
-        # Called under the lock. Fails fast, before evicting anything, when even
-        # evicting every unleased chunk could not free enough bytes.
-        alloc = self._allocator
-        offset = alloc.alloc(size)
-        if offset is not None:
-            return offset
-        evictable = self._committed_bytes - self._pinned_bytes
-        if alloc.free_bytes + evictable < alloc.rounded(size):
-            self._rejected += 1
-            raise CapacityExceeded(
-                f"no room for a chunk of {size} bytes: store capacity {alloc.capacity} bytes, "
-                f"{alloc.free_bytes} free, {evictable} evictable, the rest leased or being written"
-            )
-        while offset is None:
-            # Leased chunks were just read, so they sit near the MRU end: the
-            # scan for the first unleased one is short.
-            victim = next((e for e in self._lru.values() if e.leases == 0), None)
-            if victim is None:
-                self._rejected += 1
-                raise CapacityExceeded(
-                    f"no room for a chunk of {size} bytes: store capacity {alloc.capacity} bytes, "
-                    f"largest free extent {alloc.largest_free} bytes after evicting "
-                    f"{len(evicted)} chunks"
-                )
-            self._remove(victim)
-            alloc.free(victim.offset)
-            self._evictions += 1
-            evicted.append(victim.key)
-            offset = alloc.alloc(size)
-        return offset
+            self.notify(removed, moved)
+        return Reservation(key=key, offset=handle, size=size, checksum=checksum, view=view)
 
     def commit(self, res: Reservation, checksum: int | None = None) -> None:
-        """Make a reserved chunk readable and most recently used.
+        """Make a reserved chunk readable and the most recently used in DRAM.
 
         Args:
             res: The reservation.
@@ -304,12 +296,13 @@ class ChunkStore:
                 raise InvalidArgument(
                     f"commit of a reservation that is not outstanding: {res.key.hex()}"
                 )
-            entry.state = _State.COMMITTED
+            entry.state = State.COMMITTED
             if checksum is not None:
                 entry.checksum = checksum
-            self._lru[res.key] = entry
-            self._committed_bytes += entry.alloc_size
+            self.attach(entry, entry.copy)
             self._puts += 1
+        if self._mover is not None:
+            self._mover.poke_if_over(self._cpu)
 
     def revoke(self, res: Reservation) -> None:
         """Drop a reserved chunk; it was never visible.
@@ -324,44 +317,240 @@ class ChunkStore:
                 logger.debug("revoke of a reservation that is not outstanding: %s", res.key.hex())
                 return
             del self._entries[res.key]
-            self._allocator.free(entry.offset)
+            self._cpu_tier.free(entry.copy.handle)
 
-    def _reserved_entry(self, res: Reservation) -> _Entry | None:
+    def _reserved_entry(self, res: Reservation) -> Entry | None:
         entry = self._entries.get(res.key)
-        if entry is None or entry.state is not _State.WRITING or entry.offset != res.offset:
+        if entry is None or entry.committed or entry.copy.handle != res.offset:
             return None
         return entry
 
-    def acquire(self, key: ChunkKey) -> ReadLease | None:
-        """Lease a committed chunk for reading and mark it most recently used.
+    # -- reads --------------------------------------------------------------------------
+    def acquire(self, key: ChunkKey, *, in_arena: bool = False) -> ReadLease | None:
+        """Lease a committed chunk for reading; it becomes the most recent in its tier.
+
+        A chunk in DRAM is leased in place. One in another tier is promoted
+        into DRAM first when ``in_arena`` (the reader maps the arena) or when
+        it reached the promotion threshold; otherwise its bytes are copied
+        out for this reader. Bytes from SSD are checked against the chunk's
+        checksum first: a chunk that fails is dropped from the store
+        (reported to ``on_removed``) and this read is a miss.
 
         Returns:
-            The lease, or ``None`` on a miss (absent or still being written).
-            Release it with :meth:`release`, always.
+            The lease, or ``None`` on a miss (absent, still being written,
+            corrupt, or ``in_arena`` and DRAM has no room for it). Release it
+            with :meth:`release`, always.
 
         Raises:
             Unavailable: If the store is closed.
         """
+        return self.acquire_many([key], in_arena=in_arena)[0]
+
+    def acquire_many(
+        self, keys: Sequence[ChunkKey], *, in_arena: bool = False
+    ) -> list[ReadLease | None]:
+        """:meth:`acquire` of each key; the reads from slow tiers run in parallel.
+
+        Chunks on SSD are read on the SSD tier's threads, all at once, so a
+        batch costs about one device round trip rather than one per chunk.
+
+        Raises:
+            Unavailable: If the store is closed (leases already taken are
+                released).
+        """
+        removed: list[ChunkKey] = []
+        moved: list[tuple[ChunkKey, str]] = []
+        out: list[ReadLease | _Read | None] = []
+        seen: set[ChunkKey] = set()
+        try:
+            for key in keys:
+                if key in seen:
+                    out.append(None)  # a repeat: taken after the first is done
+                    continue
+                seen.add(key)
+                out.append(self._begin_read(key, in_arena, removed, moved))
+            self._run_reads([r for r in out if isinstance(r, _Read)])
+            done = [self._end_read(r, removed, moved) if isinstance(r, _Read) else r for r in out]
+            if len(seen) < len(keys):
+                first = {key: i for i, key in reversed(list(enumerate(keys)))}
+                for i, key in enumerate(keys):
+                    if first[key] != i:
+                        done[i] = self.acquire(key, in_arena=in_arena)
+            return done
+        except BaseException as exc:
+            for r in out:
+                if isinstance(r, _Read) and r.error is None:
+                    r.error = Unavailable(f"read abandoned: {exc}")
+                    self._end_read(r, removed, moved)
+                elif isinstance(r, ReadLease):
+                    self.release(r)
+            raise
+        finally:
+            self.notify(removed, moved)
+
+    def _begin_read(
+        self,
+        key: ChunkKey,
+        in_arena: bool,
+        removed: list[ChunkKey],
+        moved: list[tuple[ChunkKey, str]],
+    ) -> ReadLease | _Read | None:
+        # Under the lock: a lease on DRAM, a miss, or a read that needs I/O
+        # (its source held, its DRAM room taken if it is promoted).
+        counted = False
         with self._lock:
-            self._check_open()
-            entry = self._entries.get(key)
-            if entry is None or entry.state is not _State.COMMITTED:
-                self._misses += 1
+            while True:
+                self._check_open()
+                entry = self._entries.get(key)
+                if entry is None or not entry.committed:
+                    if not counted:
+                        for level in self._levels:
+                            level.misses += 1
+                    return None
+                source = entry.copy
+                level = source.level
+                if not counted:
+                    counted = True
+                    self._count_hit(entry)
+                if level is self._cpu:
+                    if self._mover is not None:
+                        self._mover.consider_promotion(entry)
+                    return self._lease(entry, source)
+                promote = in_arena or (
+                    level.rank > self._cpu.rank
+                    and self._options.promote_hits > 0
+                    and entry.hits >= self._options.promote_hits
+                )
+                if promote and entry.moving:
+                    if not in_arena:
+                        promote = False  # another reader is promoting it: copy it out
+                    elif not self._moved_cv.wait(self._options.move_wait_s):
+                        return None
+                    else:
+                        continue  # it moved: look again
+                # Held before making room, so making room cannot take it.
+                source.leases += 1
+                self.sync_held(entry)
+                target: Copy | None = None
+                if promote:
+                    try:
+                        handle = self.allocate(self._cpu, entry.size, removed, moved)
+                    except CapacityExceeded:
+                        if in_arena:
+                            self.unhold(entry, source)
+                            return None
+                    else:
+                        target = Copy(self._cpu, handle, self._cpu_tier.size_of(handle))
+                        entry.moving = True
+                        self.sync_held(entry)
+                return _Read(entry, source, target)
+
+    def _run_reads(self, reads: list[_Read]) -> None:
+        # Without the lock: fill each read's destination, in parallel on the
+        # slow tier's threads where there are several.
+        executor = next((lv.tier.executor for lv in self._levels if lv.tier.executor), None)
+        if len(reads) > 1 and executor is not None:
+            try:
+                futures = [executor.submit(self._do_read, r) for r in reads[1:]]
+            except RuntimeError:  # shutting down: read here
+                futures = []
+                for r in reads[1:]:
+                    self._do_read(r)
+            self._do_read(reads[0])
+            for f in futures:
+                f.result()
+        else:
+            for r in reads:
+                self._do_read(r)
+
+    def _do_read(self, read: _Read) -> None:
+        entry, source = read.entry, read.source
+        if read.target is not None:
+            dest = self._cpu_tier.view(read.target.handle, entry.size)
+        else:
+            read.buf = bytearray(entry.size)
+            dest = memoryview(read.buf)
+        try:
+            if source.pending is not None:
+                dest[:] = source.pending
+            else:
+                source.level.tier.read_into(source.handle, dest)
+        except (Corrupt, Unavailable, InvalidArgument) as exc:
+            read.error = exc
+
+    def _end_read(
+        self, read: _Read, removed: list[ChunkKey], moved: list[tuple[ChunkKey, str]]
+    ) -> ReadLease | None:
+        entry, source, target, error = read.entry, read.source, read.target, read.error
+        with self._lock:
+            if target is not None:
+                entry.moving = False
+                self._moved_cv.notify_all()
+            self.unhold(entry, source)
+            current = self._entries.get(entry.key) is entry and entry.copy is source
+            if error is not None:
+                if target is not None:
+                    self._cpu_tier.free(target.handle)
+                if isinstance(error, Corrupt):
+                    self._corrupt += 1
+                    logger.warning("chunk %s dropped: %s", entry.key.hex(), error)
+                    if current:
+                        self.drop(entry)
+                        removed.append(entry.key)
+                else:
+                    logger.warning("cannot read chunk %s: %s", entry.key.hex(), error)
                 return None
-            self._hits += 1
-            if entry.leases == 0:
-                self._pinned_bytes += entry.alloc_size
-            entry.leases += 1
-            self._lru.move_to_end(key)
-            view = self._arena.view(entry.offset, entry.size).toreadonly()
-            lease = ReadLease(
-                key=key, size=entry.size, checksum=entry.checksum, view=view, offset=entry.offset
-            )
-            self._leases[id(lease)] = (lease, entry)
-            return lease
+            if target is None:
+                # Copied out; valid even if the chunk moved or went meanwhile.
+                assert read.buf is not None
+                lease = ReadLease(
+                    key=entry.key,
+                    size=entry.size,
+                    checksum=entry.checksum,
+                    view=memoryview(read.buf).toreadonly(),
+                    offset=-1,
+                    tier=source.level.name,
+                    in_arena=False,
+                )
+                self._leases[id(lease)] = (lease, None)
+                return lease
+            if not current:  # deleted meanwhile
+                self._cpu_tier.free(target.handle)
+                return None
+            level = source.level
+            self.switch(entry, target)
+            if level.rank > self._cpu.rank:
+                level.promotions += 1
+            else:
+                level.demotions += 1
+            moved.append((entry.key, self._cpu.name))
+            return self._lease(entry, target)
+
+    def _count_hit(self, entry: Entry) -> None:
+        level = entry.copy.level
+        for faster in self._levels[: level.rank]:
+            faster.misses += 1
+        level.hits += 1
+        entry.hits += 1
+        level.policy.touch(entry.key)
+
+    def _lease(self, entry: Entry, copy: Copy) -> ReadLease:
+        # Under the lock: a lease on a chunk's bytes in the arena.
+        copy.leases += 1
+        self.sync_held(entry)
+        view = self._cpu_tier.view(copy.handle, entry.size).toreadonly()
+        lease = ReadLease(
+            key=entry.key,
+            size=entry.size,
+            checksum=entry.checksum,
+            view=view,
+            offset=copy.handle,
+        )
+        self._leases[id(lease)] = (lease, copy)
+        return lease
 
     def release(self, lease: ReadLease) -> None:
-        """End a read lease; frees the chunk if it was deleted meanwhile.
+        """End a read lease; frees the chunk's old bytes if it moved or was deleted meanwhile.
 
         Raises:
             InvalidArgument: If ``lease`` is not outstanding (released twice).
@@ -374,18 +563,22 @@ class ChunkStore:
                 raise InvalidArgument(
                     f"release of a lease that is not outstanding: {lease.key.hex()}"
                 )
-            entry = held[1]
-            entry.leases -= 1
-            if entry.leases == 0:
-                if entry.deleted:
-                    self._allocator.free(entry.offset)
-                else:
-                    self._pinned_bytes -= entry.alloc_size
+            copy = held[1]
+            if copy is None:
+                return
+            copy.leases -= 1
+            if copy.orphan:
+                self.release_copy(copy)
+                return
+            entry = self._entries.get(lease.key)
+            if entry is not None and entry.copy is copy:
+                self.sync_held(entry)
 
+    # -- other operations -------------------------------------------------------------------
     def delete(self, key: ChunkKey) -> bool:
-        """Remove a committed chunk.
+        """Remove a committed chunk, from whichever tier holds it.
 
-        A leased chunk disappears from the table at once; its memory is freed
+        A leased chunk disappears from the table at once; its bytes are freed
         when the last lease is released. A chunk still being written is not
         touched (its writer owns it until commit or revoke).
 
@@ -396,70 +589,115 @@ class ChunkStore:
             if self._closed:
                 return False
             entry = self._entries.get(key)
-            if entry is None or entry.state is not _State.COMMITTED:
+            if entry is None or not entry.committed:
                 return False
-            self._remove(entry)
-            if entry.leases:
-                entry.deleted = True
-            else:
-                self._allocator.free(entry.offset)
-        self._notify_removed([key])
+            self.drop(entry)
+        self.notify([key], [])
         return True
 
-    def _remove(self, entry: _Entry) -> None:
-        # Takes a committed chunk out of the table; the caller frees or defers.
-        del self._entries[entry.key]
-        del self._lru[entry.key]
-        self._committed_bytes -= entry.alloc_size
-        if entry.leases:
-            self._pinned_bytes -= entry.alloc_size
+    def pin(self, key: ChunkKey) -> bool:
+        """Keep a committed chunk in its tier: never moved nor evicted until :meth:`unpin`.
+
+        Returns:
+            Whether the chunk is held (pins count: unpin as often).
+        """
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or not entry.committed:
+                return False
+            entry.pins += 1
+            self.sync_held(entry)
+            return True
+
+    def unpin(self, key: ChunkKey) -> bool:
+        """Undo one :meth:`pin`; returns whether the chunk was pinned."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or not entry.pins:
+                return False
+            entry.pins -= 1
+            self.sync_held(entry)
+            return True
 
     def contains(self, key: ChunkKey) -> bool:
         """Whether a committed chunk with this key is held (no LRU or hit effect)."""
         with self._lock:
             entry = self._entries.get(key)
-            return entry is not None and entry.state is _State.COMMITTED
+            return entry is not None and entry.committed
+
+    def tier_of(self, key: ChunkKey) -> str | None:
+        """The tier a committed chunk is in, or ``None`` if it is not held."""
+        with self._lock:
+            entry = self._entries.get(key)
+            return entry.copy.level.name if entry is not None and entry.committed else None
 
     def inventory(self) -> list[tuple[ChunkKey, int]]:
-        """Keys and sizes of every committed chunk, least recently used first."""
+        """Keys and sizes of every committed chunk, least recently used first
+        (the slowest tier's chunks first)."""
+        return [(h.key, h.size) for h in self.holdings()]
+
+    def holdings(self) -> list[Holding]:
+        """Every committed chunk with its tier, least recently used first."""
         with self._lock:
-            return [(key, entry.size) for key, entry in self._lru.items()]
+            return [
+                Holding(key, self._entries[key].size, level.name)
+                for level in reversed(self._levels)
+                for key in level.policy.coldest()
+            ]
 
     def stats(self) -> ChunkStoreStats:
-        """A consistent snapshot of the counters."""
+        """A consistent snapshot of the DRAM tier's counters and the error counts."""
         with self._lock:
+            cpu = self._cpu
             return ChunkStoreStats(
-                capacity_bytes=self._allocator.capacity,
-                used_bytes=self._allocator.used_bytes,
-                chunks=len(self._lru),
-                hits=self._hits,
-                misses=self._misses,
-                evictions=self._evictions,
+                capacity_bytes=self._cpu_tier.capacity,
+                used_bytes=self._cpu_tier.used_bytes,
+                chunks=len(cpu.policy),
+                hits=cpu.hits,
+                misses=cpu.misses,
+                evictions=cpu.evictions,
                 puts=self._puts,
                 rejected=self._rejected,
+                corrupt=self._corrupt,
+                write_errors=self._write_errors,
+                recovered=self._recovered,
             )
 
-    def close(self) -> None:
-        """Drop every chunk and unmap the arena; later calls raise ``Unavailable``."""
+    def tier_stats(self) -> list[TierStats]:
+        """Usage and counters of every tier, fastest first."""
         with self._lock:
-            if self._closed:
+            return [lv.snapshot() for lv in self._levels]
+
+    def close(self) -> None:
+        """Stop moving chunks, finish writes to slow tiers, drop every chunk and
+        release the tiers; later calls raise ``Unavailable``.
+
+        Chunks of persistent tiers stay on disk for the next store.
+        """
+        with self._lock:
+            if self._closed or self._closing:
                 return
+            self._closing = True  # no new writes to slow tiers
+        if self._mover is not None:
+            self._mover.stop()
+        for level in self._levels:
+            executor = level.tier.executor
+            if executor is not None:
+                executor.shutdown(wait=True)
+        with self._lock:
             self._closed = True
             self._entries.clear()
-            self._lru.clear()
             self._leases.clear()
-        self._arena.close()
+        for level in self._levels:
+            try:
+                level.tier.close()
+            except Exception:  # close the others whatever one hit
+                logger.exception("closing the %s tier failed", level.name)
+
+    def check_open(self) -> None:
+        """Raise ``Unavailable`` if the store is closed."""
+        self._check_open()
 
     def _check_open(self) -> None:
         if self._closed:
             raise Unavailable("chunk store is closed")
-
-    def _notify_removed(self, keys: list[ChunkKey]) -> None:
-        if not keys or self._on_removed is None:
-            return
-        try:
-            self._on_removed(keys)
-        except Exception:
-            # The removal already happened; a failing listener must not undo
-            # it nor break the put that triggered it.
-            logger.exception("on_removed callback failed for %d keys", len(keys))

@@ -17,12 +17,12 @@ import time
 from collections.abc import Callable
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from kvdepot.connector.metadata import parse_endpoints
 from kvdepot.errors import InvalidArgument, Unavailable
+from kvdepot.health import HealthState
 from kvdepot.metadata.keys import ChunkKey
+from kvdepot.metrics import MetricsServer, StoreCollector, on_loop
 from kvdepot.proto.gen import common_pb2, metadata_pb2, metadata_pb2_grpc, store_pb2, store_pb2_grpc
 from kvdepot.store.chunks import ChunkStore
 from kvdepot.store.config import StoreConfig
@@ -30,10 +30,19 @@ from kvdepot.store.dataplane import DataPlaneServer
 from kvdepot.store.host import default_arena_path, rdma_devices, reap_stale_arenas
 from kvdepot.store.nixl_agent import StoreNixlAgent, nixl_available
 from kvdepot.store.protocol import AttachFlags, ProtocolLimits
+from kvdepot.store.throughput import ThroughputMeter
+from kvdepot.store.tiers.factory import build_chunk_store
 
 logger = logging.getLogger(__name__)
 
 READY_PREFIX = "KVDEPOT READY "
+# Transfer rates are reported over this window, sampled every SAMPLE_S.
+RATE_WINDOW_S = 10.0
+SAMPLE_S = 1.0
+# Evictions are logged as one summary line at most this often.
+REMOVED_SUMMARY_S = 10.0
+# Keys per ReportMoved call.
+MOVED_BATCH = 4096
 
 
 class StoreServicer(store_pb2_grpc.StoreServicer):
@@ -60,16 +69,19 @@ class StoreDaemon:
         self.config = config
         self._loop: asyncio.AbstractEventLoop | None = None
         self._removed: set[ChunkKey] = set()
+        # Chunks that changed tier, reported with the tier they are in then.
+        self._moved: set[ChunkKey] = set()
+        self._moves_recorded = True  # until the metadata service says otherwise
         self._removed_event = asyncio.Event()
         arena_path = config.arena_path
         if not arena_path and config.shm:
             reap_stale_arenas()
             arena_path = default_arena_path(config.node_id or "store")
-        self.chunks = ChunkStore(
-            config.capacity_bytes,
+        self.chunks: ChunkStore = build_chunk_store(
+            config,
             arena_path=arena_path or None,
             on_removed=self._on_removed,
-            max_chunk_bytes=config.max_chunk_bytes or None,
+            on_moved=self._on_moved,
         )
         try:
             self.nixl = self._start_nixl(config)
@@ -95,7 +107,13 @@ class StoreDaemon:
         self._current = 0
         self._tasks: list[asyncio.Task[None]] = []
         self._heartbeat_s = 1.0
+        self._lease_s = 5.0  # until the metadata service tells its lease
         self.registered = asyncio.Event()
+        self._meter = ThroughputMeter(RATE_WINDOW_S)
+        self._removed_count = 0  # since the last summary line
+        self._removed_since = 0.0  # when the first of them left
+        self.health: HealthState | None = None
+        self.metrics: MetricsServer | None = None
 
     def _start_nixl(self, config: StoreConfig) -> StoreNixlAgent | None:
         if config.nixl == "off":
@@ -120,8 +138,23 @@ class StoreDaemon:
         with contextlib.suppress(RuntimeError):  # loop shutting down
             loop.call_soon_threadsafe(self._queue_removed, keys)
 
+    def _on_moved(self, moves: list[tuple[ChunkKey, str]]) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):  # loop shutting down
+            loop.call_soon_threadsafe(self._queue_moved, [key for key, _ in moves])
+
+    def _queue_moved(self, keys: list[ChunkKey]) -> None:
+        if self._moves_recorded:
+            self._moved.update(keys)
+            self._removed_event.set()
+
     def _queue_removed(self, keys: list[ChunkKey]) -> None:
         self._removed.update(keys)
+        if not self._removed_count:
+            self._removed_since = time.monotonic()
+        self._removed_count += len(keys)
         self._removed_event.set()
 
     # -- lifecycle ------------------------------------------------------------
@@ -135,20 +168,28 @@ class StoreDaemon:
             self.node_id = f"store-{advertise}-{port}"
         server = grpc.aio.server()
         store_pb2_grpc.add_StoreServicer_to_server(StoreServicer(self), server)
-        health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]  # stubs predate aio
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        names = (
-            store_pb2.DESCRIPTOR.services_by_name["Store"].full_name,
-            health.SERVICE_NAME,
-            reflection.SERVICE_NAME,
+        health = HealthState(
+            server,
+            [store_pb2.DESCRIPTOR.services_by_name["Store"].full_name],
+            f"store {self.node_id}",
         )
-        reflection.enable_server_reflection(names, server)
+        self.health = health
         grpc_port = server.add_insecure_port(f"{self.config.host}:{self.config.grpc_port}")
         if grpc_port == 0:
             raise InvalidArgument(f"cannot bind {self.config.host}:{self.config.grpc_port}")
         await server.start()
-        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        # SERVING until the metadata service is gone for longer than a lease.
+        await health.set(True)
         self._server = server
+        if self.config.metrics_port is not None:
+            self.metrics = MetricsServer(
+                StoreCollector(
+                    on_loop(asyncio.get_running_loop(), self.current_stats),
+                    lambda: health.serving,
+                ),
+                self.config.host,
+                self.config.metrics_port,
+            )
         self.grpc_address = f"{advertise}:{grpc_port}"
         flags = self.dataplane.attach_info.flags
         if self.nixl is not None:
@@ -160,13 +201,15 @@ class StoreDaemon:
         self._tasks = [
             asyncio.create_task(self._lease_forever()),
             asyncio.create_task(self._report_forever()),
+            asyncio.create_task(self._sample_forever()),
         ]
         logger.info(
-            "store %s: data plane %s, gRPC %s, arena %d bytes",
+            "store %s: data plane %s, gRPC %s, arena %d bytes, tiers %s",
             self.node_id,
             self.address,
             self.grpc_address,
             self.config.capacity_bytes,
+            ",".join(self.chunks.tiers),
         )
 
     def ready_line(self) -> str:
@@ -182,10 +225,16 @@ class StoreDaemon:
                 "arena_path": self.chunks.arena.path or "",
                 "generation": self.chunks.arena.generation,
                 "nixl": self.nixl is not None,
+                "metrics_port": self.metrics.port if self.metrics is not None else None,
+                "tiers": list(self.chunks.tiers),
+                "ssd_dir": self.config.ssd_dir,
             }
         )
 
     async def stop(self) -> None:
+        if self.metrics is not None:
+            await asyncio.to_thread(self.metrics.close)
+            self.metrics = None
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -202,25 +251,29 @@ class StoreDaemon:
 
     # -- metadata lease -------------------------------------------------------
     def _tiers(self) -> list[common_pb2.TierStats]:
-        s = self.chunks.stats()
         return [
             common_pb2.TierStats(
-                name="cpu",
-                capacity_bytes=s.capacity_bytes,
-                used_bytes=s.used_bytes,
-                chunks=s.chunks,
-                hits=s.hits,
-                misses=s.misses,
-                evictions=s.evictions,
+                name=t.name,
+                capacity_bytes=t.capacity_bytes,
+                used_bytes=t.used_bytes,
+                chunks=t.chunks,
+                hits=t.hits,
+                misses=t.misses,
+                evictions=t.evictions,
+                promotions=t.promotions,
+                demotions=t.demotions,
             )
+            for t in self.chunks.tier_stats()
         ]
 
     async def _register(self, stub: metadata_pb2_grpc.MetadataStub) -> None:
         inventory = [
-            common_pb2.ChunkRef(key=k, size=size, tier="cpu") for k, size in self.chunks.inventory()
+            common_pb2.ChunkRef(key=h.key, size=h.size, tier=h.tier) for h in self.chunks.holdings()
         ]
-        # The inventory is authoritative: removals queued before it are moot.
+        # The inventory is authoritative: removals and moves queued before it are moot.
         self._removed.clear()
+        self._moved.clear()
+        self._moves_recorded = True
         reply = await stub.RegisterNode(
             metadata_pb2.RegisterNodeRequest(
                 node_id=self.node_id,
@@ -232,7 +285,14 @@ class StoreDaemon:
             timeout=10,
         )
         self._heartbeat_s = max(0.05, reply.heartbeat_interval_ms / 1000)
-        logger.info("registered with metadata %s (%d chunks)", self.config.metadata, len(inventory))
+        if reply.lease_ttl_ms:
+            self._lease_s = reply.lease_ttl_ms / 1000
+        logger.info(
+            "registered with metadata %s (%d chunks)",
+            self._endpoints[self._current],
+            len(inventory),
+            extra={"event": "registered", "node": self.node_id, "chunks": len(inventory)},
+        )
         self.registered.set()
 
     def _stub(self) -> metadata_pb2_grpc.MetadataStub:
@@ -245,8 +305,11 @@ class StoreDaemon:
             logger.warning("failing over to metadata %s", self._endpoints[self._current])
 
     async def _lease_forever(self) -> None:
+        health = self.health
+        assert health is not None
         registered = False
         warned = False
+        last_ok = time.monotonic()
         while True:
             stub = self._stub()
             try:
@@ -255,10 +318,14 @@ class StoreDaemon:
                     registered = True
                     warned = False
                 else:
-                    await stub.Heartbeat(
-                        metadata_pb2.HeartbeatRequest(node_id=self.node_id, tiers=self._tiers()),
+                    reply = await stub.Heartbeat(
+                        metadata_pb2.HeartbeatRequest(
+                            node_id=self.node_id, tiers=self._tiers(), transfer=self._transfer()
+                        ),
                         timeout=max(1.0, self._heartbeat_s * 2),
                     )
+                    if reply.lease_ttl_ms:
+                        self._lease_s = reply.lease_ttl_ms / 1000
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.NOT_FOUND:
                     # Our lease expired or the index was lost: re-announce.
@@ -272,9 +339,41 @@ class StoreDaemon:
                     warned = True
                 if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     self._fail_over()
+                lost_s = time.monotonic() - last_ok
+                if lost_s > self._lease_s:
+                    # Our lease has run out: the cluster no longer sees this node.
+                    await health.set(
+                        False, f"no metadata service for {lost_s:.1f} s: {exc.code().name}"
+                    )
                 await asyncio.sleep(self.config.register_retry_s)
                 continue
+            last_ok = time.monotonic()
+            await health.set(True, "holds a metadata lease again")
             await asyncio.sleep(self._heartbeat_s)
+
+    async def _sample_forever(self) -> None:
+        """Sample the transfer counters; summarise evictions in one line."""
+        summary_at = -REMOVED_SUMMARY_S
+        while True:
+            now = time.monotonic()
+            d = self.dataplane.stats()
+            self._meter.sample(now, d.bytes_in, d.bytes_out)
+            if self._removed_count and now - summary_at >= REMOVED_SUMMARY_S:
+                period = now - self._removed_since
+                logger.info(
+                    "%d chunks left the store (evicted or deleted) in the last %.1f s",
+                    self._removed_count,
+                    period,
+                    extra={
+                        "event": "evictions",
+                        "node": self.node_id,
+                        "chunks": self._removed_count,
+                        "period_s": round(period, 1),
+                    },
+                )
+                self._removed_count = 0
+                summary_at = now
+            await asyncio.sleep(SAMPLE_S)
 
     async def _report_forever(self) -> None:
         while True:
@@ -284,17 +383,48 @@ class StoreDaemon:
             # A key written again since its eviction is still held.
             keys = [k for k in self._removed if not self.chunks.contains(k)]
             self._removed.clear()
-            if not keys:
-                continue
             try:
-                await self._stub().ReportRemoved(
-                    metadata_pb2.ReportRemovedRequest(node_id=self.node_id, keys=keys), timeout=5
-                )
+                if keys:
+                    await self._stub().ReportRemoved(
+                        metadata_pb2.ReportRemovedRequest(node_id=self.node_id, keys=keys),
+                        timeout=5,
+                    )
+                    keys = []
+                await self._report_moved()
             except grpc.aio.AioRpcError as exc:
-                logger.debug("removal report failed (%s); will retry", exc.code())
+                logger.debug("removal or move report failed (%s); will retry", exc.code())
                 self._removed.update(keys)
                 await asyncio.sleep(self.config.register_retry_s)
                 self._removed_event.set()
+
+    async def _report_moved(self) -> None:
+        """Tell the metadata service the tier each moved chunk is in now."""
+        by_tier: dict[str, list[ChunkKey]] = {}
+        for key in self._moved:
+            tier = self.chunks.tier_of(key)
+            if tier is not None:  # else its removal is reported
+                by_tier.setdefault(tier, []).append(key)
+        self._moved.clear()
+        for tier, keys in sorted(by_tier.items()):
+            for i in range(0, len(keys), MOVED_BATCH):
+                batch = keys[i : i + MOVED_BATCH]
+                try:
+                    reply = await self._stub().ReportMoved(
+                        metadata_pb2.ReportMovedRequest(
+                            node_id=self.node_id, keys=batch, tier=tier
+                        ),
+                        timeout=5,
+                    )
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                        self._moved.update(k for ks in by_tier.values() for k in ks)
+                        raise
+                    reply = metadata_pb2.ReportMovedResponse(recorded=False)
+                if not reply.recorded:
+                    # Tiers are then only refreshed by registering again.
+                    logger.info("metadata service does not record tier moves; not reporting them")
+                    self._moves_recorded = False
+                    return
 
     # -- stats ------------------------------------------------------------------
     def transfer_info_proto(self) -> store_pb2.TransferInfo:
@@ -328,8 +458,19 @@ class StoreDaemon:
             )
         return reply
 
+    def _transfer(self) -> common_pb2.TransferRate:
+        r = self._meter.rate()
+        return common_pb2.TransferRate(
+            bytes_in_per_s=r.bytes_in_per_s, bytes_out_per_s=r.bytes_out_per_s, window_s=r.window_s
+        )
+
+    async def current_stats(self) -> store_pb2.StoreStats:
+        """:meth:`stats_proto`, as a coroutine for readers on other threads."""
+        return self.stats_proto()
+
     def stats_proto(self) -> store_pb2.StoreStats:
         d = self.dataplane.stats()
+        c = self.chunks.stats()
         return store_pb2.StoreStats(
             node_id=self.node_id,
             address=self.address,
@@ -343,6 +484,10 @@ class StoreDaemon:
             corrupt_puts=d.corrupt_puts,
             protocol_errors=d.protocol_errors,
             connections=d.connections_total,
+            transfer=self._transfer(),
+            chunks_corrupt=c.corrupt,
+            chunks_recovered=c.recovered,
+            tier_write_errors=c.write_errors,
         )
 
 

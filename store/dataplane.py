@@ -13,7 +13,9 @@ Zero copy on both paths:
   mid-request leaves nothing visible and nothing reserved.
 * GET: every chunk of the request is leased (pinned against eviction), and the
   reply header, entries and arena views go out in one ``sendmsg`` vector; the
-  leases are released whatever happens.
+  leases are released whatever happens. A chunk in another tier (SSD, GPU)
+  is promoted into the arena or copied out for the reply, checked against
+  its checksum when it comes off SSD (see :class:`ChunkStore`).
 
 Clients that move bytes themselves (``shm``, ``nixl``) use the same
 connections for their control messages: ATTACH tells them where the arena is,
@@ -554,12 +556,13 @@ class DataPlaneServer:
         try:
             replies: list[GetReplyEntry] = []
             payloads: list[bytes | bytearray | memoryview] = []
-            for e in entries:
-                lease = self._chunks.acquire(e.key)
+            # Chunks on SSD are read in parallel, off this thread.
+            acquired = self._chunks.acquire_many([e.key for e in entries])
+            leases = [lease for lease in acquired if lease is not None]
+            for e, lease in zip(entries, acquired, strict=True):
                 if lease is None:
                     replies.append(GetReplyEntry(GetCode.NOT_FOUND))
                     continue
-                leases.append(lease)
                 size = lease.size
                 length = e.length or size - e.offset
                 if e.offset >= size or length <= 0 or e.offset + length > size:

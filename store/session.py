@@ -176,8 +176,10 @@ class Session:
         self._check_room(len(entries))
         out: list[LeaseReplyEntry] = []
         added = 0
-        for e in entries:
-            lease = self._chunks.acquire(e.key)
+        # These clients read the arena themselves: a chunk in another tier
+        # is promoted into DRAM first (or is a miss).
+        acquired = self._chunks.acquire_many([e.key for e in entries], in_arena=True)
+        for e, lease in zip(entries, acquired, strict=True):
             if lease is None:
                 out.append(LeaseReplyEntry(GetCode.NOT_FOUND))
                 continue

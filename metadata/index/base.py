@@ -16,6 +16,7 @@ from kvdepot.metadata.types import (
     NodeId,
     NodeInfo,
     TierUsage,
+    TransferRate,
 )
 
 
@@ -57,8 +58,18 @@ class IndexBackend(abc.ABC):
         """Add or replace a node, replacing its replicas with ``inventory``."""
 
     @abc.abstractmethod
-    async def heartbeat(self, node_id: NodeId, tiers: Sequence[TierUsage], now: float) -> bool:
-        """Renew a lease; False if the node is unknown (it must register again)."""
+    async def heartbeat(
+        self,
+        node_id: NodeId,
+        tiers: Sequence[TierUsage],
+        now: float,
+        transfer: TransferRate | None = None,
+    ) -> bool:
+        """Renew a lease; False if the node is unknown (it must register again).
+
+        ``tiers`` (when not empty) and ``transfer`` (when given) replace what
+        the node reported before.
+        """
 
     @abc.abstractmethod
     async def remove_replicas(self, node_id: NodeId, keys: Sequence[ChunkKey]) -> int:

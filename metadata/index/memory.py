@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvdepot.errors import CapacityExceeded, Unavailable
 from kvdepot.metadata.index.base import IndexBackend, IndexConfig
 from kvdepot.metadata.keys import ChunkKey
 from kvdepot.metadata.placement import choose_node
+from kvdepot.metadata.replica_tiers import ReplicaTierIndex
 from kvdepot.metadata.types import (
     TIER_RANK,
     Action,
@@ -27,6 +28,7 @@ from kvdepot.metadata.types import (
     NodeStatus,
     Replica,
     TierUsage,
+    TransferRate,
 )
 
 logger = logging.getLogger(__name__)
@@ -67,7 +69,7 @@ class _Counters:
     allocations_expired: int = 0
 
 
-class MemoryIndex(IndexBackend):
+class MemoryIndex(IndexBackend, ReplicaTierIndex):
     """Dictionaries keyed by chunk key and node id."""
 
     def __init__(self, config: IndexConfig) -> None:
@@ -91,15 +93,31 @@ class MemoryIndex(IndexBackend):
             "node %s registered at %s with %d chunks", node.node_id, node.address, len(inventory)
         )
 
-    async def heartbeat(self, node_id: NodeId, tiers: Sequence[TierUsage], now: float) -> bool:
+    async def heartbeat(
+        self,
+        node_id: NodeId,
+        tiers: Sequence[TierUsage],
+        now: float,
+        transfer: TransferRate | None = None,
+    ) -> bool:
         entry = self._nodes.get(node_id)
         if entry is None:
             return False
         entry.expires_at = now + self._config.lease_ttl_s
         if tiers:
-            info = entry.info
-            entry.info = NodeInfo(info.node_id, info.address, info.grpc_address, tuple(tiers))
+            entry.info = replace(entry.info, tiers=tuple(tiers))
+        if transfer is not None:
+            entry.info = replace(entry.info, transfer=transfer)
         return True
+
+    async def set_replica_tier(self, node_id: NodeId, keys: Sequence[ChunkKey], tier: str) -> int:
+        changed = 0
+        for key in keys:
+            chunk = self._chunks.get(key)
+            if chunk is not None and chunk.replicas.get(node_id, tier) != tier:
+                chunk.replicas[node_id] = tier
+                changed += 1
+        return changed
 
     async def remove_replicas(self, node_id: NodeId, keys: Sequence[ChunkKey]) -> int:
         entry = self._nodes.get(node_id)

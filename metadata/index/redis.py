@@ -10,7 +10,8 @@ Cluster hash tag, so that what one script touches is on one slot)::
 
     P:c:{<key hex>}       hash    chunk: "size" -> bytes, "n:<node>" -> "<tier> <epoch>"
     P:p:{<key hex>}       string  pending allocation "<batch>:<deadline ms>:<node>"
-    P:n:{<node>}          hash    the node's lease (PX lease TTL): epoch, address, grpc, tiers
+    P:n:{<node>}          hash    the node's lease (PX lease TTL): epoch, address, grpc, tiers,
+                                  xfer (recent transfer rates)
     P:n:{<node>}:epoch    string  the node's last registration epoch (never reused)
     P:n:{<node>}:keys     set     chunk keys the current epoch registered or committed
     P:n:{<node>}:gc       set     chunk keys of ended epochs, still to be cleaned up
@@ -63,6 +64,7 @@ from kvdepot.metadata.index import redis_lua as lua
 from kvdepot.metadata.index.base import IndexBackend, IndexConfig
 from kvdepot.metadata.keys import ChunkKey
 from kvdepot.metadata.placement import choose_node
+from kvdepot.metadata.replica_tiers import ReplicaTierIndex
 from kvdepot.metadata.types import (
     TIER_RANK,
     Action,
@@ -76,6 +78,7 @@ from kvdepot.metadata.types import (
     NodeStatus,
     Replica,
     TierUsage,
+    TransferRate,
 )
 
 logger = logging.getLogger(__name__)
@@ -146,6 +149,16 @@ def _tiers_parse(raw: bytes | None) -> tuple[TierUsage, ...]:
     if not raw:
         return ()
     return tuple(TierUsage(*row) for row in json.loads(raw))
+
+
+def _transfer_json(transfer: TransferRate) -> str:
+    return json.dumps(list(astuple(transfer)), separators=(",", ":"))
+
+
+def _transfer_parse(raw: bytes | None) -> TransferRate:
+    if not raw:
+        return TransferRate()
+    return TransferRate(*json.loads(raw))
 
 
 def _ms(seconds: float) -> int:
@@ -229,7 +242,7 @@ def connect(url: str) -> Redis | RedisCluster:
     return RedisCluster(startup_nodes=nodes, **{**timeouts, **options, **auth})
 
 
-class RedisIndex(IndexBackend):
+class RedisIndex(IndexBackend, ReplicaTierIndex):
     """The index in Redis or Redis Cluster, shared by any number of metadata replicas.
 
     Args:
@@ -476,11 +489,21 @@ class RedisIndex(IndexBackend):
         )
 
     @_guarded
-    async def heartbeat(self, node_id: NodeId, tiers: Sequence[TierUsage], now: float) -> bool:
+    async def heartbeat(
+        self,
+        node_id: NodeId,
+        tiers: Sequence[TierUsage],
+        now: float,
+        transfer: TransferRate | None = None,
+    ) -> bool:
         # A lease that ran out is not revived even if no reaper ran yet: one
         # may already be deleting that epoch's chunks, so the node registers
         # again with its inventory, exactly as after an index loss.
-        args = [self._lease_ms, _tiers_json(tiers) if tiers else ""]
+        args = [
+            self._lease_ms,
+            _tiers_json(tiers) if tiers else "",
+            _transfer_json(transfer) if transfer is not None else "",
+        ]
         epoch = int(await self._one(lua.HEARTBEAT.cmd([self._node(node_id)], args)) or 0)
         if not epoch:
             return False
@@ -488,6 +511,18 @@ class RedisIndex(IndexBackend):
         # that lost its data while this node's own shard did not.
         await self._one(lua.NODES_SET.cmd([self._k_nodes], [node_id, epoch]))
         return True
+
+    @_guarded
+    async def set_replica_tier(self, node_id: NodeId, keys: Sequence[ChunkKey], tier: str) -> int:
+        if not keys:
+            return 0
+        epoch = await self._one(("HGET", self._node(node_id), "epoch"))
+        if epoch is None:
+            return 0
+        calls = self._vec(
+            lua.RETIER, [[self._chunk(k)] for k in keys], [f"n:{node_id}", int(epoch), tier]
+        )
+        return sum(_flat(await self._exec(calls)))
 
     @_guarded
     async def remove_replicas(self, node_id: NodeId, keys: Sequence[ChunkKey]) -> int:
@@ -772,6 +807,7 @@ class RedisIndex(IndexBackend):
                 lease.get(b"address", b"").decode(),
                 lease.get(b"grpc", b"").decode(),
                 _tiers_parse(lease.get(b"tiers")),
+                _transfer_parse(lease.get(b"xfer")),
             )
             nodes.append(NodeStatus(info, int(count), max(0.0, int(pttl) / 1000)))
         c: dict[str, Any] = {n: int(counters.get(n.encode(), 0)) for n in _COUNTERS}

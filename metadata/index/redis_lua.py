@@ -73,12 +73,14 @@ return es
 """
 )
 
-# KEYS: lease. ARGV: lease ms, tiers json ('' keeps them). The epoch, or 0 if
-# the lease is gone (it is never revived: the node must register again).
+# KEYS: lease. ARGV: lease ms, tiers json ('' keeps them), transfer rates json
+# ('' keeps them). The epoch, or 0 if the lease is gone (it is never revived:
+# the node must register again).
 HEARTBEAT = Script(
     """
 if redis.call('PEXPIRE', KEYS[1], ARGV[1]) == 0 then return 0 end
 if ARGV[2] ~= '' then redis.call('HSET', KEYS[1], 'tiers', ARGV[2]) end
+if ARGV[3] and ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'xfer', ARGV[3]) end
 return redis.call('HGET', KEYS[1], 'epoch')
 """
 )
@@ -288,6 +290,23 @@ return out
 """
 )
 
+# KEYS: chunks. ARGV: field, epoch, tier. Where the field is a replica of that
+# epoch, sets its tier (keeping the epoch); 1 where it changed.
+RETIER = Script(
+    """
+local out = {}
+for i = 1, #KEYS do
+  out[i] = 0
+  local v = redis.call('HGET', KEYS[i], ARGV[1])
+  if v and string.match(v, ' (%d+)$') == ARGV[2] and v ~= ARGV[3] .. ' ' .. ARGV[2] then
+    redis.call('HSET', KEYS[i], ARGV[1], ARGV[3] .. ' ' .. ARGV[2])
+    out[i] = 1
+  end
+end
+return out
+"""
+)
+
 ALL = (
     REGISTER,
     HEARTBEAT,
@@ -303,4 +322,5 @@ ALL = (
     REVOKE,
     EXPIRE_ALLOC,
     READ_BATCH,
+    RETIER,
 )

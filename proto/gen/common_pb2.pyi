@@ -46,3 +46,13 @@ class ChunkRef(_message.Message):
     size: int
     tier: str
     def __init__(self, key: _Optional[bytes] = ..., size: _Optional[int] = ..., tier: _Optional[str] = ...) -> None: ...
+
+class TransferRate(_message.Message):
+    __slots__ = ("bytes_in_per_s", "bytes_out_per_s", "window_s")
+    BYTES_IN_PER_S_FIELD_NUMBER: _ClassVar[int]
+    BYTES_OUT_PER_S_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_S_FIELD_NUMBER: _ClassVar[int]
+    bytes_in_per_s: float
+    bytes_out_per_s: float
+    window_s: float
+    def __init__(self, bytes_in_per_s: _Optional[float] = ..., bytes_out_per_s: _Optional[float] = ..., window_s: _Optional[float] = ...) -> None: ...

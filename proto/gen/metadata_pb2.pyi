@@ -32,12 +32,14 @@ class RegisterNodeResponse(_message.Message):
     def __init__(self, lease_ttl_ms: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "tiers")
+    __slots__ = ("node_id", "tiers", "transfer")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     tiers: _containers.RepeatedCompositeFieldContainer[_common_pb2.TierStats]
-    def __init__(self, node_id: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierStats, _Mapping]]] = ...) -> None: ...
+    transfer: _common_pb2.TransferRate
+    def __init__(self, node_id: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierStats, _Mapping]]] = ..., transfer: _Optional[_Union[_common_pb2.TransferRate, _Mapping]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("lease_ttl_ms",)
@@ -58,6 +60,24 @@ class ReportRemovedResponse(_message.Message):
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     removed: int
     def __init__(self, removed: _Optional[int] = ...) -> None: ...
+
+class ReportMovedRequest(_message.Message):
+    __slots__ = ("node_id", "keys", "tier")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    tier: str
+    def __init__(self, node_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., tier: _Optional[str] = ...) -> None: ...
+
+class ReportMovedResponse(_message.Message):
+    __slots__ = ("moved", "recorded")
+    MOVED_FIELD_NUMBER: _ClassVar[int]
+    RECORDED_FIELD_NUMBER: _ClassVar[int]
+    moved: int
+    recorded: bool
+    def __init__(self, moved: _Optional[int] = ..., recorded: bool = ...) -> None: ...
 
 class PutStartRequest(_message.Message):
     __slots__ = ("keys", "sizes", "writer_node_id")
@@ -156,20 +176,22 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeStats(_message.Message):
-    __slots__ = ("node_id", "address", "grpc_address", "tiers", "chunks_indexed", "lease_remaining_s")
+    __slots__ = ("node_id", "address", "grpc_address", "tiers", "chunks_indexed", "lease_remaining_s", "transfer")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_INDEXED_FIELD_NUMBER: _ClassVar[int]
     LEASE_REMAINING_S_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     grpc_address: str
     tiers: _containers.RepeatedCompositeFieldContainer[_common_pb2.TierStats]
     chunks_indexed: int
     lease_remaining_s: float
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., grpc_address: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierStats, _Mapping]]] = ..., chunks_indexed: _Optional[int] = ..., lease_remaining_s: _Optional[float] = ...) -> None: ...
+    transfer: _common_pb2.TransferRate
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., grpc_address: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierStats, _Mapping]]] = ..., chunks_indexed: _Optional[int] = ..., lease_remaining_s: _Optional[float] = ..., transfer: _Optional[_Union[_common_pb2.TransferRate, _Mapping]] = ...) -> None: ...
 
 class ClusterStats(_message.Message):
     __slots__ = ("nodes", "chunks", "lookups", "hit_keys", "miss_keys", "hit_tokens", "miss_tokens", "puts_committed", "chunks_deduplicated", "bytes_saved", "bytes_committed", "nodes_expired", "allocations_expired")
@@ -200,3 +222,57 @@ class ClusterStats(_message.Message):
     nodes_expired: int
     allocations_expired: int
     def __init__(self, nodes: _Optional[_Iterable[_Union[NodeStats, _Mapping]]] = ..., chunks: _Optional[int] = ..., lookups: _Optional[int] = ..., hit_keys: _Optional[int] = ..., miss_keys: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., miss_tokens: _Optional[int] = ..., puts_committed: _Optional[int] = ..., chunks_deduplicated: _Optional[int] = ..., bytes_saved: _Optional[int] = ..., bytes_committed: _Optional[int] = ..., nodes_expired: _Optional[int] = ..., allocations_expired: _Optional[int] = ...) -> None: ...
+
+class RouteCandidate(_message.Message):
+    __slots__ = ("id", "node_id", "load")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    node_id: str
+    load: float
+    def __init__(self, id: _Optional[str] = ..., node_id: _Optional[str] = ..., load: _Optional[float] = ...) -> None: ...
+
+class RouteRequest(_message.Message):
+    __slots__ = ("keys", "tokens_per_key", "candidates", "link_bytes_per_s", "prefill_tokens_per_s", "load_penalty_s")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_KEY_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    LINK_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    LOAD_PENALTY_S_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    tokens_per_key: int
+    candidates: _containers.RepeatedCompositeFieldContainer[RouteCandidate]
+    link_bytes_per_s: float
+    prefill_tokens_per_s: float
+    load_penalty_s: float
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., tokens_per_key: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[RouteCandidate, _Mapping]]] = ..., link_bytes_per_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., load_penalty_s: _Optional[float] = ...) -> None: ...
+
+class RouteScore(_message.Message):
+    __slots__ = ("candidate_id", "local_tokens", "remote_tokens", "none_tokens", "remote_bytes", "estimated_s", "score")
+    CANDIDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NONE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATED_S_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    candidate_id: str
+    local_tokens: int
+    remote_tokens: int
+    none_tokens: int
+    remote_bytes: int
+    estimated_s: float
+    score: float
+    def __init__(self, candidate_id: _Optional[str] = ..., local_tokens: _Optional[int] = ..., remote_tokens: _Optional[int] = ..., none_tokens: _Optional[int] = ..., remote_bytes: _Optional[int] = ..., estimated_s: _Optional[float] = ..., score: _Optional[float] = ...) -> None: ...
+
+class RouteResponse(_message.Message):
+    __slots__ = ("hits", "scores", "best")
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    BEST_FIELD_NUMBER: _ClassVar[int]
+    hits: int
+    scores: _containers.RepeatedCompositeFieldContainer[RouteScore]
+    best: int
+    def __init__(self, hits: _Optional[int] = ..., scores: _Optional[_Iterable[_Union[RouteScore, _Mapping]]] = ..., best: _Optional[int] = ...) -> None: ...

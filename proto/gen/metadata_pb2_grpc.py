@@ -51,6 +51,11 @@ class MetadataStub(object):
                 request_serializer=kvdepot_dot_v1_dot_metadata__pb2.ReportRemovedRequest.SerializeToString,
                 response_deserializer=kvdepot_dot_v1_dot_metadata__pb2.ReportRemovedResponse.FromString,
                 _registered_method=True)
+        self.ReportMoved = channel.unary_unary(
+                '/kvdepot.v1.Metadata/ReportMoved',
+                request_serializer=kvdepot_dot_v1_dot_metadata__pb2.ReportMovedRequest.SerializeToString,
+                response_deserializer=kvdepot_dot_v1_dot_metadata__pb2.ReportMovedResponse.FromString,
+                _registered_method=True)
         self.PutStart = channel.unary_unary(
                 '/kvdepot.v1.Metadata/PutStart',
                 request_serializer=kvdepot_dot_v1_dot_metadata__pb2.PutStartRequest.SerializeToString,
@@ -76,6 +81,11 @@ class MetadataStub(object):
                 request_serializer=kvdepot_dot_v1_dot_metadata__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=kvdepot_dot_v1_dot_metadata__pb2.ClusterStats.FromString,
                 _registered_method=True)
+        self.Route = channel.unary_unary(
+                '/kvdepot.v1.Metadata/Route',
+                request_serializer=kvdepot_dot_v1_dot_metadata__pb2.RouteRequest.SerializeToString,
+                response_deserializer=kvdepot_dot_v1_dot_metadata__pb2.RouteResponse.FromString,
+                _registered_method=True)
 
 
 class MetadataServicer(object):
@@ -98,6 +108,13 @@ class MetadataServicer(object):
 
     def ReportRemoved(self, request, context):
         """A store reports chunks it no longer holds (evicted or dropped).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportMoved(self, request, context):
+        """A store reports chunks that moved between its tiers (the replica's tier).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -138,6 +155,14 @@ class MetadataServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Route(self, request, context):
+        """KV-aware routing: per candidate engine, how much of a prompt is cached on
+        its own node, elsewhere and nowhere, and a score (higher is better).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MetadataServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -155,6 +180,11 @@ def add_MetadataServicer_to_server(servicer, server):
                     servicer.ReportRemoved,
                     request_deserializer=kvdepot_dot_v1_dot_metadata__pb2.ReportRemovedRequest.FromString,
                     response_serializer=kvdepot_dot_v1_dot_metadata__pb2.ReportRemovedResponse.SerializeToString,
+            ),
+            'ReportMoved': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportMoved,
+                    request_deserializer=kvdepot_dot_v1_dot_metadata__pb2.ReportMovedRequest.FromString,
+                    response_serializer=kvdepot_dot_v1_dot_metadata__pb2.ReportMovedResponse.SerializeToString,
             ),
             'PutStart': grpc.unary_unary_rpc_method_handler(
                     servicer.PutStart,
@@ -180,6 +210,11 @@ def add_MetadataServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=kvdepot_dot_v1_dot_metadata__pb2.GetStatsRequest.FromString,
                     response_serializer=kvdepot_dot_v1_dot_metadata__pb2.ClusterStats.SerializeToString,
+            ),
+            'Route': grpc.unary_unary_rpc_method_handler(
+                    servicer.Route,
+                    request_deserializer=kvdepot_dot_v1_dot_metadata__pb2.RouteRequest.FromString,
+                    response_serializer=kvdepot_dot_v1_dot_metadata__pb2.RouteResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -264,6 +299,33 @@ class Metadata(object):
             '/kvdepot.v1.Metadata/ReportRemoved',
             kvdepot_dot_v1_dot_metadata__pb2.ReportRemovedRequest.SerializeToString,
             kvdepot_dot_v1_dot_metadata__pb2.ReportRemovedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportMoved(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvdepot.v1.Metadata/ReportMoved',
+            kvdepot_dot_v1_dot_metadata__pb2.ReportMovedRequest.SerializeToString,
+            kvdepot_dot_v1_dot_metadata__pb2.ReportMovedResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -399,6 +461,33 @@ class Metadata(object):
             '/kvdepot.v1.Metadata/GetStats',
             kvdepot_dot_v1_dot_metadata__pb2.GetStatsRequest.SerializeToString,
             kvdepot_dot_v1_dot_metadata__pb2.ClusterStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Route(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvdepot.v1.Metadata/Route',
+            kvdepot_dot_v1_dot_metadata__pb2.RouteRequest.SerializeToString,
+            kvdepot_dot_v1_dot_metadata__pb2.RouteResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -59,7 +59,7 @@ class StoreStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StoreStats(_message.Message):
-    __slots__ = ("node_id", "address", "tiers", "puts", "gets", "get_misses", "bytes_in", "bytes_out", "put_rejected", "corrupt_puts", "protocol_errors", "connections")
+    __slots__ = ("node_id", "address", "tiers", "puts", "gets", "get_misses", "bytes_in", "bytes_out", "put_rejected", "corrupt_puts", "protocol_errors", "connections", "transfer", "chunks_corrupt", "chunks_recovered", "tier_write_errors")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,10 @@ class StoreStats(_message.Message):
     CORRUPT_PUTS_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_ERRORS_FIELD_NUMBER: _ClassVar[int]
     CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_CORRUPT_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_RECOVERED_FIELD_NUMBER: _ClassVar[int]
+    TIER_WRITE_ERRORS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     tiers: _containers.RepeatedCompositeFieldContainer[_common_pb2.TierStats]
@@ -84,4 +88,8 @@ class StoreStats(_message.Message):
     corrupt_puts: int
     protocol_errors: int
     connections: int
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierStats, _Mapping]]] = ..., puts: _Optional[int] = ..., gets: _Optional[int] = ..., get_misses: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., put_rejected: _Optional[int] = ..., corrupt_puts: _Optional[int] = ..., protocol_errors: _Optional[int] = ..., connections: _Optional[int] = ...) -> None: ...
+    transfer: _common_pb2.TransferRate
+    chunks_corrupt: int
+    chunks_recovered: int
+    tier_write_errors: int
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierStats, _Mapping]]] = ..., puts: _Optional[int] = ..., gets: _Optional[int] = ..., get_misses: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., put_rejected: _Optional[int] = ..., corrupt_puts: _Optional[int] = ..., protocol_errors: _Optional[int] = ..., connections: _Optional[int] = ..., transfer: _Optional[_Union[_common_pb2.TransferRate, _Mapping]] = ..., chunks_corrupt: _Optional[int] = ..., chunks_recovered: _Optional[int] = ..., tier_write_errors: _Optional[int] = ...) -> None: ...

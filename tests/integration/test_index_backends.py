@@ -382,3 +382,21 @@ def test_lookup_without_prefetched_leases(
         assert [x.node_id for x in r.locations[0].replicas] == ["a"]
 
     run(make_index, body, lease_ttl_s=1.0)
+
+
+def test_heartbeat_carries_transfer_rates(make_index: MakeIndex) -> None:
+    from kvdepot.metadata.types import TransferRate
+
+    async def body(index: IndexBackend) -> None:
+        await index.register_node(node("a"), [], now())
+        (status,) = (await index.stats(now())).nodes
+        assert status.info.transfer == TransferRate()
+        rate = TransferRate(bytes_in_per_s=1.5e9, bytes_out_per_s=2.5e8, window_s=10.0)
+        assert await index.heartbeat("a", [], now(), rate)
+        # Tiers only, as an older store sends: the rates stay.
+        assert await index.heartbeat("a", [TierUsage("cpu", 100, 7)], now())
+        (status,) = (await index.stats(now())).nodes
+        assert status.info.transfer == rate
+        assert status.info.tiers == (TierUsage("cpu", 100, 7),)
+
+    run(make_index, body)

@@ -1,0 +1,33 @@
+"""Storage tiers of a store node (GPU, DRAM, SSD) and the policy that orders chunks in them."""
+
+from kvdepot.store.tiers.base import (
+    TIER_ORDER,
+    RecoveredChunk,
+    Tier,
+    TierLimits,
+    TierStats,
+    register_tier,
+    tier_class,
+)
+from kvdepot.store.tiers.policy import (
+    EvictionPolicy,
+    LruPolicy,
+    TieringOptions,
+    create_policy,
+    register_policy,
+)
+
+__all__ = [
+    "TIER_ORDER",
+    "EvictionPolicy",
+    "LruPolicy",
+    "RecoveredChunk",
+    "Tier",
+    "TierLimits",
+    "TierStats",
+    "TieringOptions",
+    "create_policy",
+    "register_policy",
+    "register_tier",
+    "tier_class",
+]
