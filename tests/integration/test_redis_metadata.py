@@ -137,3 +137,71 @@ def test_replicas_share_the_index_and_rebuild_it_after_a_flush(
         assert via_b.lookup_locations(keys).locations == before_b.locations
         assert via_a.lookup_locations(keys).locations == before_a.locations
         assert pulled_intact()  # no bytes lost
+
+
+def test_redis_cluster_replica_killed_mid_run_and_a_dead_store(
+    redis_cluster: str, tmp_path: Path
+) -> None:
+    """Two metadata replicas over a 3-master Redis Cluster: one is SIGKILLed
+    mid-run and clients and the store carry on through the other; a SIGKILLed
+    store's chunks then vanish from lookups within its lease."""
+    url = f"{redis_cluster}?prefix=kill-{uuid.uuid4().hex[:8]}"
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def spawn(args: list[str], name: str) -> dict[str, Any]:
+        p = subprocess.Popen(
+            [sys.executable, "-m", "kvdepot.cli", "--log-level", "WARNING", *args],
+            stdout=subprocess.PIPE,
+            stderr=open(tmp_path / f"{name}.log", "wb"),  # noqa: SIM115 - lives with p
+            stdin=subprocess.DEVNULL,
+        )
+        procs.append(p)
+        return wait_ready(p, name, 60)
+
+    try:
+        meta = [
+            spawn(
+                [
+                    "metadata",
+                    "--port",
+                    "0",
+                    "--index",
+                    url,
+                    "--lease-ttl",
+                    "1.5",
+                    "--heartbeat-interval",
+                    "0.3",
+                ],
+                f"meta{i}",
+            )
+            for i in range(2)
+        ]
+        both = ",".join(f"127.0.0.1:{m['port']}" for m in meta)
+        spawn(
+            ["store", "--port", "0", "--metadata", both, "--capacity", "32MiB", "--node-id", "s0"],
+            "store",
+        )
+        keys = chunk_keys(NS, list(range(16 * 6)))
+        with KVDepotClient(ClientConfig(metadata=both, rpc_timeout_s=3)) as client:
+            assert wait_for(lambda: client.stats().nodes)
+            assert client.put(keys[:3], [payload(k) for k in keys[:3]]).stored == 3
+            procs[0].kill()  # metadata replica A, mid-run
+            procs[0].wait()
+            assert client.put(keys, [payload(k) for k in keys]).stored == 3  # 3 skipped
+            assert client.lookup(keys) == 6
+            bufs = [np.zeros(CHUNK, dtype=np.uint8) for _ in keys]
+            assert client.get_into(keys, bufs).leading == 6
+            assert all(np.array_equal(b, payload(k)) for k, b in zip(keys, bufs, strict=True))
+            # The store keeps its lease through replica B: still listed later.
+            time.sleep(2.0)
+            assert client.lookup(keys) == 6
+            procs[2].kill()  # the store
+            procs[2].wait()
+            killed = time.monotonic()
+            assert wait_for(lambda: client.lookup(keys) == 0, timeout_s=5.0)
+            assert time.monotonic() - killed < 1.5 + 2.0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
