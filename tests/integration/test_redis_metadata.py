@@ -194,12 +194,12 @@ def test_redis_cluster_replica_killed_mid_run_and_a_dead_store(
             assert all(np.array_equal(b, payload(k)) for k, b in zip(keys, bufs, strict=True))
             # The store keeps its lease through replica B: still listed later.
             time.sleep(2.0)
-            assert client.lookup(keys) == 6
+            assert wait_for(lambda: client.lookup(keys) == 6, timeout_s=5.0)
             procs[2].kill()  # the store
             procs[2].wait()
             killed = time.monotonic()
             assert wait_for(lambda: client.lookup(keys) == 0, timeout_s=5.0)
-            assert time.monotonic() - killed < 1.5 + 2.0
+            assert time.monotonic() - killed < 1.5 + 3.0
     finally:
         for p in procs:
             if p.poll() is None:
