@@ -289,3 +289,40 @@ def tier_class(name: str) -> type[Tier]:
         _REGISTRY[name] = cls
         return cls
     return target
+
+
+class AllocatorSpace:
+    """Space accounting of a tier whose bytes live in one preallocated arena
+    carved up by an :class:`~kvdepot.store.allocator.Allocator` (``cpu``, ``gpu``).
+
+    Mixed into such tiers ahead of :class:`Tier`; they set ``self._allocator``.
+    """
+
+    if TYPE_CHECKING:
+        from kvdepot.store.allocator import Allocator
+
+        _allocator: Allocator
+
+    @property
+    def capacity(self) -> int:
+        return self._allocator.capacity
+
+    @property
+    def used_bytes(self) -> int:
+        return self._allocator.used_bytes
+
+    @property
+    def free_bytes(self) -> int:
+        return self._allocator.free_bytes
+
+    def rounded(self, size: int) -> int:
+        return self._allocator.rounded(size)
+
+    def allocate(self, size: int) -> int | None:
+        return self._allocator.alloc(size)
+
+    def size_of(self, handle: int) -> int:
+        return self._allocator.size_of(handle)
+
+    def free(self, handle: int) -> None:
+        self._allocator.free(handle)

@@ -24,12 +24,12 @@ from kvdepot.errors import Unavailable
 from kvdepot.metadata.keys import ChunkKey
 from kvdepot.store.allocator import Allocator
 from kvdepot.store.arena import Arena
-from kvdepot.store.tiers.base import Tier, TierLimits
+from kvdepot.store.tiers.base import AllocatorSpace, Tier, TierLimits
 
 logger = logging.getLogger(__name__)
 
 
-class CpuTier(Tier):
+class CpuTier(AllocatorSpace, Tier):
     """Chunks in the DRAM arena.
 
     Args:
@@ -78,18 +78,6 @@ class CpuTier(Tier):
         return self._pinned
 
     @property
-    def capacity(self) -> int:
-        return self._allocator.capacity
-
-    @property
-    def used_bytes(self) -> int:
-        return self._allocator.used_bytes
-
-    @property
-    def free_bytes(self) -> int:
-        return self._allocator.free_bytes
-
-    @property
     def largest_free(self) -> int:
         """The largest allocation that can succeed now."""
         return self._allocator.largest_free
@@ -98,18 +86,6 @@ class CpuTier(Tier):
     def free_extents(self) -> int:
         """Free extents of the arena (1 when empty: no fragmentation)."""
         return self._allocator.free_extents
-
-    def rounded(self, size: int) -> int:
-        return self._allocator.rounded(size)
-
-    def allocate(self, size: int) -> int | None:
-        return self._allocator.alloc(size)
-
-    def size_of(self, handle: int) -> int:
-        return self._allocator.size_of(handle)
-
-    def free(self, handle: int) -> None:
-        self._allocator.free(handle)
 
     def view(self, handle: int, size: int) -> memoryview:
         return self._arena.view(handle, size)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from kvdepot.errors import InvalidArgument, Unavailable
 from kvdepot.metadata.keys import ChunkKey
 from kvdepot.store.allocator import Allocator
-from kvdepot.store.tiers.base import Tier, TierLimits
+from kvdepot.store.tiers.base import AllocatorSpace, Tier, TierLimits
 
 if TYPE_CHECKING:
     from kvdepot.store.config import StoreConfig
@@ -87,7 +87,7 @@ def _cuda_success(cudart: Any) -> Any:
     return getattr(errors, "success", 0)
 
 
-class GpuTier(Tier):
+class GpuTier(AllocatorSpace, Tier):
     """Chunks in a device tensor.
 
     Args:
@@ -143,30 +143,6 @@ class GpuTier(Tier):
     def device(self) -> str:
         """The torch device the tier lives on."""
         return str(self._device)
-
-    @property
-    def capacity(self) -> int:
-        return self._allocator.capacity
-
-    @property
-    def used_bytes(self) -> int:
-        return self._allocator.used_bytes
-
-    @property
-    def free_bytes(self) -> int:
-        return self._allocator.free_bytes
-
-    def rounded(self, size: int) -> int:
-        return self._allocator.rounded(size)
-
-    def allocate(self, size: int) -> int | None:
-        return self._allocator.alloc(size)
-
-    def size_of(self, handle: int) -> int:
-        return self._allocator.size_of(handle)
-
-    def free(self, handle: int) -> None:
-        self._allocator.free(handle)
 
     def write(self, handle: int, data: memoryview, *, key: ChunkKey, checksum: int) -> None:
         n = len(data)
