@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -178,9 +179,15 @@ def test_corrupt_chunk_and_dead_store_are_recomputed(
             "producer-2",
         )
         # Flip one byte of A's second chunk inside the store's arena.
+        # Tier usage reaches the metadata service with the next heartbeat (1 s).
+        deadline = time.monotonic() + 10
         with KVDepotClient(ClientConfig(metadata=meta)) as client:
-            stats = client.stats()
-        chunk_bytes = {n.node_id: n.tiers[0].used_bytes for n in stats.nodes}
+            while True:
+                stats = client.stats()
+                chunk_bytes = {n.node_id: n.tiers[0].used_bytes for n in stats.nodes}
+                if chunk_bytes["store-0"] > 0 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
         assert chunk_bytes["store-0"] > 0
         corrupt_second_chunk_of(arena, model, meta)
         out = run_engine(
