@@ -44,6 +44,7 @@ import grpc
 import redis
 
 from kvdepot.cluster import wait_ready
+from kvdepot.metadata.lookup_wire import unpack_lookup
 from kvdepot.proto.gen import common_pb2, metadata_pb2, metadata_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -234,13 +235,18 @@ def grpc_worker(
     sizes = [CHUNK_BYTES] * keys
 
     def lookup(i: int) -> None:
+        # As KVDepotClient asks and decodes it (the packed answer).
         reply = stub.Lookup(
             metadata_pb2.LookupRequest(
-                keys=windows[i % INVENTORY_WINDOWS], client_node_id=NODE_ID, tokens_per_key=256
+                keys=windows[i % INVENTORY_WINDOWS],
+                client_node_id=NODE_ID,
+                tokens_per_key=256,
+                packed=True,
             ),
             timeout=10,
         )
-        assert reply.hits == keys, reply.hits
+        result = unpack_lookup(reply)
+        assert result.hits == keys, result.hits
 
     def put(i: int) -> None:
         new = [key_of(space, i * keys + j) for j in range(keys)]

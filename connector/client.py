@@ -20,7 +20,10 @@ from kvdepot.connector.transport import create_transport
 from kvdepot.connector.transport.base import GetItem, PutItem, PutStatus, Transport
 from kvdepot.errors import InvalidArgument
 from kvdepot.metadata.keys import KEY_BYTES, ChunkKey
+from kvdepot.metadata.lookup_wire import unpack_lookup
+from kvdepot.metadata.types import LookupResult
 from kvdepot.proto.gen import metadata_pb2
+from kvdepot.security import NO_SECURITY, SecurityConfig
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +49,8 @@ class ClientConfig:
         replicate_on_read: After pulling chunks from another node, also store
             them on ``node_id``'s store and register that replica, so the next
             reader on this node reads locally.
+        security: The token this client presents (gRPC and data plane) and
+            its TLS settings; by default none.
     """
 
     metadata: str = "127.0.0.1:7700"
@@ -56,6 +61,7 @@ class ClientConfig:
     connect_timeout_s: float = 5.0
     io_timeout_s: float = 30.0
     replicate_on_read: bool = False
+    security: SecurityConfig = NO_SECURITY
 
     def __post_init__(self) -> None:
         parse_endpoints(self.metadata)
@@ -127,11 +133,14 @@ class KVDepotClient:
                 one ``config.transport`` names (``auto`` picks per store).
         """
         self.config = config
-        self._metadata = MetadataConnection(config.metadata, config.rpc_timeout_s)
+        self._metadata = MetadataConnection(
+            config.metadata, config.rpc_timeout_s, config.security
+        )
         self._transport = transport or create_transport(
             config.transport,
             connect_timeout_s=config.connect_timeout_s,
             io_timeout_s=config.io_timeout_s,
+            security=config.security,
         )
         self._closed = False
         self._lock = threading.Lock()
@@ -249,22 +258,31 @@ class KVDepotClient:
         return PutResult(stored, skipped, failed, bytes_sent, bytes_skipped)
 
     # -- lookup -----------------------------------------------------------------
-    def lookup_locations(self, keys: Sequence[bytes]) -> metadata_pb2.LookupResponse:
-        """The raw lookup answer: leading hits and the replicas of each."""
+    def _lookup(self, keys: Sequence[bytes]) -> metadata_pb2.LookupResponse:
         return self._call(
             "Lookup",
             metadata_pb2.LookupRequest(
                 keys=_check_keys(keys),
                 client_node_id=self.config.node_id,
                 tokens_per_key=self.config.tokens_per_chunk,
+                packed=True,
             ),
         )
+
+    def lookup_locations(self, keys: Sequence[bytes]) -> LookupResult:
+        """The lookup answer: leading hits and the replicas of each, this node's first.
+
+        Raises:
+            Unavailable: The metadata service cannot be reached.
+            Corrupt: The answer is malformed.
+        """
+        return unpack_lookup(self._lookup(keys))
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         """Number of leading keys that are stored somewhere in the cluster."""
         if not keys:
             return 0
-        return int(self.lookup_locations(keys).hits)
+        return int(self._lookup(keys).hits)
 
     # -- pull ---------------------------------------------------------------------
     def get_into(self, keys: Sequence[bytes], buffers: Sequence[Buffer]) -> GetResult:

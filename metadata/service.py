@@ -16,6 +16,7 @@ from kvdepot.metadata.config import MetadataConfig
 from kvdepot.metadata.events import EventsConfig, KVEventPublisher
 from kvdepot.metadata.index import IndexBackend, IndexConfig, create_backend
 from kvdepot.metadata.keys import KEY_BYTES, ChunkKey
+from kvdepot.metadata.lookup_wire import pack_lookup
 from kvdepot.metadata.replica_tiers import record_moves
 from kvdepot.metadata.routing import Candidate, RoutingWeights, best, score_candidates
 from kvdepot.metadata.types import (
@@ -29,6 +30,7 @@ from kvdepot.metadata.types import (
 )
 from kvdepot.metrics import ClusterCollector, MetricsServer, on_loop
 from kvdepot.proto.gen import common_pb2, metadata_pb2, metadata_pb2_grpc
+from kvdepot.security import NO_SECURITY, SecurityConfig, add_port, aio_server
 
 logger = logging.getLogger(__name__)
 
@@ -276,6 +278,8 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
             result = await self._index.lookup(keys, client, request.tokens_per_key)
         except KVDepotError as exc:
             await self._guard(context, exc)
+        if request.packed:
+            return pack_lookup(result)
         return metadata_pb2.LookupResponse(
             hits=result.hits,
             locations=[
@@ -332,10 +336,16 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
 
 
 class MetadataServer:
-    """A running metadata service: gRPC server, index, lease reaper."""
+    """A running metadata service: gRPC server, index, lease reaper.
 
-    def __init__(self, config: MetadataConfig) -> None:
+    Args:
+        config: The service's configuration.
+        security: Token(s) every call must carry and TLS settings; none by default.
+    """
+
+    def __init__(self, config: MetadataConfig, security: SecurityConfig | None = None) -> None:
         self.config = config
+        self.security = security or NO_SECURITY
         self.index = create_backend(
             IndexConfig(
                 url=config.index,
@@ -352,11 +362,13 @@ class MetadataServer:
 
     async def start(self) -> int:
         """Bind and start serving; returns the bound port."""
-        server = grpc.aio.server(
+        server = aio_server(
+            self.security,
+            "metadata gRPC",
             options=[
                 ("grpc.max_receive_message_length", 64 << 20),
                 ("grpc.so_reuseport", 0),
-            ]
+            ],
         )
         metadata_pb2_grpc.add_MetadataServicer_to_server(
             MetadataServicer(self.index, self.config, await self._start_events()), server
@@ -364,7 +376,7 @@ class MetadataServer:
         self.health = HealthState(
             server, [metadata_pb2.DESCRIPTOR.services_by_name["Metadata"].full_name], "metadata"
         )
-        self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        self.port = add_port(server, f"{self.config.host}:{self.config.port}", self.security)
         if self.port == 0:
             raise InvalidArgument(f"cannot bind {self.config.host}:{self.config.port}")
         await server.start()

@@ -78,11 +78,16 @@ class MemoryIndex(IndexBackend, ReplicaTierIndex):
         self._chunks: dict[ChunkKey, _Chunk] = {}
         self._pending: dict[ChunkKey, _Pending] = {}
         self._c = _Counters()
+        # One Replica per (node, tier), shared by every lookup answer: building
+        # them per key was most of a lookup's cost. Emptied when a node
+        # (re)registers or goes, since its address is in them.
+        self._replica_cache: dict[tuple[NodeId, str], Replica] = {}
 
     async def register_node(
         self, node: NodeInfo, inventory: Sequence[InventoryItem], now: float
     ) -> None:
         old = self._nodes.pop(node.node_id, None)
+        self._replica_cache.clear()
         if old is not None:
             self._drop_replicas(node.node_id, old.keys)
         entry = _Node(info=node, expires_at=now + self._config.lease_ttl_s)
@@ -195,15 +200,22 @@ class MemoryIndex(IndexBackend, ReplicaTierIndex):
         self, keys: Sequence[ChunkKey], client_node_id: NodeId, tokens_per_key: int
     ) -> LookupResult:
         locations: list[KeyLocation] = []
+        chunks, cache = self._chunks, self._replica_cache
         for key in keys:
-            chunk = self._chunks.get(key)
+            chunk = chunks.get(key)
             if chunk is None or not chunk.replicas:
                 break
-            replicas = [
-                Replica(nid, self._nodes[nid].info.address, tier)
-                for nid, tier in chunk.replicas.items()
-            ]
-            replicas.sort(key=lambda r: (r.node_id != client_node_id, TIER_RANK.get(r.tier, 9)))
+            replicas = []
+            for pair in chunk.replicas.items():
+                r = cache.get(pair)
+                if r is None:
+                    nid, tier = pair
+                    r = cache[pair] = Replica(nid, self._nodes[nid].info.address, tier)
+                replicas.append(r)
+            if len(replicas) > 1:
+                replicas.sort(
+                    key=lambda r: (r.node_id != client_node_id, TIER_RANK.get(r.tier, 9))
+                )
             locations.append(KeyLocation(chunk.size, tuple(replicas)))
         hits = len(locations)
         c = self._c
@@ -218,6 +230,7 @@ class MemoryIndex(IndexBackend, ReplicaTierIndex):
         dead = [nid for nid, n in self._nodes.items() if n.expires_at <= now]
         for nid in dead:
             entry = self._nodes.pop(nid)
+            self._replica_cache.clear()
             self._drop_replicas(nid, entry.keys)
             logger.warning(
                 "node %s lease expired: dropped with %d chunks", nid, len(entry.keys)

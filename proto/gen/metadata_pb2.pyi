@@ -146,14 +146,16 @@ class PutRevokeResponse(_message.Message):
     def __init__(self, revoked: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("keys", "client_node_id", "tokens_per_key")
+    __slots__ = ("keys", "client_node_id", "tokens_per_key", "packed")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_KEY_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     client_node_id: str
     tokens_per_key: int
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., client_node_id: _Optional[str] = ..., tokens_per_key: _Optional[int] = ...) -> None: ...
+    packed: bool
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., client_node_id: _Optional[str] = ..., tokens_per_key: _Optional[int] = ..., packed: bool = ...) -> None: ...
 
 class KeyLocation(_message.Message):
     __slots__ = ("size", "replicas")
@@ -164,12 +166,20 @@ class KeyLocation(_message.Message):
     def __init__(self, size: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[_common_pb2.Replica, _Mapping]]] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("hits", "locations")
+    __slots__ = ("hits", "locations", "replica_table", "sizes", "replica_counts", "replica_refs")
     HITS_FIELD_NUMBER: _ClassVar[int]
     LOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_TABLE_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_REFS_FIELD_NUMBER: _ClassVar[int]
     hits: int
     locations: _containers.RepeatedCompositeFieldContainer[KeyLocation]
-    def __init__(self, hits: _Optional[int] = ..., locations: _Optional[_Iterable[_Union[KeyLocation, _Mapping]]] = ...) -> None: ...
+    replica_table: _containers.RepeatedCompositeFieldContainer[_common_pb2.Replica]
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    replica_counts: _containers.RepeatedScalarFieldContainer[int]
+    replica_refs: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, hits: _Optional[int] = ..., locations: _Optional[_Iterable[_Union[KeyLocation, _Mapping]]] = ..., replica_table: _Optional[_Iterable[_Union[_common_pb2.Replica, _Mapping]]] = ..., sizes: _Optional[_Iterable[int]] = ..., replica_counts: _Optional[_Iterable[int]] = ..., replica_refs: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()
