@@ -32,6 +32,13 @@ class StoreConfig:
         max_chunk_bytes: Largest chunk accepted; 0 means the arena size.
         idle_timeout_s: Data-plane connections idle this long are closed.
         io_timeout_s: A request whose bytes stall this long is aborted.
+        min_rate_bytes: Bytes per second a data-plane client must at least
+            move within a request: one that takes longer than ``io_timeout_s``
+            plus its payload at this rate is cut off (however steadily it trickles).
+        hold_timeout_s: A data-plane connection (``shm``, ``nixl`` client) that
+            holds reservations or read leases without a break for this long is
+            closed, and what it held is freed.
+        max_connections: Data-plane connections served at once; more are refused.
         register_retry_s: Delay between attempts to reach the metadata service.
         metrics_port: Port of the Prometheus ``/metrics`` HTTP endpoint, bound
             on ``host``; ``None`` (the default) serves none, 0 picks a free port.
@@ -79,6 +86,9 @@ class StoreConfig:
     max_chunk_bytes: int = 0
     idle_timeout_s: float = 60.0
     io_timeout_s: float = 30.0
+    min_rate_bytes: int = 1 << 20
+    hold_timeout_s: float = 60.0
+    max_connections: int = 1024
     register_retry_s: float = 0.5
     metrics_port: int | None = None
     cpu_watermarks: str = "0.95:0.85"
@@ -112,8 +122,12 @@ class StoreConfig:
             raise InvalidArgument("max_chunk_bytes must be between 0 and capacity_bytes")
         if self.nixl not in ("auto", "on", "off"):
             raise InvalidArgument(f"nixl must be auto, on or off, got {self.nixl!r}")
-        if self.idle_timeout_s <= 0 or self.io_timeout_s <= 0 or self.register_retry_s <= 0:
+        if min(self.idle_timeout_s, self.io_timeout_s, self.hold_timeout_s) <= 0:
             raise InvalidArgument("timeouts must be positive")
+        if self.register_retry_s <= 0:
+            raise InvalidArgument("register_retry_s must be positive")
+        if self.min_rate_bytes <= 0 or self.max_connections <= 0:
+            raise InvalidArgument("min_rate_bytes and max_connections must be positive")
         self._check_tiers()
         from kvdepot.connector.metadata import parse_endpoints
 

@@ -97,6 +97,9 @@ class StoreDaemon:
             idle_timeout_s=config.idle_timeout_s,
             io_timeout_s=config.io_timeout_s,
             on_nixl_held=self.nixl.on_held if self.nixl is not None else None,
+            min_rate=config.min_rate_bytes,
+            hold_timeout_s=config.hold_timeout_s,
+            max_connections=config.max_connections,
         )
         self.node_id = config.node_id
         self.address = ""

@@ -32,7 +32,9 @@ import contextlib
 import dataclasses
 import logging
 import socket
+import struct
 import threading
+import time
 
 from kvdepot.errors import CapacityExceeded, InvalidArgument, Unavailable
 from kvdepot.metadata.keys import KEY_BYTES
@@ -80,11 +82,13 @@ from kvdepot.store.protocol import (
     unpack_put_entries,
 )
 from kvdepot.store.session import HeldListener, Session
+from kvdepot.store.watchdog import RequestWatchdog
 
 logger = logging.getLogger(__name__)
 
 _ERROR_SEND_TIMEOUT_S = 1.0
 _JOIN_TIMEOUT_S = 5.0
+_LINGER_RESET = struct.pack("ii", 1, 0)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -150,9 +154,17 @@ class DataPlaneServer:
             closed (and its reservations revoked).
         on_nixl_held: Told the change in reservations and leases held by
             connections that attached as NIXL clients.
+        min_rate: Bytes per second a client must at least move within a
+            request: one that takes longer than ``io_timeout_s`` plus its
+            payload at this rate is closed, however steadily it trickles.
+        hold_timeout_s: A connection that holds reservations or leases
+            (``shm``, ``nixl`` clients) without a break for this long is
+            closed, and what it held is freed.
+        max_connections: Connections served at once; more are answered
+            ERROR and closed.
 
     Raises:
-        InvalidArgument: If a timeout is not positive.
+        InvalidArgument: If a timeout, the rate or the connection limit is not positive.
     """
 
     def __init__(
@@ -164,9 +176,15 @@ class DataPlaneServer:
         idle_timeout_s: float = 60.0,
         io_timeout_s: float = 30.0,
         on_nixl_held: HeldListener | None = None,
+        *,
+        min_rate: int = 1 << 20,
+        hold_timeout_s: float = 60.0,
+        max_connections: int = 1024,
     ) -> None:
-        if idle_timeout_s <= 0 or io_timeout_s <= 0:
+        if min(idle_timeout_s, io_timeout_s, hold_timeout_s) <= 0:
             raise InvalidArgument("data plane timeouts must be positive")
+        if max_connections <= 0:
+            raise InvalidArgument("max_connections must be positive")
         self._chunks = chunks
         self._on_nixl_held = on_nixl_held
         arena = chunks.arena
@@ -185,6 +203,10 @@ class DataPlaneServer:
         self._limits = limits
         self._idle_timeout_s = idle_timeout_s
         self._io_timeout_s = io_timeout_s
+        self._hold_timeout_s = hold_timeout_s
+        self._max_connections = max_connections
+        self._at_limit = False
+        self._watchdog = RequestWatchdog(io_timeout_s, min_rate)
         self._listener: socket.socket | None = None
         self._accept_thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -230,6 +252,7 @@ class DataPlaneServer:
             raise Unavailable(f"cannot listen on {self._host}:{self._port}: {exc}") from exc
         self._listener = listener
         self._stopping.clear()
+        self._watchdog.start()
         self._accept_thread = threading.Thread(
             target=self._accept_loop, name="kvdepot-dataplane-accept", daemon=True
         )
@@ -258,6 +281,7 @@ class DataPlaneServer:
             thread.join(_JOIN_TIMEOUT_S)
             if thread.is_alive():
                 logger.warning("data plane connection thread %s did not stop", thread.name)
+        self._watchdog.stop()
 
     def __enter__(self) -> DataPlaneServer:
         self.start()
@@ -301,6 +325,8 @@ class DataPlaneServer:
             if self._stopping.is_set():
                 conn.close()
                 return
+            if not self._admit(conn, peer):
+                continue
             thread = threading.Thread(
                 target=self._serve,
                 args=(conn, _peer_name(peer)),
@@ -312,6 +338,33 @@ class DataPlaneServer:
             self._count(connections_total=1, connections_open=1)
             thread.start()
 
+    def _admit(self, conn: socket.socket, peer: object) -> bool:
+        # Beyond the limit a connection is refused at once: a flood of idle
+        # connections costs threads and file descriptors, not the server.
+        with self._lock:
+            room = len(self._connections) < self._max_connections
+            warn = not room and not self._at_limit
+            self._at_limit = not room
+        if room:
+            return True
+        if warn:
+            logger.warning(
+                "data plane at its limit of %d connections: refusing new ones",
+                self._max_connections,
+            )
+        logger.debug("refused a data plane connection from %s", _peer_name(peer))
+        with contextlib.suppress(OSError):
+            conn.setblocking(False)  # never wait on a peer from the accept thread
+            conn.send(
+                encode_error(
+                    ErrorCode.LIMIT_EXCEEDED,
+                    f"the store serves at most {self._max_connections} connections",
+                )
+            )
+        conn.close()
+        self._count(connections_total=1, protocol_errors=1)
+        return False
+
     def _serve(self, conn: socket.socket, peer: str) -> None:
         session = Session(self._chunks, self._limits.max_held, self._on_nixl_held)
         try:
@@ -319,47 +372,94 @@ class DataPlaneServer:
             set_io_timeout(conn, self._io_timeout_s)
             header = memoryview(bytearray(HEADER.size))
             while not self._stopping.is_set():
-                if not self._next_request(conn, header):
+                if not self._next_request(conn, header, session):
                     return
                 try:
                     self._dispatch(conn, unpack_header(header), session)
                 except _ReplyFailed as exc:
+                    if self._watchdog.expired(conn):
+                        raise self._too_slow() from exc
                     logger.debug("data plane peer %s left during a reply: %s", peer, str(exc))
                     return
                 except PeerClosed as exc:
                     raise ProtocolError(ErrorCode.MALFORMED, f"truncated request: {exc}") from exc
                 except TimedOut as exc:
                     raise ProtocolError(ErrorCode.MALFORMED, f"stalled request: {exc}") from exc
+                finally:
+                    self._watchdog.disarm(conn)
+                self._check_hold(session)
         except ProtocolError as exc:
             # Logged as text: a record that kept the exception would keep its
             # traceback's frames alive, and with them views of the arena.
             self._count(protocol_errors=1)
-            logger.warning("data plane peer %s: %s; closing the connection", peer, str(exc))
-            self._send_error(conn, exc.code, exc.detail)
+            err = self._too_slow() if self._watchdog.expired(conn) else exc
+            logger.warning("data plane peer %s: %s; closing the connection", peer, str(err))
+            self._send_error(conn, err.code, err.detail)
         except Unavailable as exc:
-            logger.debug("data plane peer %s: %s", peer, str(exc))
+            if self._watchdog.expired(conn):
+                self._count(protocol_errors=1)
+                logger.warning("data plane peer %s: %s", peer, str(self._too_slow()))
+            else:
+                logger.debug("data plane peer %s: %s", peer, str(exc))
         except Exception as exc:
             logger.exception("data plane connection from %s failed", peer)
             self._send_error(conn, ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}")
         finally:
             # Whatever ended the connection, nothing it reserved or leased outlives it.
             session.close()
+            if self._watchdog.expired(conn):
+                # Reset: what is queued for a too slow reader is dropped, not
+                # trickled out of the kernel's buffers at its pace.
+                with contextlib.suppress(OSError):
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
+            self._watchdog.forget(conn)
             conn.close()
             with self._lock:
                 self._connections.pop(conn, None)
             self._count(connections_open=-1)
 
-    def _next_request(self, conn: socket.socket, header: memoryview) -> bool:
-        # Wait for the first byte under the idle timeout, then read the rest
-        # of the request under the (shorter) I/O timeout.
-        set_recv_timeout(conn, self._idle_timeout_s)
+    def _too_slow(self) -> ProtocolError:
+        w = self._watchdog
+        return ProtocolError(
+            ErrorCode.LIMIT_EXCEEDED,
+            f"request slower than {w.grace_s:g} s plus its payload at {w.min_rate} bytes/s",
+        )
+
+    def _hold_left(self, session: Session) -> float | None:
+        if session.held_since is None:
+            return None
+        return session.held_since + self._hold_timeout_s - time.monotonic()
+
+    def _hold_error(self, session: Session) -> ProtocolError:
+        return ProtocolError(
+            ErrorCode.LIMIT_EXCEEDED,
+            f"held {session.held} reservations and leases for more than "
+            f"{self._hold_timeout_s:g} s",
+        )
+
+    def _check_hold(self, session: Session) -> None:
+        left = self._hold_left(session)
+        if left is not None and left <= 0:
+            raise self._hold_error(session)
+
+    def _next_request(self, conn: socket.socket, header: memoryview, session: Session) -> bool:
+        # Wait for the first byte under the idle timeout (shorter while the
+        # connection holds reservations or leases), then read the rest of
+        # the request under the I/O timeout and the request's deadline.
+        left = self._hold_left(session)
+        wait = self._idle_timeout_s if left is None else max(min(left, self._idle_timeout_s), 1e-3)
+        set_recv_timeout(conn, wait)
         try:
             n = conn.recv_into(header, HEADER.size)
         except OSError as exc:
+            timed_out = isinstance(exc, TimeoutError | BlockingIOError)
+            if timed_out and left is not None and left <= wait:
+                raise self._hold_error(session) from None
             logger.debug("data plane connection idle or reset: %s", str(exc))
             return False
         if n == 0:
             return False
+        self._watchdog.arm(conn)
         set_recv_timeout(conn, self._io_timeout_s)
         if n < HEADER.size:
             try:
@@ -418,6 +518,7 @@ class DataPlaneServer:
         # reservation and hashed block by block while it arrives.
         entries = unpack_put_entries(recv_exact(conn, n * PUT_ENTRY.size))
         total = self._check_put_sizes(entries)
+        self._watchdog.arm(conn, total + (n * CHECKSUM.size if trailed else 0))
         statuses = bytearray(n)
         pending: list[tuple[Reservation, int]] = []
         trailer = memoryview(bytearray(CHECKSUM.size))
@@ -521,6 +622,7 @@ class DataPlaneServer:
             self._reply(conn, [Header(Opcode.RESERVE_REPLY, n).pack(), body])
         elif op is Opcode.COMMIT:
             commits = unpack_commit_entries(recv_exact(conn, n * COMMIT_ENTRY.size))
+            self._watchdog.disarm(conn)  # hashing the reserved bytes is the store's work
             results = session.commit(commits)
             statuses = bytes(code for code, _ in results)
             self._count(
@@ -534,6 +636,7 @@ class DataPlaneServer:
             self._reply(conn, [Header(Opcode.ABORT_REPLY, n).pack(), bytes(session.abort(keys))])
         elif op is Opcode.LEASE:
             reads = unpack_get_entries(recv_exact(conn, n * GET_ENTRY.size))
+            self._watchdog.disarm(conn)  # a lease may promote a chunk off SSD first
             leased = session.lease(reads)
             ok = [r for r in leased if r.status is GetCode.OK]
             self._count(
@@ -552,6 +655,7 @@ class DataPlaneServer:
 
     def _handle_get(self, conn: socket.socket, n: int) -> None:
         entries = unpack_get_entries(recv_exact(conn, n * GET_ENTRY.size))
+        self._watchdog.disarm(conn)  # reads off SSD are the store's work
         leases: list[ReadLease] = []
         try:
             replies: list[GetReplyEntry] = []
@@ -584,6 +688,7 @@ class DataPlaneServer:
                 bytes_out=sum(r.length for r in replies),
             )
             head = Header(Opcode.GET_REPLY, n).pack() + pack_get_reply_entries(replies)
+            self._watchdog.arm(conn, len(head) + sum(r.length for r in replies))
             self._reply(conn, [head, *payloads])
         finally:
             for lease in leases:

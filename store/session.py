@@ -17,6 +17,7 @@ the checksum is verified end to end whichever way the bytes came in.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 from kvdepot.errors import CapacityExceeded, InvalidArgument
@@ -67,6 +68,8 @@ class Session:
         self._leases: dict[int, ReadLease] = {}
         self._next_lease = 1
         self.kind = AttachKind.PROBE
+        self.held_since: float | None = None
+        """When the connection last went from holding nothing to holding something."""
 
     @property
     def held(self) -> int:
@@ -82,6 +85,11 @@ class Session:
             self._notify(held)
 
     def _notify(self, delta: int) -> None:
+        # Every change of what is held passes here: track since when anything is.
+        if not self.held:
+            self.held_since = None
+        elif self.held_since is None:
+            self.held_since = time.monotonic()
         if delta and self._on_held is not None and self.kind is AttachKind.NIXL:
             self._on_held(delta)
 

@@ -4,11 +4,13 @@ and raw sockets for what a well-behaved client would never send."""
 from __future__ import annotations
 
 import random
+import select
 import socket
 import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -36,10 +38,10 @@ LIMITS = p.ProtocolLimits(max_batch=256, max_chunk_bytes=48 * MiB, max_request_b
 class Node:
     """A chunk store served on 127.0.0.1 with a port of its own."""
 
-    def __init__(self, capacity: int, **server_kwargs: float) -> None:
+    def __init__(self, capacity: int, **server_kwargs: Any) -> None:
         self.removed: list[ChunkKey] = []
         self.chunks = ChunkStore(capacity, on_removed=self.removed.extend)
-        kwargs: dict[str, float] = {"idle_timeout_s": 30.0, "io_timeout_s": 2.0}
+        kwargs: dict[str, Any] = {"idle_timeout_s": 30.0, "io_timeout_s": 2.0}
         kwargs.update(server_kwargs)
         self.server = DataPlaneServer(self.chunks, limits=LIMITS, **kwargs)
         self.server.start()
@@ -467,6 +469,128 @@ def test_stalled_request_and_idle_connection_time_out() -> None:
         node.wait_idle()
         assert node.server.stats().protocol_errors == 1
         assert_serves(node)
+    finally:
+        node.close()
+
+
+def closed_by_server(s: socket.socket, timeout: float = 10.0) -> bool:
+    """Whether the server closed ``s`` (EOF or reset) within ``timeout``."""
+    ready, _, _ = select.select([s], [], [], timeout)
+    if not ready:
+        return False
+    try:
+        while s.recv(65536):
+            pass
+    except OSError:
+        pass
+    return True
+
+
+def test_trickling_writer_is_cut_off_and_its_reservation_freed() -> None:
+    # Every byte arrives well within the I/O timeout, so only the request's
+    # deadline (grace + payload at the minimum rate) can end this.
+    node = Node(4 * MiB, io_timeout_s=0.5, min_rate=MiB)
+    try:
+        rng = random.Random(21)
+        k, data = rand_key(rng), chunk(rng, 256 * KiB)
+        s = node.raw()
+        s.sendall(put_frame([p.PutEntry(k, len(data), checksum(data))]))
+        wait_for(lambda: node.chunks.stats().used_bytes == 256 * KiB)
+        closed = False
+        for i in range(0, len(data), 512):
+            try:
+                s.sendall(data[i : i + 512])
+            except OSError:
+                closed = True
+                break
+            if closed_by_server(s, 0.05):
+                closed = True
+                break
+        assert closed, "the server served a trickle of 10 KiB/s to the end"
+        s.close()
+        node.wait_idle()
+        assert not node.chunks.contains(k)
+        assert node.chunks.stats().used_bytes == 0
+        assert node.server.stats().protocol_errors == 1
+        assert_serves(node)
+    finally:
+        node.close()
+
+
+def test_slow_reader_of_a_reply_is_cut_off_and_its_lease_released() -> None:
+    # More than a loopback socket buffers (4 MiB at most): the server is
+    # still sending when the deadline (0.5 s + 8 MiB at 4 MiB/s) passes.
+    node = Node(16 * MiB, io_timeout_s=0.5, min_rate=4 * MiB)
+    try:
+        rng = random.Random(22)
+        k, data = rand_key(rng), chunk(rng, 8 * MiB)
+        with TcpTransport(limits=LIMITS) as t:
+            assert t.put(node.address, [item(k, data)]) == [PutStatus.OK]
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.settimeout(5)
+        s.connect(node.server.address)
+        s.sendall(p.Header(p.Opcode.GET, 1).pack() + p.pack_get_entries([p.GetEntry(k)]))
+        got = 0
+        with pytest.raises(OSError):  # reset, or EOF long before the 8 MiB
+            while got < len(data):
+                part = s.recv(4096)
+                if not part:
+                    raise ConnectionResetError("closed by the server")
+                got += len(part)
+                time.sleep(0.02)
+        s.close()
+        node.wait_idle()
+        assert got < len(data)
+        # The lease is gone: the chunk's memory can be taken by a new chunk.
+        assert node.chunks.delete(k)
+        assert node.chunks.stats().used_bytes == 0
+        assert node.server.stats().protocol_errors == 1
+        assert_serves(node)
+    finally:
+        node.close()
+
+
+def test_connection_that_keeps_holding_reservations_is_closed() -> None:
+    node = Node(4 * MiB, hold_timeout_s=0.5, idle_timeout_s=30.0)
+    try:
+        rng = random.Random(23)
+        k = rand_key(rng)
+        s = node.raw()
+        entries = p.pack_put_entries([p.PutEntry(k, MiB, 0)])
+        s.sendall(p.Header(p.Opcode.RESERVE, 1).pack() + entries)
+        assert p.unpack_header(p.recv_exact(s, 16)).opcode is p.Opcode.RESERVE_REPLY
+        (entry,) = p.unpack_reserve_reply_entries(p.recv_exact(s, 16))
+        assert entry.status is p.PutCode.OK
+        assert node.chunks.stats().used_bytes == MiB
+        # Pings keep the connection busy, never idle: the hold timeout still applies.
+        with pytest.raises(p.ProtocolError, match="held 1 reservations"):
+            for _ in range(200):
+                s.sendall(p.Header(p.Opcode.PING).pack())
+                p.recv_reply_header(s, p.Opcode.PONG, 0)
+                time.sleep(0.05)
+        s.close()
+        node.wait_idle()
+        assert node.chunks.stats().used_bytes == 0
+        assert_serves(node)
+    finally:
+        node.close()
+
+
+def test_connections_beyond_the_limit_are_refused() -> None:
+    node = Node(4 * MiB, max_connections=3)
+    try:
+        held = [node.raw() for _ in range(3)]
+        for s in held:  # served: each is past accept and has its own thread
+            s.sendall(p.Header(p.Opcode.PING).pack())
+            p.recv_reply_header(s, p.Opcode.PONG, 0)
+        extra = node.raw()
+        expect_error(extra, p.ErrorCode.LIMIT_EXCEEDED)
+        held.pop().close()
+        wait_for(lambda: node.server.stats().connections_open == 2)
+        assert_serves(node)
+        for s in held:
+            s.close()
     finally:
         node.close()
 
