@@ -84,9 +84,9 @@ from __future__ import annotations
 import enum
 import socket
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from kvdepot.errors import Corrupt, InvalidArgument
 from kvdepot.metadata.keys import KEY_BYTES, ChunkKey
@@ -333,6 +333,18 @@ class GetReplyEntry:
     checksum: int = 0
 
 
+def _entries(
+    layout: struct.Struct, data: bytes | bytearray | memoryview
+) -> Iterator[tuple[Any, ...]]:
+    # Every caller reads exactly count * size bytes; anything else is a bug
+    # or a hostile peer, and must not escape as a struct.error.
+    if len(data) % layout.size:
+        raise ProtocolError(
+            ErrorCode.MALFORMED, f"{len(data)} bytes are not whole entries of {layout.size}"
+        )
+    return layout.iter_unpack(data)
+
+
 def pack_put_entries(entries: Iterable[PutEntry]) -> bytes:
     """Wire bytes of the entries of a PUT."""
     return b"".join(PUT_ENTRY.pack(e.key, e.size, e.checksum) for e in entries)
@@ -340,7 +352,7 @@ def pack_put_entries(entries: Iterable[PutEntry]) -> bytes:
 
 def unpack_put_entries(data: bytes | bytearray | memoryview) -> list[PutEntry]:
     """Parse the entries of a PUT (``len(data)`` a multiple of 32)."""
-    return [PutEntry(ChunkKey(bytes(k)), size, ck) for k, size, ck in PUT_ENTRY.iter_unpack(data)]
+    return [PutEntry(ChunkKey(bytes(k)), size, ck) for k, size, ck in _entries(PUT_ENTRY, data)]
 
 
 def pack_get_entries(entries: Iterable[GetEntry]) -> bytes:
@@ -350,7 +362,7 @@ def pack_get_entries(entries: Iterable[GetEntry]) -> bytes:
 
 def unpack_get_entries(data: bytes | bytearray | memoryview) -> list[GetEntry]:
     """Parse the entries of a GET (``len(data)`` a multiple of 32)."""
-    return [GetEntry(ChunkKey(bytes(k)), off, n) for k, off, n in GET_ENTRY.iter_unpack(data)]
+    return [GetEntry(ChunkKey(bytes(k)), off, n) for k, off, n in _entries(GET_ENTRY, data)]
 
 
 def pack_get_reply_entries(entries: Iterable[GetReplyEntry]) -> bytes:
@@ -365,7 +377,7 @@ def unpack_get_reply_entries(data: bytes | bytearray | memoryview) -> list[GetRe
         ProtocolError: An unknown status.
     """
     out = []
-    for status, length, ck in GET_REPLY_ENTRY.iter_unpack(data):
+    for status, length, ck in _entries(GET_REPLY_ENTRY, data):
         try:
             code = GetCode(status)
         except ValueError:
@@ -382,6 +394,8 @@ def pack_keys(keys: Iterable[bytes]) -> bytes:
 def unpack_keys(data: bytes | bytearray | memoryview) -> list[ChunkKey]:
     """Parse the keys of a DELETE (``len(data)`` a multiple of 16)."""
     raw = bytes(data)
+    if len(raw) % KEY_BYTES:
+        raise ProtocolError(ErrorCode.MALFORMED, f"{len(raw)} bytes are not whole keys")
     return [ChunkKey(raw[i : i + KEY_BYTES]) for i in range(0, len(raw), KEY_BYTES)]
 
 
@@ -495,7 +509,7 @@ def unpack_reserve_reply_entries(data: bytes | bytearray | memoryview) -> list[R
         ProtocolError: An unknown status.
     """
     out = []
-    for status, offset in RESERVE_REPLY_ENTRY.iter_unpack(data):
+    for status, offset in _entries(RESERVE_REPLY_ENTRY, data):
         try:
             out.append(ReserveReplyEntry(PutCode(status), offset))
         except ValueError:
@@ -510,7 +524,7 @@ def pack_commit_entries(entries: Iterable[CommitEntry]) -> bytes:
 
 def unpack_commit_entries(data: bytes | bytearray | memoryview) -> list[CommitEntry]:
     """Parse the entries of a COMMIT (``len(data)`` a multiple of 24)."""
-    return [CommitEntry(ChunkKey(bytes(k)), ck) for k, ck in COMMIT_ENTRY.iter_unpack(data)]
+    return [CommitEntry(ChunkKey(bytes(k)), ck) for k, ck in _entries(COMMIT_ENTRY, data)]
 
 
 def pack_lease_reply_entries(entries: Iterable[LeaseReplyEntry]) -> bytes:
@@ -528,7 +542,7 @@ def unpack_lease_reply_entries(data: bytes | bytearray | memoryview) -> list[Lea
         ProtocolError: An unknown status.
     """
     out = []
-    for status, lease_id, offset, length, ck in LEASE_REPLY_ENTRY.iter_unpack(data):
+    for status, lease_id, offset, length, ck in _entries(LEASE_REPLY_ENTRY, data):
         try:
             code = GetCode(status)
         except ValueError:
@@ -544,7 +558,7 @@ def pack_lease_ids(ids: Iterable[int]) -> bytes:
 
 def unpack_lease_ids(data: bytes | bytearray | memoryview) -> list[int]:
     """Parse the lease ids of a RELEASE (``len(data)`` a multiple of 8)."""
-    return [i for (i,) in LEASE_ID.iter_unpack(data)]
+    return [i for (i,) in _entries(LEASE_ID, data)]
 
 
 def unpack_statuses(data: bytes, kind: type[_E]) -> list[_E]:

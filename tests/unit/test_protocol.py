@@ -240,3 +240,68 @@ def test_byte_view_rejects_non_contiguous() -> None:
     with pytest.raises(InvalidArgument):
         p.byte_view(memoryview(bytes(10))[::2])
     assert p.byte_view(memoryview(array.array("d", [1.0, 2.0]))).nbytes == 16
+
+
+# --- hostile bytes: every parser answers with a value or a ProtocolError ---------------
+
+from hypothesis import given, settings  # noqa: E402 - kept with the tests that use them
+from hypothesis import strategies as st  # noqa: E402
+
+PARSERS = [
+    p.unpack_put_entries,
+    p.unpack_get_entries,
+    p.unpack_get_reply_entries,
+    p.unpack_keys,
+    p.unpack_reserve_reply_entries,
+    p.unpack_commit_entries,
+    p.unpack_lease_reply_entries,
+    p.unpack_lease_ids,
+    p.unpack_attach_info,
+]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=400))
+def test_parsers_answer_any_bytes_with_a_value_or_a_protocol_error(data: bytes) -> None:
+    for parse in PARSERS:
+        try:
+            parse(data)
+        except p.ProtocolError as exc:
+            assert exc.code is p.ErrorCode.MALFORMED
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(min_size=16, max_size=16))
+def test_any_sixteen_bytes_are_a_header_or_a_protocol_error(raw: bytes) -> None:
+    try:
+        header = p.unpack_header(raw)
+    except p.ProtocolError as exc:
+        assert exc.code in (p.ErrorCode.BAD_MAGIC, p.ErrorCode.BAD_VERSION, p.ErrorCode.BAD_OPCODE)
+    else:
+        assert header.pack()[:6] == raw[:6] and header.pack()[8:] == raw[8:]
+
+
+def test_partial_entries_are_malformed_not_a_struct_error() -> None:
+    whole = p.pack_put_entries([p.PutEntry(key(1), 10, 20)])
+    with pytest.raises(p.ProtocolError, match="not whole entries"):
+        p.unpack_put_entries(whole[:-1])
+    with pytest.raises(p.ProtocolError, match="not whole keys"):
+        p.unpack_keys(bytes(17))
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.integers(0, 2**64 - 1),
+    st.integers(0, 2**64 - 1),
+    st.text(max_size=50),
+    st.text(max_size=50),
+    st.text(max_size=50),
+)
+def test_attach_info_round_trips(gen: int, size: int, path: str, host: str, ctl: str) -> None:
+    info = p.AttachInfo(gen, size, 1, 2, p.AttachFlags.SHM, path, host, ctl)
+    assert p.unpack_attach_info(info.pack()) == info
+    # A body whose string lengths lie about it is refused, never read past.
+    body = bytearray(info.pack())
+    body[36:38] = (0xFFFF).to_bytes(2, "little")
+    with pytest.raises(p.ProtocolError):
+        p.unpack_attach_info(bytes(body))
