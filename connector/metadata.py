@@ -15,6 +15,8 @@ import grpc
 
 from kvdepot.errors import InvalidArgument, from_grpc
 from kvdepot.proto.gen import metadata_pb2_grpc
+from kvdepot.security import SecurityConfig
+from kvdepot.security import channel as secure_channel
 
 logger = logging.getLogger(__name__)
 
@@ -34,13 +36,21 @@ def parse_endpoints(spec: str) -> list[str]:
 
 
 class MetadataConnection:
-    """gRPC stubs for every replica; calls go to the current one."""
+    """gRPC stubs for every replica; calls go to the current one.
 
-    def __init__(self, spec: str, timeout_s: float) -> None:
+    Args:
+        spec: ``host:port[,host:port…]`` of the replicas.
+        timeout_s: Deadline of each call.
+        security: Token and TLS settings of the channels.
+    """
+
+    def __init__(
+        self, spec: str, timeout_s: float, security: SecurityConfig | None = None
+    ) -> None:
         self.endpoints = parse_endpoints(spec)
         self._timeout_s = timeout_s
         options = [("grpc.max_receive_message_length", 64 << 20)]
-        self._channels = [grpc.insecure_channel(e, options=options) for e in self.endpoints]
+        self._channels = [secure_channel(e, security, options) for e in self.endpoints]
         self._stubs = [metadata_pb2_grpc.MetadataStub(c) for c in self._channels]
         self._current = 0
         self._lock = threading.Lock()

@@ -76,12 +76,13 @@ def cmd_metadata(args: argparse.Namespace) -> int:
             "metrics_port": args.metrics_port,
         },
     )
+    security = _security(args)
     if args.check:
-        print(json.dumps({"metadata": _asdict(config)}))
+        print(json.dumps({"metadata": _asdict(config), "security": security.describe()}))
         return 0
 
     async def main() -> None:
-        server = MetadataServer(config)
+        server = MetadataServer(config, security)
         port = await server.start()
         ready: dict[str, Any] = {
             "role": "metadata",
@@ -127,10 +128,11 @@ def cmd_store(args: argparse.Namespace) -> int:
             **_tier_overrides(args),
         },
     )
+    security = _security(args)
     if args.check:
-        print(json.dumps({"store": _asdict(config)}))
+        print(json.dumps({"store": _asdict(config), "security": security.describe()}))
         return 0
-    return _run_until_signal(lambda: run_store(config, announce=_announce))
+    return _run_until_signal(lambda: run_store(config, announce=_announce, security=security))
 
 
 def _add_tier_flags(s: argparse.ArgumentParser) -> None:
@@ -197,6 +199,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         index=args.index,
         metrics=args.metrics,
         log_format=args.log_format,
+        security=_security(args),
     )
     # Children get SIGINT from the terminal too; we only wait and clean up.
     stop = False
@@ -241,7 +244,11 @@ def cmd_stats(args: argparse.Namespace) -> int:
         ClientConfig,
         prefix="KVDEPOT_CLIENT_",
         env=os.environ,
-        overrides={"metadata": args.metadata, "rpc_timeout_s": args.timeout},
+        overrides={
+            "metadata": args.metadata,
+            "rpc_timeout_s": args.timeout,
+            "security": _security(args),
+        },
     )
     with KVDepotClient(config) as client:
         while True:
@@ -271,7 +278,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         metadata=args.metadata or "",
         progress=sys.stderr.isatty() and not args.json,
     )
-    summary = run_demo(options)
+    summary = run_demo(options, _security(args))
     if args.json:
         print(json.dumps(summary))
     else:
@@ -313,7 +320,8 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     if args.check:
         print(json.dumps({"proxy": _asdict(config)}))
         return 0
-    return _run_until_signal(lambda: serve(config, announce=_announce))
+    security = _security(args)
+    return _run_until_signal(lambda: serve(config, announce=_announce, security=security))
 
 
 # -- health / config -------------------------------------------------------------
@@ -321,7 +329,9 @@ def cmd_health(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(args.target) as channel:
+    from kvdepot.security import channel as secure_channel
+
+    with secure_channel(args.target, _security(args)) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
@@ -356,9 +366,68 @@ def cmd_config(args: argparse.Namespace) -> int:
                 section="store",
             )
         ),
+        "security": _security(args).describe(),
     }
     print(json.dumps(out, indent=2))
     return 0
+
+
+# -- certs ------------------------------------------------------------------------
+def cmd_certs(args: argparse.Namespace) -> int:
+    from kvdepot.certs import make_certs
+
+    hosts = [h for v in args.hosts for h in v.split(",") if h] or None
+    paths = make_certs(args.dir, *([hosts] if hosts else []), days=args.days, force=args.force)
+    print(f"wrote a test CA and certificates to {paths.ca.parent}:")
+    print(f"  CA          {paths.ca}  (key {paths.ca_key})")
+    print(f"  daemons     {paths.server_cert}  (key {paths.server_key})")
+    print(f"  clients     {paths.client_cert}  (key {paths.client_key})")
+    print(
+        "daemons: --tls-cert server.pem --tls-key server.key --tls-ca ca.pem "
+        "[--tls-client-auth]; clients: --tls-ca ca.pem [--tls-cert client.pem "
+        "--tls-key client.key]"
+    )
+    return 0
+
+
+# -- security flags (every command that serves or calls gRPC) ----------------------
+def _add_security_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "security",
+        "the token itself comes from KVDEPOT_AUTH_TOKEN or a file, never a flag; "
+        "see README 'Security'",
+    )
+    g.add_argument(
+        "--auth-token-file",
+        metavar="PATH",
+        help="file with the cluster token (daemons: also `tenant NAME TOKEN` lines)",
+    )
+    g.add_argument("--tls", action="store_true", help="speak TLS to gRPC (system CA roots)")
+    g.add_argument("--tls-cert", metavar="PEM", help="certificate served (daemons) / presented")
+    g.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
+    g.add_argument("--tls-ca", metavar="PEM", help="CA that verifies peers (implies --tls)")
+    g.add_argument(
+        "--tls-client-auth", action="store_true", help="daemons require client certificates"
+    )
+    g.add_argument("--tls-server-name", help="name expected in daemons' certificates")
+
+
+def _security(args: argparse.Namespace) -> Any:
+    from kvdepot.security import load_security
+
+    return load_security(
+        os.environ,
+        getattr(args, "config", None),
+        {
+            "auth_token_file": args.auth_token_file,
+            "tls": True if args.tls else None,
+            "tls_cert": args.tls_cert,
+            "tls_key": args.tls_key,
+            "tls_ca": args.tls_ca,
+            "tls_client_auth": True if args.tls_client_auth else None,
+            "tls_server_name": args.tls_server_name,
+        },
+    )
 
 
 def _asdict(obj: Any) -> dict[str, Any]:
@@ -398,6 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics-port", type=int, help="serve Prometheus /metrics on this port (default off)"
     )
     m.add_argument("--check", action="store_true", help="validate the config, print it, exit")
+    _add_security_flags(m)
     m.set_defaults(func=cmd_metadata)
 
     s = sub.add_parser("store", help="run a store daemon")
@@ -418,6 +488,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_tier_flags(s)
     s.add_argument("--check", action="store_true", help="validate the config, print it, exit")
+    _add_security_flags(s)
     s.set_defaults(func=cmd_store)
 
     u = sub.add_parser("up", help="run a local cluster: metadata + N stores")
@@ -429,6 +500,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics", action="store_true", help="serve /metrics on each daemon (free ports)"
     )
     u.add_argument("--index", default="memory://", help="index backend (e.g. redis://host:6379)")
+    _add_security_flags(u)
     u.set_defaults(func=cmd_up)
 
     st = sub.add_parser("stats", help="cluster statistics over gRPC")
@@ -437,6 +509,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--watch", action="store_true", help="refresh until interrupted")
     st.add_argument("--interval", type=float, default=2.0, help="--watch period in seconds")
     st.add_argument("--timeout", type=float, default=5.0, help="RPC deadline in seconds")
+    _add_security_flags(st)
     st.set_defaults(func=cmd_stats)
 
     d = sub.add_parser("demo", help="publish and pull KV across processes, verify every byte")
@@ -448,6 +521,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--prefix-chunks", type=int, default=4, help="chunks per system prompt")
     d.add_argument("--suffix-chunks", type=int, default=2, help="unique chunks per prompt")
     d.add_argument("--chunk-bytes", default="1MiB", help="bytes of KV per chunk (default 1MiB)")
+    _add_security_flags(d)
     d.set_defaults(func=cmd_demo)
 
     px = sub.add_parser("proxy", help="disaggregated prefill -> decode OpenAI-compatible proxy")
@@ -483,18 +557,33 @@ def build_parser() -> argparse.ArgumentParser:
     px.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk (256)")
     px.add_argument("--cache-salt", default="", help="namespace cache salt, if any")
     px.add_argument("--check", action="store_true", help="validate the config, print it, exit")
+    _add_security_flags(px)
     px.set_defaults(func=cmd_proxy)
 
     h = sub.add_parser("health", help="gRPC health check of a daemon (exit 0 when SERVING)")
     h.add_argument("--target", default="127.0.0.1:7700", help="daemon gRPC host:port")
     h.add_argument("--service", default="", help="service name (default: the server)")
     h.add_argument("--timeout", type=float, default=3.0, help="deadline in seconds")
+    _add_security_flags(h)
     h.set_defaults(func=cmd_health)
 
     cf = sub.add_parser("config", help="print the effective daemon configuration")
     cf.add_argument("--print", action="store_true", dest="print_", help="print it (default)")
     cf.add_argument("--config", help="TOML/JSON file with [metadata] and [store] tables")
+    _add_security_flags(cf)
     cf.set_defaults(func=cmd_config)
+
+    ce = sub.add_parser("certs", help="make a local CA and TLS certificates for testing")
+    ce.add_argument("dir", help="directory to write ca.pem, server.pem, client.pem and keys to")
+    ce.add_argument(
+        "--hosts",
+        action="append",
+        default=[],
+        help="names/addresses of the daemons' certificate (default localhost,127.0.0.1,::1)",
+    )
+    ce.add_argument("--days", type=int, default=365, help="validity in days (default 365)")
+    ce.add_argument("--force", action="store_true", help="overwrite existing files")
+    ce.set_defaults(func=cmd_certs)
     return p
 
 

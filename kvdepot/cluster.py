@@ -12,9 +12,11 @@ import json
 import logging
 import os
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +26,8 @@ import grpc
 
 from kvdepot.errors import Unavailable
 from kvdepot.proto.gen import metadata_pb2, metadata_pb2_grpc
+from kvdepot.security import NO_SECURITY, SecurityConfig, child_args
+from kvdepot.security import channel as secure_channel
 
 logger = logging.getLogger(__name__)
 
@@ -72,10 +76,12 @@ def wait_ready(proc: subprocess.Popen[bytes], name: str, timeout_s: float) -> di
         sel.close()
 
 
-def wait_nodes(metadata: str, count: int, timeout_s: float = 30.0) -> None:
+def wait_nodes(
+    metadata: str, count: int, timeout_s: float = 30.0, security: SecurityConfig | None = None
+) -> None:
     """Wait until the metadata service at ``metadata`` lists ``count`` nodes."""
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(metadata) as channel:
+    with secure_channel(metadata, security) as channel:
         stub = metadata_pb2_grpc.MetadataStub(channel)
         seen = -1
         while time.monotonic() < deadline:
@@ -90,7 +96,12 @@ def wait_nodes(metadata: str, count: int, timeout_s: float = 30.0) -> None:
 
 
 class LocalCluster:
-    """Metadata service and stores as local processes on loopback."""
+    """Metadata service and stores as local processes on loopback.
+
+    With ``security``, every daemon requires its token and serves its TLS
+    certificate. The token reaches the daemons in a file (mode 0600, removed
+    at stop) named by ``--auth-token-file``, never on their command lines.
+    """
 
     def __init__(
         self,
@@ -109,6 +120,7 @@ class LocalCluster:
         index: str = "memory://",
         metrics: bool = False,
         log_format: str | None = None,
+        security: SecurityConfig | None = None,
     ) -> None:
         self.nodes = nodes
         self.metadata_port = metadata_port
@@ -129,6 +141,9 @@ class LocalCluster:
         self.metadata: DaemonProcess | None = None
         self.stores: list[DaemonProcess] = []
         self._logs: list[IO[bytes]] = []
+        # What clients of this cluster use (the daemons' own settings).
+        self.security = security or NO_SECURITY
+        self._secrets: Path | None = None
 
     @property
     def metadata_address(self) -> str:
@@ -144,13 +159,18 @@ class LocalCluster:
             stderr = log
         fmt = ["--log-format", self.log_format] if self.log_format else []
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kvdepot.cli", *fmt, *args],
+            [sys.executable, "-m", "kvdepot.cli", *fmt, *args, *self._security_args()],
             stdout=subprocess.PIPE,
             stderr=stderr,
             stdin=subprocess.DEVNULL,
             env=self.env,
         )
         return DaemonProcess(name, proc)
+
+    def _security_args(self) -> list[str]:
+        if self._secrets is None and self.security.auth_token:
+            self._secrets = Path(tempfile.mkdtemp(prefix="kvdepot-cluster-"))
+        return child_args(self.security, self._secrets or Path())
 
     def start(self) -> LocalCluster:
         try:
@@ -169,7 +189,7 @@ class LocalCluster:
             self.metadata.info = wait_ready(self.metadata.proc, "metadata", self.ready_timeout_s)
             for i in range(self.nodes):
                 self.add_store(f"store-{i}")
-            wait_nodes(self.metadata_address, self.nodes, self.ready_timeout_s)
+            wait_nodes(self.metadata_address, self.nodes, self.ready_timeout_s, self.security)
         except BaseException:
             self.stop()
             raise
@@ -218,6 +238,9 @@ class LocalCluster:
         for log in self._logs:
             log.close()
         self._logs.clear()
+        if self._secrets is not None:
+            shutil.rmtree(self._secrets, ignore_errors=True)
+            self._secrets = None
 
     def __enter__(self) -> LocalCluster:
         return self.start()

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -24,6 +26,7 @@ import numpy as np
 
 from kvdepot.config import parse_size
 from kvdepot.errors import InvalidArgument, KVDepotError
+from kvdepot.security import NO_SECURITY, SecurityConfig, child_args, load_security
 
 CHUNK_TOKENS = 256
 NAMESPACE_MODEL = "kvdepot-demo/tiny-llama"
@@ -80,15 +83,22 @@ def _progress(enabled: bool, role: str, done: int, total: int) -> None:
         sys.stderr.flush()
 
 
-def _client(metadata: str, node_id: str) -> Any:
+def _client(metadata: str, node_id: str, security: SecurityConfig | None) -> Any:
     from kvdepot.connector.client import ClientConfig, KVDepotClient
 
     return KVDepotClient(
-        ClientConfig(metadata=metadata, node_id=node_id, tokens_per_chunk=CHUNK_TOKENS)
+        ClientConfig(
+            metadata=metadata,
+            node_id=node_id,
+            tokens_per_chunk=CHUNK_TOKENS,
+            security=security or NO_SECURITY,
+        )
     )
 
 
-def run_prefill(o: DemoOptions, metadata: str, node_id: str) -> dict[str, Any]:
+def run_prefill(
+    o: DemoOptions, metadata: str, node_id: str, security: SecurityConfig | None = None
+) -> dict[str, Any]:
     """Publish every prompt's chunks; returns counts and timings."""
     from kvdepot.metadata.keys import Namespace, chunk_keys
 
@@ -97,7 +107,7 @@ def run_prefill(o: DemoOptions, metadata: str, node_id: str) -> dict[str, Any]:
     stored = skipped = failed = sent = saved = 0
     busy = 0.0
     prompts = workload(o, novel=False)
-    with _client(metadata, node_id) as client:
+    with _client(metadata, node_id, security) as client:
         for i, tokens in enumerate(prompts):
             keys = chunk_keys(ns, tokens)
             buffers = [chunk_payload(k, size) for k in keys]
@@ -120,7 +130,9 @@ def run_prefill(o: DemoOptions, metadata: str, node_id: str) -> dict[str, Any]:
     }
 
 
-def run_decode(o: DemoOptions, metadata: str, node_id: str) -> dict[str, Any]:
+def run_decode(
+    o: DemoOptions, metadata: str, node_id: str, security: SecurityConfig | None = None
+) -> dict[str, Any]:
     """Look up and pull every prompt (and new ones); verify every byte."""
     from kvdepot.metadata.keys import Namespace, chunk_keys
 
@@ -131,7 +143,7 @@ def run_decode(o: DemoOptions, metadata: str, node_id: str) -> dict[str, Any]:
     total_chunks = hit_chunks = received = mismatched = 0
     full_hits_expected = full_hits = 0
     busy = 0.0
-    with _client(metadata, node_id) as client:
+    with _client(metadata, node_id, security) as client:
         for i, (tokens, published) in enumerate(requests):
             keys = chunk_keys(ns, tokens)
             buffers = [np.empty(size, dtype=np.uint8) for _ in keys]
@@ -161,12 +173,15 @@ def run_decode(o: DemoOptions, metadata: str, node_id: str) -> dict[str, Any]:
     }
 
 
-def _worker(role: str, o: DemoOptions, metadata: str, node_id: str) -> dict[str, Any]:
+def _worker(
+    role: str, o: DemoOptions, metadata: str, node_id: str, security_args: list[str]
+) -> dict[str, Any]:
     cmd = [
         sys.executable, "-m", "kvdepot.demo", role,
         "--options", json.dumps(asdict(o)),
         "--metadata", metadata,
         "--node-id", node_id,
+        *security_args,
     ]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, check=False, timeout=600)
     if proc.returncode != 0:
@@ -175,19 +190,24 @@ def _worker(role: str, o: DemoOptions, metadata: str, node_id: str) -> dict[str,
     return result
 
 
-def _node_ids(metadata: str) -> list[str]:
-    from kvdepot.connector.client import ClientConfig, KVDepotClient
-
-    with KVDepotClient(ClientConfig(metadata=metadata)) as client:
+def _node_ids(metadata: str, security: SecurityConfig) -> list[str]:
+    with _client(metadata, "", security) as client:
         return [n.node_id for n in client.stats().nodes]
 
 
-def run_demo(o: DemoOptions) -> dict[str, Any]:
-    """Run the demo (starting a local cluster unless ``o.metadata`` is set)."""
+def run_demo(o: DemoOptions, security: SecurityConfig | None = None) -> dict[str, Any]:
+    """Run the demo (starting a local cluster unless ``o.metadata`` is set).
+
+    ``security`` is the cluster's token and TLS (a cluster the demo starts
+    requires them too); the worker processes get it without a secret on
+    their command lines.
+    """
     from kvdepot.cluster import LocalCluster
 
+    security = security or NO_SECURITY
     started = time.perf_counter()
     cluster: LocalCluster | None = None
+    private = Path(tempfile.mkdtemp(prefix="kvdepot-demo-secrets-"))
     try:
         if o.metadata:
             metadata = o.metadata
@@ -195,16 +215,20 @@ def run_demo(o: DemoOptions) -> dict[str, Any]:
             logs = Path(tempfile.mkdtemp(prefix="kvdepot-demo-"))
             per_node = max(64 << 20, 2 * parse_size(o.chunk_bytes) * o.prompts
                            * (o.prefix_chunks + o.suffix_chunks) // o.nodes)
-            cluster = LocalCluster(nodes=o.nodes, capacity=str(per_node), log_dir=logs).start()
+            cluster = LocalCluster(
+                nodes=o.nodes, capacity=str(per_node), log_dir=logs, security=security
+            ).start()
             metadata = cluster.metadata_address
-        nodes = _node_ids(metadata)
+        nodes = _node_ids(metadata, security)
         if not nodes:
             raise KVDepotError(f"no store nodes registered at {metadata}")
-        prefill = _worker("prefill", o, metadata, nodes[0])
-        decode = _worker("decode", o, metadata, nodes[-1])
+        flags = child_args(security, private)
+        prefill = _worker("prefill", o, metadata, nodes[0], flags)
+        decode = _worker("decode", o, metadata, nodes[-1], flags)
     finally:
         if cluster is not None:
             cluster.stop()
+        shutil.rmtree(private, ignore_errors=True)
     verified = (
         decode["mismatched_chunks"] == 0
         and prefill["failed"] == 0
@@ -257,11 +281,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--options", required=True)
     p.add_argument("--metadata", required=True)
     p.add_argument("--node-id", default="")
+    p.add_argument("--auth-token-file", default=None)
+    for flag in ("--tls-cert", "--tls-key", "--tls-ca", "--tls-server-name"):
+        p.add_argument(flag, default=None)
+    p.add_argument("--tls", action="store_true")
+    p.add_argument("--tls-client-auth", action="store_true")
     args = p.parse_args(argv)
     o = DemoOptions(**json.loads(args.options))
     run = run_prefill if args.role == "prefill" else run_decode
     try:
-        result = run(o, args.metadata, args.node_id)
+        security = load_security(
+            os.environ,
+            None,
+            {
+                "auth_token_file": args.auth_token_file,
+                "tls": args.tls or None,
+                "tls_cert": args.tls_cert,
+                "tls_key": args.tls_key,
+                "tls_ca": args.tls_ca,
+                "tls_client_auth": args.tls_client_auth or None,
+                "tls_server_name": args.tls_server_name,
+            },
+        )
+        result = run(o, args.metadata, args.node_id, security)
     except KVDepotError as exc:
         print(f"kvdepot demo {args.role}: error: {exc}", file=sys.stderr)
         return 1

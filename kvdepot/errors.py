@@ -46,9 +46,29 @@ class Corrupt(KVDepotError):
     grpc_code = grpc.StatusCode.DATA_LOSS
 
 
+class Unauthenticated(KVDepotError):
+    """The peer refused us: no credentials, or wrong ones (token, certificate)."""
+
+    grpc_code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(KVDepotError):
+    """Authenticated, but these credentials may not do this (a tenant token)."""
+
+    grpc_code = grpc.StatusCode.PERMISSION_DENIED
+
+
 _BY_CODE: dict[grpc.StatusCode, type[KVDepotError]] = {
     cls.grpc_code: cls
-    for cls in (InvalidArgument, NotFound, CapacityExceeded, Unavailable, Corrupt)
+    for cls in (
+        InvalidArgument,
+        NotFound,
+        CapacityExceeded,
+        Unavailable,
+        Corrupt,
+        Unauthenticated,
+        PermissionDenied,
+    )
 }
 _BY_CODE[grpc.StatusCode.DEADLINE_EXCEEDED] = Unavailable
 _BY_CODE[grpc.StatusCode.FAILED_PRECONDITION] = InvalidArgument

@@ -22,6 +22,7 @@ from typing import Any
 from kvdepot.errors import InvalidArgument
 from kvdepot.metadata.keys import ChunkKey, Namespace
 from kvdepot.router import ROUTING_MODES, Choice, EnginePool, KVRouter, prompt_keys
+from kvdepot.security import SecurityConfig
 
 logger = logging.getLogger(__name__)
 
@@ -90,8 +91,9 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
 class Proxy:
     """The aiohttp application and its upstream session."""
 
-    def __init__(self, config: ProxyConfig) -> None:
+    def __init__(self, config: ProxyConfig, security: SecurityConfig | None = None) -> None:
         self.config = config
+        self.security = security
         self._decode = itertools.cycle(config.decode)
         self.requests = 0
         self.prefill_pool = EnginePool(config.prefill, dict(config.prefill_nodes))
@@ -104,7 +106,9 @@ class Proxy:
             return Choice(pool.next_round_robin(), routed=False)
         if self._router is None:
             assert self.config.namespace is not None
-            self._router = KVRouter(self.config.metadata, self.config.namespace.chunk_tokens)
+            self._router = KVRouter(
+                self.config.metadata, self.config.namespace.chunk_tokens, security=self.security
+            )
         choice = await self._router.choose(pool, keys)
         self.routed += choice.routed
         return choice
@@ -204,11 +208,13 @@ class Proxy:
             return resp
 
 
-async def serve(config: ProxyConfig, announce: Any = None) -> None:
-    """Serve until cancelled."""
+async def serve(
+    config: ProxyConfig, announce: Any = None, security: SecurityConfig | None = None
+) -> None:
+    """Serve until cancelled (``security``: of the proxy's calls to the metadata service)."""
     from aiohttp import web
 
-    proxy = Proxy(config)
+    proxy = Proxy(config, security)
     runner = web.AppRunner(proxy.app())
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)

@@ -21,6 +21,7 @@ import grpc
 from kvdepot.errors import InvalidArgument
 from kvdepot.metadata.keys import ChunkKey, Namespace, chunk_keys
 from kvdepot.proto.gen import metadata_pb2, metadata_pb2_grpc
+from kvdepot.security import SecurityConfig, aio_channel
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +88,14 @@ class EnginePool:
 class KVRouter:
     """Calls ``Route`` on the metadata service (``grpc.aio``)."""
 
-    def __init__(self, metadata: str, tokens_per_key: int, timeout_s: float = 0.5) -> None:
-        self._channel = grpc.aio.insecure_channel(metadata)
+    def __init__(
+        self,
+        metadata: str,
+        tokens_per_key: int,
+        timeout_s: float = 0.5,
+        security: SecurityConfig | None = None,
+    ) -> None:
+        self._channel = aio_channel(metadata, security)
         self._stub = metadata_pb2_grpc.MetadataStub(self._channel)
         self._tokens_per_key = tokens_per_key
         self._timeout_s = timeout_s

@@ -24,6 +24,7 @@ from kvdepot.health import HealthState
 from kvdepot.metadata.keys import ChunkKey
 from kvdepot.metrics import MetricsServer, StoreCollector, on_loop
 from kvdepot.proto.gen import common_pb2, metadata_pb2, metadata_pb2_grpc, store_pb2, store_pb2_grpc
+from kvdepot.security import NO_SECURITY, SecurityConfig, add_port, aio_channel, aio_server
 from kvdepot.store.chunks import ChunkStore
 from kvdepot.store.config import StoreConfig
 from kvdepot.store.dataplane import DataPlaneServer
@@ -63,10 +64,17 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
 
 
 class StoreDaemon:
-    """One store node: owns the arena and serves it."""
+    """One store node: owns the arena and serves it.
 
-    def __init__(self, config: StoreConfig) -> None:
+    Args:
+        config: The daemon's configuration.
+        security: Token(s) its gRPC service and data plane require, the token
+            it presents to the metadata service, and TLS; none by default.
+    """
+
+    def __init__(self, config: StoreConfig, security: SecurityConfig | None = None) -> None:
         self.config = config
+        self.security = security or NO_SECURITY
         self._loop: asyncio.AbstractEventLoop | None = None
         self._removed: set[ChunkKey] = set()
         # Chunks that changed tier, reported with the tier they are in then.
@@ -100,6 +108,7 @@ class StoreDaemon:
             min_rate=config.min_rate_bytes,
             hold_timeout_s=config.hold_timeout_s,
             max_connections=config.max_connections,
+            auth=self.security.authenticator() if self.security.auth else None,
         )
         self.node_id = config.node_id
         self.address = ""
@@ -169,7 +178,7 @@ class StoreDaemon:
         self.address = f"{advertise}:{port}"
         if not self.node_id:
             self.node_id = f"store-{advertise}-{port}"
-        server = grpc.aio.server()
+        server = aio_server(self.security, f"store {self.node_id} gRPC")
         store_pb2_grpc.add_StoreServicer_to_server(StoreServicer(self), server)
         health = HealthState(
             server,
@@ -177,7 +186,7 @@ class StoreDaemon:
             f"store {self.node_id}",
         )
         self.health = health
-        grpc_port = server.add_insecure_port(f"{self.config.host}:{self.config.grpc_port}")
+        grpc_port = add_port(server, f"{self.config.host}:{self.config.grpc_port}", self.security)
         if grpc_port == 0:
             raise InvalidArgument(f"cannot bind {self.config.host}:{self.config.grpc_port}")
         await server.start()
@@ -200,7 +209,7 @@ class StoreDaemon:
         self.dataplane.attach_info = dataclasses.replace(
             self.dataplane.attach_info, flags=flags, control_address=self.grpc_address
         )
-        self._channels = [grpc.aio.insecure_channel(e) for e in self._endpoints]
+        self._channels = [aio_channel(e, self.security) for e in self._endpoints]
         self._tasks = [
             asyncio.create_task(self._lease_forever()),
             asyncio.create_task(self._report_forever()),
@@ -494,9 +503,13 @@ class StoreDaemon:
         )
 
 
-async def run_store(config: StoreConfig, announce: Callable[[str], None] | None = None) -> None:
+async def run_store(
+    config: StoreConfig,
+    announce: Callable[[str], None] | None = None,
+    security: SecurityConfig | None = None,
+) -> None:
     """Run a store daemon until cancelled."""
-    daemon = StoreDaemon(config)
+    daemon = StoreDaemon(config, security)
     await daemon.start()
     try:
         if announce is not None:

@@ -38,7 +38,9 @@ import time
 
 from kvdepot.errors import CapacityExceeded, InvalidArgument, Unavailable
 from kvdepot.metadata.keys import KEY_BYTES
+from kvdepot.security import Authenticator, RefusalLog, peer_host
 from kvdepot.store.chunks import ChunkStore, ReadLease, Reservation, checksum
+from kvdepot.store.handshake import ServerHandshake
 from kvdepot.store.host import host_identity
 from kvdepot.store.protocol import (
     CHECKSUM,
@@ -50,6 +52,7 @@ from kvdepot.store.protocol import (
     AttachFlags,
     AttachInfo,
     AttachKind,
+    AuthRefused,
     DeleteCode,
     ErrorCode,
     GetCode,
@@ -162,6 +165,8 @@ class DataPlaneServer:
             closed, and what it held is freed.
         max_connections: Connections served at once; more are answered
             ERROR and closed.
+        auth: When it holds tokens, every connection must prove it holds
+            one before anything else (see :mod:`kvdepot.store.handshake`).
 
     Raises:
         InvalidArgument: If a timeout, the rate or the connection limit is not positive.
@@ -180,6 +185,7 @@ class DataPlaneServer:
         min_rate: int = 1 << 20,
         hold_timeout_s: float = 60.0,
         max_connections: int = 1024,
+        auth: Authenticator | None = None,
     ) -> None:
         if min(idle_timeout_s, io_timeout_s, hold_timeout_s) <= 0:
             raise InvalidArgument("data plane timeouts must be positive")
@@ -187,6 +193,8 @@ class DataPlaneServer:
             raise InvalidArgument("max_connections must be positive")
         self._chunks = chunks
         self._on_nixl_held = on_nixl_held
+        self._auth = auth
+        self._refusals = RefusalLog("data plane")
         arena = chunks.arena
         dev, ino = arena.file_id or (0, 0)
         self._attach_info = AttachInfo(
@@ -367,6 +375,7 @@ class DataPlaneServer:
 
     def _serve(self, conn: socket.socket, peer: str) -> None:
         session = Session(self._chunks, self._limits.max_held, self._on_nixl_held)
+        gate = ServerHandshake(self._auth)
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             set_io_timeout(conn, self._io_timeout_s)
@@ -375,7 +384,9 @@ class DataPlaneServer:
                 if not self._next_request(conn, header, session):
                     return
                 try:
-                    self._dispatch(conn, unpack_header(header), session)
+                    request = unpack_header(header)
+                    if gate.admit(conn, request):
+                        self._dispatch(conn, request, session)
                 except _ReplyFailed as exc:
                     if self._watchdog.expired(conn):
                         raise self._too_slow() from exc
@@ -388,6 +399,10 @@ class DataPlaneServer:
                 finally:
                     self._watchdog.disarm(conn)
                 self._check_hold(session)
+        except AuthRefused as exc:
+            # Once per peer and minute: a misconfigured client retries forever.
+            self._refusals.refuse(peer_host(peer), exc.detail)
+            self._send_error(conn, exc.code, exc.detail)
         except ProtocolError as exc:
             # Logged as text: a record that kept the exception would keep its
             # traceback's frames alive, and with them views of the arena.

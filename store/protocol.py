@@ -38,6 +38,13 @@ Requests and replies (n = header.count)::
                   part of a payload right after the kernel read it (hot in
                   cache) instead of in a pass of its own before sending.
                   Answered with PUT_REPLY.
+    AUTH          header only (count 0): asks for a challenge; or header
+                  (count 32) and the proof HMAC-SHA256(token, label||nonce)
+    AUTH_REPLY    header (count 32) and a fresh nonce: the challenge; or
+                  header only (count 0): accepted, or no token needed.
+                  A store with a token refuses any other request before an
+                  accepted proof with ERROR UNAUTHENTICATED and closes the
+                  connection (see :mod:`kvdepot.store.handshake`).
 
 Requests of clients that move the bytes themselves (``shm``: the client maps
 the arena; ``nixl``: one-sided RDMA READ/WRITE). Reservations and leases
@@ -88,7 +95,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvdepot.errors import Corrupt, InvalidArgument
+from kvdepot.errors import Corrupt, InvalidArgument, Unauthenticated
 from kvdepot.metadata.keys import KEY_BYTES, ChunkKey
 from kvdepot.store.sockets import HASH_BLOCK as HASH_BLOCK
 from kvdepot.store.sockets import PeerClosed as PeerClosed
@@ -150,6 +157,8 @@ class Opcode(enum.IntEnum):
     RELEASE = 20
     RELEASE_REPLY = 21
     PUT_TRAILED = 22
+    AUTH = 23
+    AUTH_REPLY = 24
 
 
 REQUEST_OPCODES = frozenset(
@@ -165,6 +174,7 @@ REQUEST_OPCODES = frozenset(
         Opcode.LEASE,
         Opcode.RELEASE,
         Opcode.PUT_TRAILED,
+        Opcode.AUTH,
     }
 )
 
@@ -229,6 +239,7 @@ class ErrorCode(enum.IntEnum):
     LIMIT_EXCEEDED = 4
     MALFORMED = 5
     INTERNAL = 6
+    UNAUTHENTICATED = 7
 
 
 class ProtocolError(Corrupt):
@@ -242,6 +253,15 @@ class ProtocolError(Corrupt):
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.detail = message
+
+
+class AuthRefused(ProtocolError, Unauthenticated):
+    """The connection did not authenticate: no token, or a wrong one (ERROR UNAUTHENTICATED)."""
+
+    grpc_code = Unauthenticated.grpc_code
+
+    def __init__(self, message: str) -> None:
+        super().__init__(ErrorCode.UNAUTHENTICATED, message)
 
 
 @dataclass(frozen=True, slots=True)
@@ -595,6 +615,8 @@ def read_error(sock: socket.socket, header: Header) -> ProtocolError:
     except ValueError:
         code = ErrorCode.INTERNAL
     text = body[ERROR_CODE.size :].decode("utf-8", "replace")
+    if code is ErrorCode.UNAUTHENTICATED:
+        return AuthRefused(f"store refused the connection: {text}")
     return ProtocolError(code, f"peer closed the connection: {text}")
 
 

@@ -19,7 +19,7 @@ from kvdepot.connector.transport.tcp import (
     check_put_items,
     split_batches,
 )
-from kvdepot.errors import KVDepotError
+from kvdepot.errors import KVDepotError, Unauthenticated
 from kvdepot.metadata.keys import ChunkKey
 from kvdepot.store.protocol import ProtocolLimits
 
@@ -66,6 +66,8 @@ class ArenaTransport(Transport, Generic[PeerT], abc.ABC):
             return statuses
         try:
             conn, peer = self._open(address)
+        except Unauthenticated:
+            raise
         except (KVDepotError, OSError) as exc:
             logger.warning("%s put to %s failed: %s", self.name, address, str(exc))
             return statuses
@@ -88,6 +90,8 @@ class ArenaTransport(Transport, Generic[PeerT], abc.ABC):
             return outcomes
         try:
             conn, peer = self._open(address)
+        except Unauthenticated:
+            raise
         except (KVDepotError, OSError) as exc:
             logger.warning("%s get from %s failed: %s", self.name, address, str(exc))
             return [GetOutcome(False, 0, f"transport: {exc}")] * len(items)

@@ -17,6 +17,7 @@ are idempotent (a chunk already stored is EXISTS) and reads have no effects.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -26,6 +27,7 @@ from kvdepot.connector.transport.shm import ShmTransport
 from kvdepot.connector.transport.tcp import TcpTransport
 from kvdepot.errors import InvalidArgument, KVDepotError
 from kvdepot.metadata.keys import ChunkKey
+from kvdepot.security import SecurityConfig
 from kvdepot.store.host import rdma_devices
 from kvdepot.store.protocol import ProtocolLimits
 
@@ -35,7 +37,7 @@ NixlFactory = Callable[[], Transport | None]
 """Creates the NIXL transport, or ``None`` where it cannot run."""
 
 
-def _default_nixl() -> Transport | None:
+def _default_nixl(security: SecurityConfig | None = None) -> Transport | None:
     if not rdma_devices():
         return None
     try:
@@ -45,7 +47,7 @@ def _default_nixl() -> Transport | None:
     if not nixl_available():
         return None
     try:
-        return NixlTransport()
+        return NixlTransport(security=security)
     except KVDepotError as exc:
         logger.warning("NIXL is installed but its agent cannot start: %s", str(exc))
         return None
@@ -63,6 +65,8 @@ class AutoTransport(Transport):
         nixl: Creates the NIXL transport (called at most once, on the first
             address that is not on this host); ``None`` never uses NIXL. The
             default uses it where RDMA devices exist and NIXL is importable.
+        security: The token every data-plane connection proves it holds,
+            and the gRPC settings of NIXL's ``GetTransferInfo``.
 
     Raises:
         InvalidArgument: If a timeout is not positive.
@@ -77,13 +81,20 @@ class AutoTransport(Transport):
         limits: ProtocolLimits | None = None,
         shm: bool = True,
         nixl: NixlFactory | None = _default_nixl,
+        security: SecurityConfig | None = None,
     ) -> None:
-        self._tcp = TcpTransport(connect_timeout_s, io_timeout_s, max_idle_per_peer, limits=limits)
+        self._tcp = TcpTransport(
+            connect_timeout_s, io_timeout_s, max_idle_per_peer, limits=limits, security=security
+        )
         self._shm = (
-            ShmTransport(connect_timeout_s, io_timeout_s, max_idle_per_peer, limits=limits)
+            ShmTransport(
+                connect_timeout_s, io_timeout_s, max_idle_per_peer, limits=limits, security=security
+            )
             if shm
             else None
         )
+        if nixl is _default_nixl:
+            nixl = functools.partial(_default_nixl, security)
         self._nixl_factory = nixl
         self._nixl: Transport | None = None
         self._nixl_tried = False

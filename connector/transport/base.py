@@ -7,8 +7,10 @@ read into caller-owned memory without intermediate copies.
 Failures of the network are per item, never exceptions: a put that could not
 be delivered reports :attr:`PutStatus.FAILED`, a read that did not arrive
 intact reports ``ok=False``, and the caller treats it as a miss (the engine
-recomputes those tokens). Only mistakes of the caller raise
-:class:`~kvdepot.errors.InvalidArgument`.
+recomputes those tokens). Only mistakes of the caller raise:
+:class:`~kvdepot.errors.InvalidArgument`, and
+:class:`~kvdepot.errors.Unauthenticated` when a store refuses the
+transport's token (every call would fail the same way until it is fixed).
 """
 
 from __future__ import annotations

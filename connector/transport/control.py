@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 from kvdepot.errors import InvalidArgument, Unavailable
 from kvdepot.metadata.keys import ChunkKey
+from kvdepot.store.handshake import authenticate
 from kvdepot.store.protocol import (
     LEASE_REPLY_ENTRY,
     MAX_ATTACH_BODY,
@@ -75,11 +76,18 @@ def parse_address(address: str) -> tuple[str, int]:
     return host, port
 
 
-def connect(address: str, connect_timeout_s: float, io_timeout_s: float) -> socket.socket:
+def connect(
+    address: str, connect_timeout_s: float, io_timeout_s: float, token: str = ""
+) -> socket.socket:
     """A blocking data-plane connection with kernel I/O timeouts and no Nagle delay.
+
+    With a ``token`` the connection first proves it holds it (see
+    :mod:`kvdepot.store.handshake`).
 
     Raises:
         Unavailable: If the store cannot be reached.
+        AuthRefused: The store refused the token (an ``Unauthenticated``).
+        ProtocolError: The store answered the handshake with something else.
     """
     host, port = parse_address(address)
     try:
@@ -92,6 +100,12 @@ def connect(address: str, connect_timeout_s: float, io_timeout_s: float) -> sock
     except OSError as exc:
         sock.close()
         raise Unavailable(f"cannot set up connection to {address}: {exc}") from exc
+    if token:
+        try:
+            authenticate(sock, token)
+        except BaseException:
+            sock.close()
+            raise
     return sock
 
 
@@ -198,12 +212,19 @@ class ControlPool:
         connect_timeout_s: Time allowed to establish a connection.
         io_timeout_s: Time a control exchange may stall.
         max_idle: Idle connections kept per store.
+        token: Proven to the store on each new connection (when it has one).
     """
 
     def __init__(
-        self, kind: AttachKind, connect_timeout_s: float, io_timeout_s: float, max_idle: int = 4
+        self,
+        kind: AttachKind,
+        connect_timeout_s: float,
+        io_timeout_s: float,
+        max_idle: int = 4,
+        token: str = "",
     ) -> None:
         self._kind = kind
+        self._token = token
         self._connect_timeout_s = connect_timeout_s
         self._io_timeout_s = io_timeout_s
         self._max_idle = max_idle
@@ -229,7 +250,7 @@ class ControlPool:
             if looks_alive(conn.sock):
                 return conn
             conn.close()
-        sock = connect(address, self._connect_timeout_s, self._io_timeout_s)
+        sock = connect(address, self._connect_timeout_s, self._io_timeout_s, self._token)
         try:
             return ControlConnection(sock, attach(sock, self._kind))
         except BaseException:

@@ -45,9 +45,11 @@ from kvdepot.connector.transport.tcp import (
     PutWork,
     TcpTransport,
 )
-from kvdepot.errors import InvalidArgument, KVDepotError, Unavailable
+from kvdepot.errors import InvalidArgument, KVDepotError, Unauthenticated, Unavailable, from_grpc
 from kvdepot.metadata.keys import ChunkKey
 from kvdepot.proto.gen import store_pb2, store_pb2_grpc
+from kvdepot.security import SecurityConfig
+from kvdepot.security import channel as secure_channel
 from kvdepot.store.nixl_agent import create_agent, nixl_available
 from kvdepot.store.protocol import (
     AttachFlags,
@@ -95,6 +97,8 @@ class NixlTransport(ArenaTransport[_Peer]):
         limits: The stores' protocol limits; batches are split to fit.
         max_registrations: Caller buffers kept registered (least recently
             used ones are deregistered beyond it).
+        security: The token control connections prove and the gRPC
+            settings (token, TLS) of ``GetTransferInfo`` calls.
 
     Raises:
         Unavailable: NIXL is not installed or its agent does not start.
@@ -111,16 +115,21 @@ class NixlTransport(ArenaTransport[_Peer]):
         *,
         limits: ProtocolLimits | None = None,
         max_registrations: int = 256,
+        security: SecurityConfig | None = None,
     ) -> None:
         if connect_timeout_s <= 0 or io_timeout_s <= 0:
             raise InvalidArgument("transport timeouts must be positive")
         self._io_timeout_s = io_timeout_s
         self._limits = limits or ProtocolLimits()
         self._agent = create_agent(f"kvdepot-client-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        self._security = security
+        token = security.tokens().token if security is not None else ""
         self._pool = ControlPool(
-            AttachKind.NIXL, connect_timeout_s, io_timeout_s, max_idle_per_peer
+            AttachKind.NIXL, connect_timeout_s, io_timeout_s, max_idle_per_peer, token
         )
-        self._tcp = TcpTransport(connect_timeout_s, io_timeout_s, 1, limits=self._limits)
+        self._tcp = TcpTransport(
+            connect_timeout_s, io_timeout_s, 1, limits=self._limits, security=security
+        )
         # One lock around the agent: transfers of concurrent callers are
         # serialised through it (NIXL agents are not thread-safe by default).
         self._lock = threading.Lock()
@@ -134,6 +143,8 @@ class NixlTransport(ArenaTransport[_Peer]):
         """Whether the store at ``address`` runs a NIXL agent this one can reach."""
         try:
             conn, _ = self._open(address)
+        except Unauthenticated:
+            raise
         except (KVDepotError, OSError) as exc:
             logger.debug("nixl to %s not usable: %s", address, str(exc))
             return False
@@ -178,13 +189,15 @@ class NixlTransport(ArenaTransport[_Peer]):
 
     def _transfer_info(self, control_address: str) -> store_pb2.TransferInfo:
         try:
-            with grpc.insecure_channel(control_address) as channel:
+            with secure_channel(control_address, self._security) as channel:
                 stub = store_pb2_grpc.StoreStub(channel)
                 reply: store_pb2.TransferInfo = stub.GetTransferInfo(
                     store_pb2.TransferInfoRequest(), timeout=self._io_timeout_s
                 )
                 return reply
         except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                raise from_grpc(exc, f"GetTransferInfo at {control_address}") from None
             raise Unavailable(f"GetTransferInfo at {control_address} failed: {exc}") from exc
 
     # -- memory -----------------------------------------------------------------

@@ -40,7 +40,8 @@ from kvdepot.connector.transport.tcp import (
     PutWork,
     TcpTransport,
 )
-from kvdepot.errors import InvalidArgument, KVDepotError, Unavailable
+from kvdepot.errors import InvalidArgument, KVDepotError, Unauthenticated, Unavailable
+from kvdepot.security import SecurityConfig
 from kvdepot.store.host import host_identity
 from kvdepot.store.protocol import (
     HASH_BLOCK,
@@ -151,6 +152,7 @@ class ShmTransport(ArenaTransport[_Mapping]):
         io_timeout_s: Time a control exchange may stall.
         max_idle_per_peer: Idle control connections kept per store.
         limits: The stores' protocol limits; batches are split to fit.
+        security: The token each new control connection proves it holds.
 
     Raises:
         InvalidArgument: If a timeout is not positive.
@@ -163,12 +165,18 @@ class ShmTransport(ArenaTransport[_Mapping]):
         max_idle_per_peer: int = 4,
         *,
         limits: ProtocolLimits | None = None,
+        security: SecurityConfig | None = None,
     ) -> None:
         if connect_timeout_s <= 0 or io_timeout_s <= 0:
             raise InvalidArgument("transport timeouts must be positive")
         self._limits = limits or ProtocolLimits()
-        self._pool = ControlPool(AttachKind.SHM, connect_timeout_s, io_timeout_s, max_idle_per_peer)
-        self._tcp = TcpTransport(connect_timeout_s, io_timeout_s, 1, limits=self._limits)
+        token = security.tokens().token if security is not None else ""
+        self._pool = ControlPool(
+            AttachKind.SHM, connect_timeout_s, io_timeout_s, max_idle_per_peer, token
+        )
+        self._tcp = TcpTransport(
+            connect_timeout_s, io_timeout_s, 1, limits=self._limits, security=security
+        )
         self._lock = threading.Lock()
         self._maps: dict[str, _Mapping] = {}
         self._closed = False
@@ -177,6 +185,8 @@ class ShmTransport(ArenaTransport[_Mapping]):
         """Whether the store at ``address`` is on this host with an arena this process can map."""
         try:
             conn, _ = self._open(address)
+        except Unauthenticated:
+            raise  # not a matter of shm: tcp would be refused the same
         except (KVDepotError, OSError) as exc:
             logger.debug("shm to %s not usable: %s", address, str(exc))
             return False

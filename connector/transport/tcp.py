@@ -37,8 +37,9 @@ from kvdepot.connector.transport.base import (
     Transport,
 )
 from kvdepot.connector.transport.control import connect, looks_alive, parse_address
-from kvdepot.errors import InvalidArgument, KVDepotError
+from kvdepot.errors import InvalidArgument, KVDepotError, Unauthenticated
 from kvdepot.metadata.keys import KEY_BYTES, ChunkKey
+from kvdepot.security import SecurityConfig
 from kvdepot.store.protocol import (
     GET_REPLY_ENTRY,
     DeleteCode,
@@ -187,7 +188,10 @@ def _spread(items: list[_T], size: Callable[[_T], int], ways: int) -> list[list[
 class _Pool:
     """Idle connections per peer; connections in use belong to their caller."""
 
-    def __init__(self, connect_timeout_s: float, io_timeout_s: float, max_idle: int) -> None:
+    def __init__(
+        self, connect_timeout_s: float, io_timeout_s: float, max_idle: int, token: str = ""
+    ) -> None:
+        self._token = token
         self._connect_timeout_s = connect_timeout_s
         self._io_timeout_s = io_timeout_s
         self._max_idle = max_idle
@@ -206,7 +210,8 @@ class _Pool:
                 idle = self._idle.get(address)
                 sock = idle.pop() if idle else None
             if sock is None:
-                return connect(address, self._connect_timeout_s, self._io_timeout_s), False
+                sock = connect(address, self._connect_timeout_s, self._io_timeout_s, self._token)
+                return sock, False
             if looks_alive(sock):
                 return sock, True
             sock.close()
@@ -240,6 +245,7 @@ class TcpTransport(Transport):
         limits: The protocol limits of the stores; requests are split to stay
             within them.
         streams: Connections one large batch is spread over, in parallel.
+        security: The token each new connection proves it holds (when set).
 
     Raises:
         InvalidArgument: If a timeout is not positive, ``max_idle_per_peer``
@@ -254,6 +260,7 @@ class TcpTransport(Transport):
         *,
         limits: ProtocolLimits | None = None,
         streams: int = 2,
+        security: SecurityConfig | None = None,
     ) -> None:
         if connect_timeout_s <= 0 or io_timeout_s <= 0:
             raise InvalidArgument("transport timeouts must be positive")
@@ -262,7 +269,8 @@ class TcpTransport(Transport):
         if streams < 1:
             raise InvalidArgument("streams must be at least 1")
         self._limits = limits or ProtocolLimits()
-        self._pool = _Pool(connect_timeout_s, io_timeout_s, max(max_idle_per_peer, streams))
+        token = security.tokens().token if security is not None else ""
+        self._pool = _Pool(connect_timeout_s, io_timeout_s, max(max_idle_per_peer, streams), token)
         self._streams = streams
         self._executor: ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
@@ -277,6 +285,8 @@ class TcpTransport(Transport):
             for batch in split_batches(run_items, lambda t: t[2].nbytes, self._limits):
                 try:
                     codes = self._exchange(address, _put_batch, batch)
+                except Unauthenticated:
+                    raise  # every later call would fail the same: the caller must know
                 except KVDepotError as exc:
                     # This batch and the rest stay FAILED: the store is unreachable or broken.
                     logger.warning(
@@ -304,6 +314,8 @@ class TcpTransport(Transport):
             for k, batch in enumerate(batches):
                 try:
                     results = self._exchange(address, self._get_batch, batch)
+                except Unauthenticated:
+                    raise
                 except KVDepotError as exc:
                     # This batch and the rest are misses: the store is unreachable or broken.
                     logger.warning(
@@ -328,6 +340,8 @@ class TcpTransport(Transport):
         for batch in split_batches(todo, lambda _: 0, self._limits):
             try:
                 codes = self._exchange(address, _delete_batch, batch)
+            except Unauthenticated:
+                raise
             except KVDepotError as exc:
                 logger.warning("delete of %d chunks at %s failed: %s", len(todo), address, str(exc))
                 break
