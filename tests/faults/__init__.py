@@ -1,0 +1,1 @@
+"""The fault suite: real daemons killed, restarted, starved of disk and cut off."""

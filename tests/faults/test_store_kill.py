@@ -1,0 +1,246 @@
+"""Store daemons SIGKILLed in the middle of a put and in the middle of a get.
+
+A killed store can only lose what it alone held: the chunks in its DRAM (they
+leave the index within its lease; what it had demoted to SSD comes back when
+it restarts on the same directory). What must never happen: a chunk that was
+not completely written becoming visible, a key left unpublishable, or a
+reader handed bytes other than the ones published.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvdepot.cluster import LocalCluster, wait_nodes
+from kvdepot.connector.client import ClientConfig, KVDepotClient, PutResult
+from kvdepot.metadata.keys import ChunkKey, Namespace, chunk_keys
+from tests.faults.support import ReadTally, payload, sentinel_buffers, store_stats, wait_for
+
+pytestmark = [pytest.mark.faults, pytest.mark.integration]
+
+NS = Namespace("test/faults/store-kill", chunk_tokens=16)
+MiB = 1 << 20
+LEASE_S = 1.5
+# The killed store's chunks must leave the index within its lease; the rest
+# of the margin covers the reaper's period and a loaded 2-core machine.
+VANISH_S = LEASE_S + 3.0
+
+
+def data(key: bytes) -> np.ndarray:
+    return payload(key, MiB)
+
+
+def client_config(cl: LocalCluster, transport: str, node: str = "") -> ClientConfig:
+    return ClientConfig(
+        metadata=cl.metadata_address,
+        node_id=node,
+        transport=transport,
+        rpc_timeout_s=5,
+        connect_timeout_s=2,
+        io_timeout_s=5,
+    )
+
+
+def read_exact(c: KVDepotClient, keys: list[ChunkKey], tally: ReadTally) -> int:
+    """Pull ``keys`` into sentinel buffers, one get per key; chunks loaded (all checked)."""
+    loaded = 0
+    for k in keys:
+        bufs = sentinel_buffers(1, MiB)
+        loaded += tally.add([k], bufs, c.get_into([k], bufs), lambda k: payload(k, MiB))
+    return loaded
+
+
+def listed_on(c: KVDepotClient, keys: list[ChunkKey], node: str) -> list[ChunkKey]:
+    """The keys the index lists with a replica on ``node``."""
+    out = []
+    for k in keys:
+        loc = c.lookup_locations([k])
+        if loc.hits and any(r.node_id == node for r in loc.locations[0].replicas):
+            out.append(k)
+    return out
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_store_sigkill_mid_put_makes_nothing_half_written_visible(
+    tmp_path: Path, transport: str
+) -> None:
+    """A writer publishes 48 chunks into its own store, which is SIGKILLed
+    part-way through (with demotions to its SSD in flight).
+
+    Lost: the chunks committed only to the killed store's DRAM (misses now,
+    gone from the index within the lease); nothing committed on the surviving
+    store; no key is left unpublishable. Served wrong: nothing, neither while
+    the dead store was still listed, nor after it restarted on its SSD
+    directory (it announces only chunks whose bytes verify).
+    """
+    ssd = tmp_path / "ssd"
+    victim_args = (
+        "--ssd-dir", str(ssd), "--ssd-capacity", "96MiB", "--ssd-fsync", "never",
+        # Demote nearly everything in the background: SSD writes are in flight at the kill.
+        "--watermarks", "cpu=0.3:0.1",
+    )  # fmt: skip
+    tally = ReadTally()
+    with LocalCluster(
+        nodes=0,
+        capacity="64MiB",
+        lease_ttl_s=LEASE_S,
+        heartbeat_interval_s=0.3,
+        log_dir=tmp_path / "logs",
+    ) as cl:
+        cl.add_store("survivor")
+        victim = cl.add_store("victim", *victim_args)
+        wait_nodes(cl.metadata_address, 2)
+        safe = chunk_keys(NS, [1] * 16 * 4)
+        keys = chunk_keys(NS, [2] * 16 * 48)
+        with KVDepotClient(client_config(cl, transport, "survivor")) as c:
+            assert c.put(safe, [data(k) for k in safe]).stored == 4
+
+        results: list[PutResult] = []
+        errors: list[BaseException] = []
+        with KVDepotClient(client_config(cl, transport, "victim")) as writer:
+
+            def publish() -> None:
+                try:
+                    for i in range(0, len(keys), 4):
+                        batch = keys[i : i + 4]
+                        results.append(writer.put(batch, [data(k) for k in batch]))
+                except BaseException as exc:  # reported by the assertions below
+                    errors.append(exc)
+
+            t = threading.Thread(target=publish)
+            t.start()
+            grpc_address = victim.info["grpc_address"]
+            wait_for(
+                lambda: not t.is_alive() or store_stats(grpc_address).puts >= 12,
+                30,
+                "the victim store never received a dozen chunks",
+            )
+            os.kill(victim.pid, signal.SIGKILL)
+            victim.proc.wait()
+            killed_at = time.monotonic()
+            t.join(60)
+            assert not t.is_alive() and not errors, errors
+        stored = sum(r.stored for r in results)
+        failed = sum(r.failed for r in results)
+        assert stored > 0 and failed > 0, "the kill did not land mid-put"
+        assert stored + failed + sum(r.skipped for r in results) == len(keys)
+
+        with KVDepotClient(client_config(cl, transport)) as reader:
+            # While the dead store is still listed: every read is exact or a miss.
+            while time.monotonic() - killed_at < LEASE_S:
+                bufs = sentinel_buffers(len(keys), MiB)
+                tally.add(keys, bufs, reader.get_into(keys, bufs), lambda k: payload(k, MiB))
+            wait_for(
+                lambda: not listed_on(reader, keys, "victim"),
+                VANISH_S,
+                "the killed store's chunks are still listed",
+            )
+            # Nothing committed elsewhere was lost.
+            assert reader.lookup(safe) == 4
+            assert read_exact(reader, safe, tally) == 4
+            # Whatever the index lists now reads back exact.
+            for k in keys:
+                if reader.lookup([k]):
+                    assert read_exact(reader, [k], tally) == 1
+
+            # Restarted on its SSD: it announces only what it can serve intact.
+            info = cl.add_store("victim", *victim_args).info
+            wait_for(
+                lambda: any(n.node_id == "victim" for n in reader.stats().nodes),
+                10,
+                "the restarted store did not register",
+            )
+            recovered = store_stats(info["grpc_address"]).chunks_recovered
+            back = listed_on(reader, keys, "victim")
+            assert len(back) == recovered
+            assert read_exact(reader, back, tally) == len(back)
+
+        # No key is left stuck behind an allocation of the dead store.
+        with KVDepotClient(client_config(cl, transport, "survivor")) as c:
+            again = c.put(keys, [data(k) for k in keys])
+            assert again.failed == 0 and again.stored + again.skipped == len(keys)
+            assert c.lookup(keys) == len(keys)
+            assert read_exact(c, keys, tally) == len(keys)
+    assert tally.wrong == 0, f"{tally.wrong} chunks served with wrong bytes"
+    assert tally.exact >= 4 + len(keys)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_store_sigkill_mid_get_is_a_miss_never_partial_data(tmp_path: Path, transport: str) -> None:
+    """A reader pulls 32 MiB in a loop from one store, which is SIGKILLed while
+    the reads run; every buffer is prefilled with a sentinel.
+
+    Lost: the killed store's chunks (misses from the kill on; gone from the
+    index within the lease). Served wrong: nothing: each chunk the client
+    reports loaded holds exactly the published bytes, also in the get that
+    the kill interrupted, and the reported byte count is the loaded chunks'.
+    """
+    keys = chunk_keys(NS, [3] * 16 * 32)
+    tally = ReadTally()
+    with LocalCluster(
+        nodes=0,
+        capacity="48MiB",
+        lease_ttl_s=LEASE_S,
+        heartbeat_interval_s=0.3,
+        log_dir=tmp_path / "logs",
+    ) as cl:
+        victim = cl.add_store("victim")
+        wait_nodes(cl.metadata_address, 1)
+        with KVDepotClient(client_config(cl, transport, "victim")) as c:
+            assert c.put(keys, [data(k) for k in keys]).stored == len(keys)
+
+        spans: list[tuple[float, float, int]] = []  # start, end, chunks loaded
+        errors: list[BaseException] = []
+        stop = threading.Event()
+        with KVDepotClient(client_config(cl, transport)) as reader:
+
+            def pull() -> None:
+                try:
+                    while not stop.is_set():
+                        bufs = sentinel_buffers(len(keys), MiB)
+                        start = time.monotonic()
+                        result = reader.get_into(keys, bufs)
+                        end = time.monotonic()
+                        loaded = tally.add(keys, bufs, result, lambda k: payload(k, MiB))
+                        spans.append((start, end, loaded))
+                except BaseException as exc:  # reported by the assertions below
+                    errors.append(exc)
+
+            t = threading.Thread(target=pull)
+            t.start()
+            wait_for(lambda: len(spans) >= 2 or errors, 30, "the reader made no progress")
+            kill_sent = time.monotonic()
+            os.kill(victim.pid, signal.SIGKILL)
+            victim.proc.wait()
+            killed_at = time.monotonic()  # dead, its sockets closed
+            try:
+                wait_for(
+                    lambda: reader.lookup(keys) == 0,
+                    VANISH_S,
+                    "the killed store's chunks are still listed",
+                )
+                vanished_at = time.monotonic()
+                wait_for(
+                    lambda: sum(s > vanished_at for s, _, _ in spans) >= 2 or errors,
+                    10,
+                    "the reader stalled after the kill",
+                )
+            finally:
+                stop.set()
+                t.join(30)
+        assert not t.is_alive() and not errors, errors
+    before = [n for _, e, n in spans if e < kill_sent]
+    assert before and all(n == len(keys) for n in before), "reads before the kill"
+    # The loop never pauses: one get was in flight when the store died.
+    assert any(s <= killed_at and e >= kill_sent for s, e, _ in spans), "no get spanned the kill"
+    # From a dead store nothing loads (a later get cannot reach it at all).
+    assert all(n == 0 for s, _, n in spans if s > killed_at)
+    assert tally.wrong == 0, f"{tally.wrong} chunks served with wrong bytes"
+    assert tally.misses > 0
