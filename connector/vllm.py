@@ -25,6 +25,7 @@ chunks (skipping those already stored) at the end of the step.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -148,6 +149,8 @@ class KVDepotConnector(KVConnectorBase_V1):
                 node_id=self.settings.node_id,
                 transport=self.settings.transport,
                 tokens_per_chunk=self.settings.chunk_tokens,
+                # vLLM loads this class: like a command, it reads the environment.
+                security=self.settings.security(os.environ),
             )
         )
         if role == KVConnectorRole.SCHEDULER:

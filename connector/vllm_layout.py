@@ -14,11 +14,13 @@ the kernel path is part of the namespace.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from kvdepot.errors import InvalidArgument
 from kvdepot.metadata.keys import Namespace
+from kvdepot.security import SecurityConfig, load_security
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +38,14 @@ class ConnectorSettings:
         force_recompute_on_load_error: Make vLLM recompute blocks whose load
             failed instead of failing the request (the connector's contract:
             a failed read is a miss).
+        auth_token_file: File with the token the connector presents to a
+            cluster that requires one (``KVDEPOT_AUTH_TOKEN`` in the engine's
+            environment works too); never the token itself in this config,
+            which vLLM logs.
+        tls_ca: CA that signed the daemons' certificates (gRPC over TLS).
+        tls_cert: Client certificate, for daemons that require one.
+        tls_key: Private key of ``tls_cert``.
+        tls_server_name: Name expected in the daemons' certificates.
     """
 
     metadata: str = "127.0.0.1:7700"
@@ -45,10 +55,29 @@ class ConnectorSettings:
     model_id: str = ""
     cache_salt: str = ""
     force_recompute_on_load_error: bool = True
+    auth_token_file: str = ""
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_server_name: str = ""
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 1:
             raise InvalidArgument("chunk_tokens must be positive")
+
+    def security(self, env: Mapping[str, str]) -> SecurityConfig:
+        """The client's token and TLS: these settings over ``KVDEPOT_*`` in ``env``."""
+        return load_security(
+            env,
+            None,
+            {
+                "auth_token_file": self.auth_token_file or None,
+                "tls_ca": self.tls_ca or None,
+                "tls_cert": self.tls_cert or None,
+                "tls_key": self.tls_key or None,
+                "tls_server_name": self.tls_server_name or None,
+            },
+        )
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -112,6 +113,8 @@ class KVDepotConnector(RemoteConnector):
                 tokens_per_chunk=int(getattr(config, "chunk_size", 0) or 0),
                 rpc_timeout_s=self.settings.rpc_timeout_s,
                 io_timeout_s=self.settings.io_timeout_s,
+                # LMCache loads this class: like a command, it reads the environment.
+                security=self.settings.security(os.environ),
             )
         )
         self._pool = ThreadPoolExecutor(

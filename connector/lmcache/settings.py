@@ -8,7 +8,9 @@ or ``kvdepot.<instance>`` for several) and configured under its name in
 
 The URL lists the metadata service replicas; its query may set the client
 options below. Everything else (chunk size, dtype, shapes) comes from
-LMCache's own configuration.
+LMCache's own configuration. A cluster that requires a token is reached with
+``?auth_token_file=/path`` (or ``KVDEPOT_AUTH_TOKEN`` in the environment);
+the token itself never goes in the URL, which LMCache logs.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from kvdepot.connector.metadata import parse_endpoints
 from kvdepot.errors import InvalidArgument
+from kvdepot.security import SecurityConfig, load_security
 
 SCHEME = "kvdepot"
 PLUGIN_TYPE = "kvdepot"
@@ -44,6 +47,11 @@ class PluginSettings:
             event loop never waits on the network.
         rpc_timeout_s: Deadline of each metadata call.
         io_timeout_s: Deadline for a stalled data-plane transfer.
+        auth_token_file: File with the token to present.
+        tls_ca: CA that signed the daemons' certificates (gRPC over TLS).
+        tls_cert: Client certificate, for daemons that require one.
+        tls_key: Private key of ``tls_cert``.
+        tls_server_name: Name expected in the daemons' certificates.
     """
 
     metadata: str
@@ -52,6 +60,11 @@ class PluginSettings:
     io_threads: int = 4
     rpc_timeout_s: float = 5.0
     io_timeout_s: float = 10.0
+    auth_token_file: str = ""
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_server_name: str = ""
 
     def __post_init__(self) -> None:
         parse_endpoints(self.metadata)
@@ -59,6 +72,20 @@ class PluginSettings:
             raise InvalidArgument("io_threads must be at least 1")
         if min(self.rpc_timeout_s, self.io_timeout_s) <= 0:
             raise InvalidArgument("timeouts must be positive")
+
+    def security(self, env: Mapping[str, str]) -> SecurityConfig:
+        """The client's token and TLS: these settings over ``KVDEPOT_*`` in ``env``."""
+        return load_security(
+            env,
+            None,
+            {
+                "auth_token_file": self.auth_token_file or None,
+                "tls_ca": self.tls_ca or None,
+                "tls_cert": self.tls_cert or None,
+                "tls_key": self.tls_key or None,
+                "tls_server_name": self.tls_server_name or None,
+            },
+        )
 
     @classmethod
     def from_url(cls, url: str) -> PluginSettings:
@@ -79,6 +106,11 @@ class PluginSettings:
             "io_threads": int,
             "rpc_timeout_s": float,
             "io_timeout_s": float,
+            "auth_token_file": str,
+            "tls_ca": str,
+            "tls_cert": str,
+            "tls_key": str,
+            "tls_server_name": str,
         }
         for name, values in parse_qs(parts.query, keep_blank_values=True).items():
             if name not in fields:
