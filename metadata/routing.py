@@ -21,6 +21,7 @@ Everything here is a pure function of its inputs.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ from kvdepot.errors import InvalidArgument
 from kvdepot.metadata.types import LookupResult, NodeId
 
 _MAX_CANDIDATES = 1024
+_MAX_CANDIDATE_ID = 2048  # engine URLs
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +50,10 @@ class RoutingWeights:
     load_penalty_s: float = 0.05
 
     def __post_init__(self) -> None:
-        if min(self.link_bytes_per_s, self.local_bytes_per_s, self.prefill_tokens_per_s) <= 0:
+        speeds = (self.link_bytes_per_s, self.local_bytes_per_s, self.prefill_tokens_per_s)
+        if not all(math.isfinite(v) for v in (*speeds, self.load_penalty_s)):
+            raise InvalidArgument("routing weights must be finite numbers")
+        if min(speeds) <= 0:
             raise InvalidArgument("link speed, local speed and prefill rate must be positive")
         if self.load_penalty_s < 0:
             raise InvalidArgument("load_penalty_s must not be negative")
@@ -89,10 +94,12 @@ def validate_candidates(candidates: Sequence[Candidate]) -> None:
     ids = [c.id for c in candidates]
     if any(not i for i in ids):
         raise InvalidArgument("every candidate needs an id")
+    if any(len(i) > _MAX_CANDIDATE_ID for i in ids):
+        raise InvalidArgument(f"candidate ids must be at most {_MAX_CANDIDATE_ID} characters")
     if len(set(ids)) != len(ids):
         raise InvalidArgument("candidate ids must be unique")
-    if any(c.load < 0 for c in candidates):
-        raise InvalidArgument("candidate load must not be negative")
+    if any(not math.isfinite(c.load) or c.load < 0 for c in candidates):
+        raise InvalidArgument("candidate load must be a finite number, not negative")
 
 
 def score_candidate(

@@ -28,6 +28,14 @@ from kvdepot.metadata.types import (
     TierUsage,
     TransferRate,
 )
+from kvdepot.metadata.validation import (
+    check_address,
+    check_sizes,
+    check_text,
+    check_tier,
+    check_tier_stats,
+    check_transfer,
+)
 from kvdepot.metrics import ClusterCollector, MetricsServer, on_loop
 from kvdepot.proto.gen import common_pb2, metadata_pb2, metadata_pb2_grpc
 from kvdepot.security import NO_SECURITY, SecurityConfig, add_port, aio_server
@@ -39,7 +47,6 @@ _ACTIONS = {
     Action.SKIP_EXISTS: metadata_pb2.Allocation.SKIP_EXISTS,
     Action.SKIP_PENDING: metadata_pb2.Allocation.SKIP_PENDING,
 }
-_MAX_ID = 256
 
 
 def tiers_from_proto(tiers: Sequence[common_pb2.TierStats]) -> tuple[TierUsage, ...]:
@@ -127,8 +134,10 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
         self._config = config
 
     # -- validation -------------------------------------------------------
-    def _keys(self, keys: Sequence[bytes]) -> list[ChunkKey]:
-        if len(keys) > self._config.max_keys_per_request:
+    def _keys(self, keys: Sequence[bytes], *, inventory: bool = False) -> list[ChunkKey]:
+        # A store's inventory is every chunk it holds, one message however
+        # many: bounded by the message size limit, not the per-request one.
+        if not inventory and len(keys) > self._config.max_keys_per_request:
             raise InvalidArgument(
                 f"{len(keys)} keys in one request; the limit is {self._config.max_keys_per_request}"
             )
@@ -139,19 +148,11 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
 
     @staticmethod
     def _sizes(keys: Sequence[ChunkKey], sizes: Sequence[int]) -> list[int]:
-        if len(sizes) != len(keys):
-            raise InvalidArgument(f"{len(keys)} keys but {len(sizes)} sizes")
-        if any(s <= 0 for s in sizes):
-            raise InvalidArgument("chunk sizes must be positive")
-        return list(sizes)
+        return check_sizes(sizes, len(keys))
 
     @staticmethod
     def _node_id(node_id: str, required: bool = True) -> str:
-        if required and not node_id:
-            raise InvalidArgument("node_id is required")
-        if len(node_id) > _MAX_ID or any(c.isspace() for c in node_id):
-            raise InvalidArgument("node_id must be at most 256 characters without spaces")
-        return node_id
+        return check_text(node_id, "node_id", required=required)
 
     async def _guard(self, context: grpc.aio.ServicerContext, exc: KVDepotError) -> None:
         await context.abort(exc.grpc_code, str(exc))
@@ -162,11 +163,13 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
     ) -> metadata_pb2.RegisterNodeResponse:
         try:
             node_id = self._node_id(request.node_id)
-            if not request.address:
-                raise InvalidArgument("address is required")
-            keys = self._keys([c.key for c in request.inventory])
+            check_address(request.address, "address")
+            check_address(request.grpc_address, "grpc_address", required=False)
+            check_tier_stats(request.tiers)
+            keys = self._keys([c.key for c in request.inventory], inventory=True)
+            check_sizes([c.size for c in request.inventory], len(keys))
             inventory = [
-                InventoryItem(k, c.size, c.tier or "cpu")
+                InventoryItem(k, c.size, check_tier(c.tier or "cpu"))
                 for k, c in zip(keys, request.inventory, strict=True)
             ]
             info = NodeInfo(
@@ -187,9 +190,11 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
     ) -> metadata_pb2.HeartbeatResponse:
         try:
             node_id = self._node_id(request.node_id)
+            check_tier_stats(request.tiers)
             transfer = None
             if request.HasField("transfer"):
                 t = request.transfer
+                check_transfer(t)
                 transfer = TransferRate(t.bytes_in_per_s, t.bytes_out_per_s, t.window_s)
             known = await self._index.heartbeat(
                 node_id, tiers_from_proto(request.tiers), time.monotonic(), transfer

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import socket
 import struct
+from typing import Any
 
 import grpc
 import numpy as np
@@ -13,7 +15,7 @@ from kvdepot.cluster import LocalCluster
 from kvdepot.connector.client import KVDepotClient
 from kvdepot.errors import CapacityExceeded, InvalidArgument
 from kvdepot.metadata.keys import Namespace, chunk_keys
-from kvdepot.proto.gen import metadata_pb2, metadata_pb2_grpc
+from kvdepot.proto.gen import common_pb2, metadata_pb2, metadata_pb2_grpc
 
 pytestmark = pytest.mark.integration
 
@@ -89,6 +91,23 @@ def test_client_that_disconnects_mid_put_leaves_nothing_visible(
     roundtrip_ok(client, 2)
 
 
+def register(node_id: str, **fields: Any) -> metadata_pb2.RegisterNodeRequest:
+    return metadata_pb2.RegisterNodeRequest(node_id=node_id, address="127.0.0.1:1", **fields)
+
+
+def ref(size: int, tier: str = "cpu") -> common_pb2.ChunkRef:
+    return common_pb2.ChunkRef(key=bytes(16), size=size, tier=tier)
+
+
+def heartbeat(**rates: float) -> metadata_pb2.HeartbeatRequest:
+    return metadata_pb2.HeartbeatRequest(node_id="n", transfer=common_pb2.TransferRate(**rates))
+
+
+def route(load: float = 0.0, candidate_id: str = "e", **weights: float) -> Any:
+    candidate = metadata_pb2.RouteCandidate(id=candidate_id, node_id="n", load=load)
+    return metadata_pb2.RouteRequest(keys=[bytes(16)], candidates=[candidate], **weights)
+
+
 def test_bad_grpc_requests_get_invalid_argument(cluster: LocalCluster) -> None:
     with grpc.insecure_channel(cluster.metadata_address) as ch:
         stub = metadata_pb2_grpc.MetadataStub(ch)
@@ -100,6 +119,22 @@ def test_bad_grpc_requests_get_invalid_argument(cluster: LocalCluster) -> None:
             ("Heartbeat", metadata_pb2.HeartbeatRequest(node_id="")),
             ("RegisterNode", metadata_pb2.RegisterNodeRequest(node_id="x")),
             ("Lookup", metadata_pb2.LookupRequest(keys=[bytes(16)] * 70000)),
+            ("Lookup", metadata_pb2.LookupRequest(keys=[bytes(16)], client_node_id="a\x00b")),
+            ("PutStart", metadata_pb2.PutStartRequest(keys=[bytes(16)], sizes=[2**64 - 1])),
+            ("PutEnd", metadata_pb2.PutEndRequest(keys=[bytes(16)], sizes=[2**63], node_id="n")),
+            ("RegisterNode", metadata_pb2.RegisterNodeRequest(node_id="x", address="x" * 9999)),
+            ("RegisterNode", metadata_pb2.RegisterNodeRequest(node_id="x", address="no-port")),
+            ("RegisterNode", register("x", tiers=[common_pb2.TierStats(name="tape")])),
+            ("RegisterNode", register("x", inventory=[ref(size=0)])),
+            ("RegisterNode", register("x", inventory=[ref(size=1, tier="weird")])),
+            ("RegisterNode", register("x", inventory=[ref(size=2**64 - 1)])),
+            ("Heartbeat", heartbeat(bytes_in_per_s=math.nan)),
+            ("Heartbeat", heartbeat(bytes_out_per_s=-1.0)),
+            ("Heartbeat", heartbeat(window_s=math.inf)),
+            ("Route", route(load=math.nan)),
+            ("Route", route(link_bytes_per_s=math.nan)),
+            ("Route", route(prefill_tokens_per_s=math.inf)),
+            ("Route", route(candidate_id="u" * 5000)),
         ]
         for method, request in cases:
             with pytest.raises(grpc.RpcError) as info:
@@ -109,6 +144,19 @@ def test_bad_grpc_requests_get_invalid_argument(cluster: LocalCluster) -> None:
         with pytest.raises(grpc.RpcError) as info:
             stub.Heartbeat(metadata_pb2.HeartbeatRequest(node_id="nobody"), timeout=5)
         assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_inventory_larger_than_one_request_registers(cluster: LocalCluster) -> None:
+    # A store re-announces every chunk it holds in one RegisterNode: the
+    # per-request key limit (65536) must not lock a big store out.
+    keys = [i.to_bytes(16, "little") for i in range(70_000)]
+    inventory = [common_pb2.ChunkRef(key=k, size=4096, tier="ssd") for k in keys]
+    with grpc.insecure_channel(cluster.metadata_address) as ch:
+        stub = metadata_pb2_grpc.MetadataStub(ch)
+        stub.RegisterNode(register("big-store", inventory=inventory), timeout=30)
+        found = stub.Lookup(metadata_pb2.LookupRequest(keys=keys[-3:]), timeout=10)
+        assert found.hits == 3
+        assert found.locations[0].replicas[0].node_id == "big-store"
 
 
 def test_client_rejects_bad_arguments(client: KVDepotClient) -> None:
