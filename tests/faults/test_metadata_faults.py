@@ -1,11 +1,17 @@
-"""Two metadata replicas over one Redis, with a real store: shared index, rebuild after loss."""
+"""Faults of the metadata tier: replicas over a shared Redis (or Redis Cluster)
+with real stores. A metadata replica SIGKILLed mid-run (clients and stores
+fail over to the other), the index flushed, Redis restarted empty (the stores
+re-announce their inventory and the index is rebuilt).
+"""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -15,11 +21,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvdepot.cluster import wait_ready
-from kvdepot.connector.client import ClientConfig, KVDepotClient
-from kvdepot.metadata.keys import Namespace, chunk_keys
+from kvdepot.cluster import LocalCluster, wait_ready
+from kvdepot.connector.client import ClientConfig, KVDepotClient, PutResult
+from kvdepot.errors import Unavailable
+from kvdepot.metadata.keys import ChunkKey, Namespace, chunk_keys
+from tests.conftest import _redis_binaries, _start_redis, _stop_redis, free_port
+from tests.faults.support import ReadTally, sentinel_buffers
 
-pytestmark = [pytest.mark.integration, pytest.mark.redis]
+pytestmark = [pytest.mark.faults, pytest.mark.integration, pytest.mark.redis]
 
 NS = Namespace("test/redis-index", chunk_tokens=16)
 CHUNK = 64 << 10
@@ -32,7 +41,7 @@ def payload(key: bytes) -> np.ndarray:
 
 @contextlib.contextmanager
 def daemon(args: list[str], log: Path) -> Iterator[dict[str, Any]]:
-    """A kvdepot daemon subprocess; yields what its READY line announced."""
+    """A kvdepot daemon subprocess; yields what its READY line announced, and its "pid"."""
     with open(log, "wb") as err:
         proc = subprocess.Popen(
             [sys.executable, "-m", "kvdepot.cli", "--log-level", "WARNING", *args],
@@ -41,7 +50,7 @@ def daemon(args: list[str], log: Path) -> Iterator[dict[str, Any]]:
             stdin=subprocess.DEVNULL,
         )
     try:
-        yield wait_ready(proc, args[0], 60)
+        yield {**wait_ready(proc, args[0], 60), "pid": proc.pid}
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -54,14 +63,16 @@ def daemon(args: list[str], log: Path) -> Iterator[dict[str, Any]]:
         proc.stdout.close()
 
 
-def metadata(url: str, log: Path) -> contextlib.AbstractContextManager[dict[str, Any]]:
+def metadata(
+    url: str, log: Path, lease_ttl_s: float = 1.5
+) -> contextlib.AbstractContextManager[dict[str, Any]]:
     return daemon(
         [
             "metadata",
             "--host", "127.0.0.1",
             "--port", "0",
             "--index", url,
-            "--lease-ttl", "1.5",
+            "--lease-ttl", str(lease_ttl_s),
             "--heartbeat-interval", "0.3",
         ],
         log,
@@ -205,3 +216,137 @@ def test_redis_cluster_replica_killed_mid_run_and_a_dead_store(
             if p.poll() is None:
                 p.kill()
             p.wait()
+
+
+def test_metadata_replica_sigkill_under_load_fails_over(redis_server: str, tmp_path: Path) -> None:
+    """Two metadata replicas share one Redis; a client and a store call both
+    ("A,B") while a loop publishes and pulls fresh prefixes; A is SIGKILLed
+    mid-run, with calls in flight.
+
+    Lost: nothing committed: every prefix a put reported stored, before or
+    after the kill, is still listed and reads back exact. Served wrong:
+    nothing. No error reached the caller: the client and the store failed
+    over to B. (A put whose PutStart A had run just before dying may find its
+    keys pending and skip them: they are misses until the allocation expires,
+    never data.)
+    """
+    url = f"{redis_server}?prefix=failover-{uuid.uuid4().hex[:8]}"
+    store_log = tmp_path / "store.log"
+    tally = ReadTally()
+    # A lease long enough that the store's failover never lets it lapse on a
+    # loaded machine: then every read after the kill must hit.
+    with (
+        metadata(url, tmp_path / "metadata-a.log", lease_ttl_s=3.0) as a,
+        metadata(url, tmp_path / "metadata-b.log", lease_ttl_s=3.0) as b,
+    ):
+        both = f"127.0.0.1:{a['port']},127.0.0.1:{b['port']}"
+        store_args = ["store", "--metadata", both, "--port", "0", "--grpc-port", "0",
+                      "--capacity", "48MiB", "--node-id", "s0"]  # fmt: skip
+        with (
+            daemon(store_args, store_log),
+            KVDepotClient(ClientConfig(metadata=both, rpc_timeout_s=3)) as client,
+        ):
+            assert wait_for(lambda: len(client.stats().nodes) == 1), "store not registered"
+            cycles: list[tuple[float, PutResult, list[ChunkKey], int]] = []
+            errors: list[BaseException] = []
+            stop = threading.Event()
+
+            def run() -> None:
+                try:
+                    seed = 10_000
+                    while not stop.is_set():
+                        seed += 1
+                        keys = chunk_keys(NS, [seed] * 16 * 4)
+                        start = time.monotonic()
+                        put = client.put(keys, [payload(k) for k in keys])
+                        bufs = sentinel_buffers(len(keys), CHUNK)
+                        got = tally.add(keys, bufs, client.get_into(keys, bufs), payload)
+                        cycles.append((start, put, keys, got))
+                except BaseException as exc:  # reported by the assertions below
+                    errors.append(exc)
+
+            t = threading.Thread(target=run)
+            t.start()
+            try:
+                assert wait_for(lambda: len(cycles) >= 5 or errors), "no progress before the kill"
+                os.kill(a["pid"], signal.SIGKILL)
+                killed_at = time.monotonic()
+                assert wait_for(
+                    lambda: sum(s > killed_at for s, _, _, _ in cycles) >= 10 or errors,
+                    timeout_s=30,
+                ), "no progress after the kill"
+            finally:
+                stop.set()
+                t.join(30)
+            assert not t.is_alive() and not errors, errors
+            after = [(p, n) for s, p, _, n in cycles if s > killed_at]
+            assert all(p.stored == 4 and n == 4 for p, n in after), after
+            # Nothing committed is lost (a lapsed lease would be re-announced).
+            committed = [keys for _, p, keys, _ in cycles if p.stored == len(keys)]
+            assert len(committed) >= len(cycles) - 1
+            every = [k for keys in committed for k in keys]
+            assert wait_for(lambda: all(client.lookup(keys) == 4 for keys in committed))
+            bufs = sentinel_buffers(len(every), CHUNK)
+            assert tally.add(every, bufs, client.get_into(every, bufs), payload) == len(every)
+        assert "failing over to metadata" in store_log.read_text()
+    assert tally.wrong == 0, f"{tally.wrong} chunks served with wrong bytes"
+
+
+def test_redis_restart_empty_rebuilds_the_index_from_the_stores(tmp_path: Path) -> None:
+    """Redis (no persistence) under a metadata service and two stores is
+    SIGKILLed, then restarted empty on the same port.
+
+    Lost: nothing committed: both stores re-announce their inventory, every
+    lookup answers as before (same hits, same replicas), every chunk reads
+    back exact and a republish is deduplicated again. Served wrong: nothing;
+    while Redis was down a read failed with a clear ``Unavailable``, no bytes.
+    """
+    binary = _redis_binaries("redis-server")["redis-server"]
+    port = free_port()
+    redis_dir = tmp_path / "redis"
+    procs = [_start_redis(binary, redis_dir, port)]
+    tally = ReadTally()
+    try:
+        with LocalCluster(
+            nodes=2,
+            capacity="32MiB",
+            lease_ttl_s=1.5,
+            heartbeat_interval_s=0.3,
+            log_dir=tmp_path / "logs",
+            index=f"redis://127.0.0.1:{port}/0",
+        ) as cl:
+            prefixes = [chunk_keys(NS, [20_000 + i] * 16 * 6) for i in range(2)]
+            for store, keys in zip(cl.stores, prefixes, strict=True):
+                cfg = ClientConfig(metadata=cl.metadata_address, node_id=store.info["node_id"])
+                with KVDepotClient(cfg) as c:
+                    assert c.put(keys, [payload(k) for k in keys]).stored == len(keys)
+            every = [k for keys in prefixes for k in keys]
+            cfg = ClientConfig(metadata=cl.metadata_address, rpc_timeout_s=3)
+            with KVDepotClient(cfg) as c:
+                before = [c.lookup_locations(keys) for keys in prefixes]
+                assert [x.hits for x in before] == [6, 6]
+                assert {r.node_id for x in before for loc in x.locations for r in loc.replicas} == {
+                    s.info["node_id"] for s in cl.stores
+                }
+
+                procs[0].kill()
+                procs[0].wait()
+                bufs = sentinel_buffers(len(every), CHUNK)
+                with pytest.raises(Unavailable):
+                    c.get_into(every, bufs)
+                with pytest.raises(Unavailable):
+                    c.put(every[:1], [payload(every[0])])
+
+                procs.append(_start_redis(binary, redis_dir, port))  # empty
+                assert wait_for(
+                    lambda: all(c.lookup(keys) == 6 for keys in prefixes), timeout_s=20
+                ), "index not rebuilt"
+                assert [c.lookup_locations(keys) for keys in prefixes] == before
+                bufs = sentinel_buffers(len(every), CHUNK)
+                assert tally.add(every, bufs, c.get_into(every, bufs), payload) == len(every)
+                assert c.put(every, [payload(k) for k in every]).skipped == len(every)
+        for name in ("store-0", "store-1"):
+            assert "registering again" in (tmp_path / "logs" / f"{name}.log").read_text()
+    finally:
+        _stop_redis(procs)
+    assert tally.wrong == 0, f"{tally.wrong} chunks served with wrong bytes"
