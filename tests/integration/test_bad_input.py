@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import socket
 import struct
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -12,10 +15,20 @@ import numpy as np
 import pytest
 
 from kvdepot.cluster import LocalCluster
-from kvdepot.connector.client import KVDepotClient
-from kvdepot.errors import CapacityExceeded, InvalidArgument
-from kvdepot.metadata.keys import Namespace, chunk_keys
+from kvdepot.connector.client import ClientConfig, KVDepotClient
+from kvdepot.errors import CapacityExceeded, InvalidArgument, Unavailable
+from kvdepot.metadata.keys import ChunkKey, Namespace, chunk_keys
 from kvdepot.proto.gen import common_pb2, metadata_pb2, metadata_pb2_grpc
+from kvdepot.store import protocol as p
+from tests.integration.hostile import (
+    MiB,
+    closed_by_peer,
+    connect,
+    short_timeout_cluster,
+    store_stats,
+    used_bytes,
+    wait_for,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -176,3 +189,119 @@ def test_oversized_chunk_is_refused_cleanly(cluster: LocalCluster, client: KVDep
         client.put(keys, [np.zeros(65 << 20, dtype=np.uint8)])  # arenas are 64 MiB
     assert client.lookup(keys) == 0
     roundtrip_ok(client, 3)
+
+
+# --- slow clients and half-open connections -------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def slow_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """One store with short data-plane timeouts (I/O 1 s, idle and hold 3 s, 1 MiB/s)."""
+    c = short_timeout_cluster(tmp_path_factory.mktemp("slow-store") / "logs")
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def _error_code(reply: bytes | None) -> int | None:
+    if not reply:
+        return None
+    header = p.unpack_header(reply[:16])
+    assert header.opcode is p.Opcode.ERROR, header
+    return int(p.ERROR_CODE.unpack_from(reply, 16)[0])
+
+
+class Trickler(threading.Thread):
+    """Announces a 4 MiB PUT and sends its payload at 40 KiB/s: never stalls, never ends."""
+
+    def __init__(self, s: socket.socket, key: bytes) -> None:
+        super().__init__(daemon=True)
+        self.s = s
+        self.stop = threading.Event()
+        entry = p.PutEntry(ChunkKey(key), 4 << 20, 1)
+        s.sendall(p.Header(p.Opcode.PUT, 1).pack() + p.pack_put_entries([entry]))
+
+    def run(self) -> None:
+        with contextlib.suppress(OSError):
+            while not self.stop.wait(0.1):
+                self.s.sendall(bytes(4096))
+
+
+class Holder(threading.Thread):
+    """Reserves 2 MiB like an ``shm`` client, then pings forever instead of committing."""
+
+    def __init__(self, s: socket.socket, key: bytes) -> None:
+        super().__init__(daemon=True)
+        self.s = s
+        self.stop = threading.Event()
+        self.error: p.ProtocolError | None = None
+        s.sendall(
+            p.Header(p.Opcode.RESERVE, 1).pack()
+            + p.pack_put_entries([p.PutEntry(ChunkKey(key), 2 << 20, 0)])
+        )
+        p.recv_reply_header(s, p.Opcode.RESERVE_REPLY, 1)
+        (reply,) = p.unpack_reserve_reply_entries(p.recv_exact(s, 16))
+        assert reply.status is p.PutCode.OK
+
+    def run(self) -> None:
+        try:
+            while not self.stop.wait(0.2):
+                self.s.sendall(p.Header(p.Opcode.PING).pack())
+                p.recv_reply_header(self.s, p.Opcode.PONG, 0)
+        except p.ProtocolError as exc:
+            self.error = exc
+        except (OSError, Unavailable):
+            pass
+
+
+def test_stalled_trickling_silent_and_holding_peers_are_cut_off_and_freed(
+    slow_store: LocalCluster,
+) -> None:
+    c = slow_store
+    before = used_bytes(c)
+    key = chunk_keys(NS, [31] * 8)[0]
+    # Half of a 4 MiB PUT payload, then nothing: the I/O timeout ends it.
+    stalled = connect(c)
+    stalled.sendall(
+        p.Header(p.Opcode.PUT, 1).pack()
+        + p.pack_put_entries([p.PutEntry(key, 4 << 20, 1)])
+        + bytes(2 << 20)
+    )
+    # Steady bytes, far too slow: only the request's deadline ends it.
+    trickler = Trickler(connect(c), chunk_keys(NS, [32] * 8)[0])
+    trickler.start()
+    # Connects and says nothing: the idle timeout ends it.
+    silent = connect(c)
+    # Keeps a reservation while pinging: the hold timeout ends it.
+    holder = Holder(connect(c), chunk_keys(NS, [33] * 8)[0])
+    holder.start()
+    wait_for(lambda: used_bytes(c) >= before + 10 * MiB, what="three reservations")
+    try:
+        # Other clients are served meanwhile.
+        with KVDepotClient(
+            ClientConfig(metadata=c.metadata_address, node_id=c.stores[0].info["node_id"])
+        ) as client:
+            roundtrip_ok(client, 30)
+        with_data = used_bytes(c) - 10 * MiB
+        assert _error_code(closed_by_peer(stalled, 10)) == p.ErrorCode.MALFORMED
+        assert closed_by_peer(silent, 10) == b""
+        trickler.join(15)
+        holder.join(15)
+        assert not trickler.is_alive() and not holder.is_alive()
+        assert holder.error is not None and holder.error.code is p.ErrorCode.LIMIT_EXCEEDED
+        # Nothing any of them reserved outlives them; nothing became visible.
+        wait_for(lambda: used_bytes(c) == with_data, what="reservations freed")
+        assert client_lookup(c, [key]) == 0
+    finally:
+        trickler.stop.set()
+        holder.stop.set()
+        for s in (stalled, silent, trickler.s, holder.s):
+            s.close()
+    assert c.stores[0].proc.poll() is None
+    assert store_stats(c).protocol_errors >= 3
+
+
+def client_lookup(c: LocalCluster, keys: list[ChunkKey]) -> int:
+    with KVDepotClient(ClientConfig(metadata=c.metadata_address)) as client:
+        return client.lookup(keys)
