@@ -18,7 +18,8 @@ wrong byte served is not, nor is an exception (``errors``) or a daemon that
 died (``crashes``). The daemons' resident memory (``VmRSS`` from
 ``/proc/<pid>/status``) is sampled after the warm-up (arenas are faulted in
 at start) and at the end: it must stay flat, as an arena and caches are all
-a daemon holds.
+a daemon holds. ``--ssd-capacity`` adds an SSD tier to each store, so evicted
+chunks are demoted to it and promoted back on a hit.
 
 Run: ``python benchmarks/soak.py --seconds 600 --clients 8 --json``. The
 exit status is 1 if a wrong byte was served or a daemon crashed.
@@ -49,6 +50,7 @@ MiB = 1 << 20
 CHUNK_TOKENS = 256
 OPS = ("publish", "lookup", "pull")
 MIX = (4, 2, 4)  # relative weights of OPS
+STORES = 2
 RECENT = 32  # prompts a client remembers publishing, to pull them back
 ERROR_SAMPLES = 5
 
@@ -290,7 +292,7 @@ def log_problems(log_dir: Path, limit: int = 5) -> tuple[int, list[str]]:
 # -- the run ---------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Start the cluster and the clients, run, and return the report."""
-    from kvdepot.cluster import LocalCluster
+    from kvdepot.cluster import LocalCluster, wait_nodes
     from kvdepot.config import parse_size
     from kvdepot.connector.client import ClientConfig, KVDepotClient
 
@@ -303,9 +305,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print(msg, file=sys.stderr, flush=True)
 
     cluster = LocalCluster(
-        nodes=2, capacity=args.capacity, log_dir=log_dir, lease_ttl_s=5.0, heartbeat_interval_s=1.0
+        nodes=0, capacity=args.capacity, log_dir=log_dir, lease_ttl_s=5.0, heartbeat_interval_s=1.0
     )
     cluster.start()
+    ssd_root = tempfile.mkdtemp(prefix="kvdepot-soak-ssd-")
+    try:
+        for i in range(STORES):
+            # Each store its own SSD directory, when there is an SSD tier.
+            ssd = ["--ssd-dir", f"{ssd_root}/ssd-{i}", "--ssd-capacity", args.ssd_capacity]
+            cluster.add_store(f"store-{i}", *(ssd if args.ssd_capacity else []))
+        wait_nodes(cluster.metadata_address, STORES)
+    except BaseException:
+        cluster.stop()
+        shutil.rmtree(ssd_root, ignore_errors=True)
+        raise
     daemons = {"metadata": cluster.metadata, **{s.name: s for s in cluster.stores}}
     pids = {name: d.pid for name, d in daemons.items() if d is not None}
     crashed: dict[str, int | None] = {}
@@ -318,7 +331,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rss_start: dict[str, float] = {}
     rss_end: dict[str, float] = {}
     rss_max: dict[str, float] = dict.fromkeys(pids, 0.0)
-    evictions = 0
+    moves = {"evictions": 0, "demotions": 0, "promotions": 0}  # summed over stores and tiers
     try:
         for i in range(args.clients):
             store = cluster.stores[i % len(cluster.stores)]
@@ -331,7 +344,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             p.start()
             procs.append(p)
         say(f"soak: {args.clients} clients, {args.seconds:.0f} s after {args.warmup:.0f} s "
-            f"warm-up, arenas {args.capacity} x 2, logs in {log_dir}")  # fmt: skip
+            f"warm-up, arenas {args.capacity} x {STORES}, logs in {log_dir}")  # fmt: skip
         start = time.time() + 2.0  # clients finish importing meanwhile
         window[0], window[1] = start + args.warmup, start + args.warmup + args.seconds
         go.set()
@@ -375,7 +388,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             contextlib.suppress(Exception),
             KVDepotClient(ClientConfig(metadata=cluster.metadata_address)) as c,
         ):
-            evictions = sum(t.evictions for n in c.stats().nodes for t in n.tiers)
+            tiers = [t for n in c.stats().nodes for t in n.tiers]
+            moves = {k: sum(getattr(t, k) for t in tiers) for k in moves}
     finally:
         for p in procs:
             p.join(5)
@@ -384,6 +398,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 p.join(5)
         check_daemons()
         cluster.stop()
+        shutil.rmtree(ssd_root, ignore_errors=True)
     elapsed = args.seconds
     lat = {op: [x for r in reports for x in r["lat_ms"][op]] for op in OPS}
     every = [x for op in OPS for x in lat[op]]
@@ -438,7 +453,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "chunks_deduplicated": total["chunks_skipped"],
         "chunks_put_failed": total["chunks_put_failed"],
         "lookup_hit_chunks": total["lookup_hits"],
-        "evictions": evictions,
+        **moves,
         "crashes": len(crashed),
         "crashed_daemons": crashed,
         "daemon_log_errors": log_count,
@@ -455,8 +470,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "warmup_s": args.warmup,
             "clients": args.clients,
             "transports": [transports[i % len(transports)] for i in range(args.clients)],
-            "stores": 2,
+            "stores": STORES,
             "capacity_per_store": args.capacity,
+            "ssd_capacity_per_store": args.ssd_capacity or None,
             "chunk_sizes": list(work.chunk_sizes),
             "chunk_tokens": CHUNK_TOKENS,
             "system_prompts": work.system_prompts,
@@ -486,7 +502,8 @@ def render(r: dict[str, Any]) -> str:
         f"verified {r['chunks_verified']} chunks ({r['bytes_verified'] / MiB:.0f} MiB): "
         f"wrong bytes {r['wrong_bytes']} in {r['wrong_chunks']} chunks; misses {r['misses']}",
         f"stored {r['chunks_stored']}, deduplicated {r['chunks_deduplicated']}, put failed "
-        f"{r['chunks_put_failed']}, evictions {r['evictions']}",
+        f"{r['chunks_put_failed']}, evictions {r['evictions']}, demotions {r['demotions']}, "
+        f"promotions {r['promotions']}",
         f"errors {r['errors']}, daemon crashes {r['crashes']}, daemon log errors "
         f"{r['daemon_log_errors']}",
     ]
@@ -510,6 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--warmup", type=float, help="unmeasured seconds first (default 10%%, 2-30)")
     p.add_argument("--capacity", default="64MiB", help="DRAM arena per store (default 64MiB)")
+    p.add_argument("--ssd-capacity", help="add an SSD tier of this size per store (default none)")
     p.add_argument("--chunk-sizes", default="256KiB,1MiB", help="one namespace per size")
     p.add_argument("--transports", default="shm,tcp", help="assigned to clients in turn")
     p.add_argument("--sample-s", type=float, default=5.0, help="RSS sampling period")
