@@ -1,9 +1,12 @@
-"""Several hosts for real: Linux network namespaces joined by veth pairs and a bridge.
+"""Network cuts between hosts for real: Linux network namespaces joined by
+veth pairs and a bridge.
 
 The metadata service runs in the root namespace on the bridge address; each
 "host" is a namespace with its own address running one store daemon. Chunks
 are published from one host and pulled on another over the virtual links;
-then a host's link is cut: its chunks become misses, nothing else breaks.
+then a host's link is cut, between transfers and in the middle of them: its
+chunks become misses, nothing half-sent becomes visible, nothing else breaks.
+Skipped, with the reason, where network namespaces cannot be created.
 """
 
 from __future__ import annotations
@@ -18,12 +21,13 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvdepot.cluster import wait_nodes, wait_ready
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.faults, pytest.mark.integration]
 
 SUBNET = "10.231.{}.{}"
 
@@ -33,9 +37,14 @@ def _ip(*args: str, ns: str | None = None, check: bool = True) -> subprocess.Com
     return subprocess.run(cmd, capture_output=True, text=True, check=check, timeout=20)
 
 
+def _tc(*args: str, ns: str | None = None) -> None:
+    cmd = ["tc", *(("-n", ns) if ns else ()), *args]
+    subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=20)
+
+
 def _namespaces_work() -> str:
-    if shutil.which("ip") is None:
-        return "iproute2 is not installed"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "iproute2 (ip, tc) is not installed"
     if os.geteuid() != 0:
         return "creating network namespaces needs root"
     probe = f"kvdprobe{uuid.uuid4().hex[:6]}"
@@ -217,6 +226,158 @@ def test_publish_on_one_host_pull_on_another_and_survive_a_cut_link(
         while client(net.hosts[2].ns, "get", metadata, "host2", "2", "4")["leading"] != 4:
             assert time.monotonic() < deadline, "the healed host did not come back"
             time.sleep(0.5)
+        assert all(p.poll() is None for p in procs), "a daemon died"
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+# A transfer that reports when it starts ("GO") and checks every byte it got.
+TRANSFER = r"""
+import json, sys, time
+import numpy as np
+from kvdepot.connector.client import ClientConfig, KVDepotClient
+from kvdepot.metadata.keys import Namespace, chunk_keys
+role, metadata, node = sys.argv[1:4]
+seed, n, io_timeout = int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6])
+ns = Namespace("netns/model", chunk_tokens=16)
+keys = chunk_keys(ns, [seed] * 16 * n)
+def payload(k):
+    rng = np.random.default_rng(int.from_bytes(k, "little"))
+    return np.frombuffer(rng.bytes(1 << 20), np.uint8)
+def pull(c, keys):
+    bufs = [np.full(1 << 20, 0xA5, np.uint8) for _ in keys]
+    r = c.get_into(keys, bufs)
+    exact = sum(ok and np.array_equal(b, payload(k)) for k, b, ok in zip(keys, bufs, r.loaded))
+    return {"loaded": sum(r.loaded), "exact": int(exact), "wrong": sum(r.loaded) - int(exact)}
+cfg = ClientConfig(metadata=metadata, node_id=node, transport="tcp", rpc_timeout_s=5,
+                   connect_timeout_s=2, io_timeout_s=io_timeout)
+with KVDepotClient(cfg) as c:
+    data = [payload(k) for k in keys]
+    print("GO", flush=True)
+    if role == "put":
+        r = c.put(keys, data)
+        print(json.dumps({"stored": r.stored, "skipped": r.skipped, "failed": r.failed}))
+    elif role == "get":
+        print(json.dumps(pull(c, keys)))
+    else:  # check, once the link is back: the chunks of seed argv[7] all read back
+        # again; what the index lists of `keys` reads back exact; they publish again.
+        back = chunk_keys(ns, [int(sys.argv[7])] * 16 * n)
+        deadline, wrong = time.monotonic() + 15, 0
+        while True:
+            healed = pull(c, back)
+            wrong += healed["wrong"]
+            if healed["loaded"] == n or time.monotonic() > deadline:
+                break
+            time.sleep(0.3)
+        listed = [k for k in keys if c.lookup([k])]
+        before = pull(c, listed)
+        r = c.put(keys, data)
+        after = pull(c, keys)
+        print(json.dumps({"healed": healed, "healed_wrong": wrong, "listed": len(listed),
+                          "before": before, "failed": r.failed, "hits": c.lookup(keys),
+                          "after": after}))
+"""
+
+
+def test_a_cut_in_the_middle_of_transfers_serves_nothing_half_sent(
+    net: Net, tmp_path: Path
+) -> None:
+    """host1's links are shaped to 20 Mbit/s; a reader on host2 pulls 16 MiB
+    from host1's store while a writer on host0 publishes 16 MiB into it, and
+    the link is cut in the middle of both.
+
+    Lost: the chunks not yet received when the link went (the reader's
+    misses; the writer's failed puts, revoked); nothing host1's store
+    committed (it serves it all again once the link is back). Served wrong:
+    nothing: every chunk the reader reports loaded is exact, no half-sent
+    chunk is ever listed, and each one can be published again.
+    """
+    procs: list[subprocess.Popen[bytes]] = []
+    host0, host1, host2 = net.hosts
+
+    def spawn(args: list[str], name: str, ns: str | None = None) -> subprocess.Popen[bytes]:
+        prefix = ["ip", "netns", "exec", ns] if ns else []
+        p = subprocess.Popen(
+            [*prefix, sys.executable, "-m", "kvdepot.cli", *args],
+            stdout=subprocess.PIPE,
+            stderr=open(tmp_path / f"{name}.log", "wb"),  # noqa: SIM115 - lives with p
+            # The store gives up on a stalled request as soon as the client does.
+            env={**os.environ, "KVDEPOT_STORE_IO_TIMEOUT_S": "2"},
+        )
+        procs.append(p)
+        return p
+
+    def start(ns: str, *args: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            ["ip", "netns", "exec", ns, sys.executable, "-c", TRANSFER, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    def going(p: subprocess.Popen[str]) -> subprocess.Popen[str]:
+        """``p`` once it is about to move its bytes."""
+        assert p.stdout is not None
+        assert p.stdout.readline().strip() == "GO", p.communicate(timeout=60)[1][-2000:]
+        return p
+
+    def transfer(ns: str, *args: str) -> subprocess.Popen[str]:
+        return going(start(ns, *args))
+
+    def result(p: subprocess.Popen[str]) -> dict[str, Any]:
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err[-2000:]
+        parsed: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+        return parsed
+
+    try:
+        meta = spawn(
+            ["metadata", "--host", net.gateway, "--port", "0", "--lease-ttl", "2",
+             "--heartbeat-interval", "0.4"],
+            "metadata",
+        )  # fmt: skip
+        metadata = f"{net.gateway}:{wait_ready(meta, 'metadata', 30)['port']}"
+        store = spawn(
+            ["store", "--host", host1.address, "--port", "7800", "--grpc-port", "7801",
+             "--metadata", metadata, "--capacity", "64MiB", "--node-id", "host1"],
+            "store1",
+            ns=host1.ns,
+        )  # fmt: skip
+        wait_ready(store, "store1", 30)
+        wait_nodes(metadata, 1)
+        # 16 chunks on host1's store, published before the links are shaped.
+        assert result(transfer(host2.ns, "put", metadata, "host1", "7", "16", "2"))["stored"] == 16
+
+        for dev, ns in ((host1.veth, None), ("eth0", host1.ns)):  # both directions
+            _tc("qdisc", "add", "dev", dev, "root", "tbf", "rate", "20mbit", "burst", "32kbit",
+                "latency", "400ms", ns=ns)  # fmt: skip
+        reader = start(host2.ns, "get", metadata, "", "7", "16", "2")
+        writer = start(host0.ns, "put", metadata, "host1", "8", "16", "2")
+        going(reader), going(writer)
+        time.sleep(1.0)  # 16 MiB take 6.7 s at 20 Mbit/s: both are mid-transfer
+        _ip("link", "set", host1.veth, "down")
+        got, put = result(reader), result(writer)
+        assert got["wrong"] == 0, got
+        assert got["loaded"] == got["exact"] < 16, got  # cut short, what arrived is exact
+        assert put["failed"] > 0 and put["stored"] + put["failed"] + put["skipped"] == 16, put
+
+        _tc("qdisc", "del", "dev", "eth0", "root", ns=host1.ns)
+        _tc("qdisc", "del", "dev", host1.veth, "root")
+        _ip("link", "set", host1.veth, "up")
+        # Healed: host1 serves all it committed, and nothing half-sent is listed.
+        check = result(transfer(host2.ns, "check", metadata, "host1", "8", "16", "5", "7"))
+        assert check["healed"] == {"loaded": 16, "exact": 16, "wrong": 0}, check
+        assert check["healed_wrong"] == 0, check
+        assert check["before"] == {"loaded": check["listed"], "exact": check["listed"], "wrong": 0}
+        assert check["failed"] == 0 and check["hits"] == 16, check
+        assert check["after"] == {"loaded": 16, "exact": 16, "wrong": 0}, check
         assert all(p.poll() is None for p in procs), "a daemon died"
     finally:
         for p in procs:
