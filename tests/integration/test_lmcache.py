@@ -633,3 +633,17 @@ def test_kvdepot_stats_count_lmcache_traffic(
     assert (stats["hit_keys"], stats["miss_keys"]) == (8, 1)
     assert (stats["hit_tokens"], stats["miss_tokens"]) == (8 * CHUNK, CHUNK)
     assert sum(t["hits"] for n in stats["nodes"] for t in n["tiers"]) >= 4
+
+
+def test_url_settings_take_a_token_file_never_a_token(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("t" * 32 + "\n")
+    s = PluginSettings.from_url(f"kvdepot://h:1?auth_token_file={token}&tls_server_name=kv")
+    security = s.security({})
+    assert security.tokens().token == "t" * 32 and security.tls_server_name == "kv"
+    # The environment serves when the URL names no file.
+    assert PluginSettings.from_url("kvdepot://h:1").security(
+        {"KVDEPOT_AUTH_TOKEN": "e" * 32}
+    ).tokens().token == "e" * 32
+    with pytest.raises(InvalidArgument):
+        PluginSettings.from_url("kvdepot://h:1?auth_token=" + "t" * 32)

@@ -269,3 +269,15 @@ def test_grpc_channels_and_ports_go_through_the_security_module() -> None:
         if needle in path.read_text()
     ]
     assert not offenders, offenders
+
+
+def test_vllm_connector_settings_take_a_token_file(tmp_path: Path) -> None:
+    from kvdepot.connector.vllm_layout import ConnectorSettings
+
+    token = tmp_path / "token"
+    token.write_text(TEAM_A + "\n")
+    settings = ConnectorSettings.from_extra({"auth_token_file": str(token)})
+    assert settings.security({"KVDEPOT_AUTH_TOKEN": TEAM_B}).tokens().token == TEAM_A
+    assert ConnectorSettings().security({"KVDEPOT_AUTH_TOKEN": TEAM_B}).tokens().token == TEAM_B
+    with pytest.raises(InvalidArgument, match="unknown"):
+        ConnectorSettings.from_extra({"auth_token": TEAM_A})
