@@ -91,6 +91,14 @@ def wait_for(check: Any, timeout_s: float = 10.0) -> Any:
 def test_replicas_share_the_index_and_rebuild_it_after_a_flush(
     redis_server: str, tmp_path: Path
 ) -> None:
+    """Two metadata replicas over one Redis share the index (a prefix
+    published through A is deduplicated through B); then the index is lost
+    (FLUSHALL).
+
+    Lost: nothing committed: the store registers again with its inventory,
+    both replicas answer lookups as before and every chunk reads back exact.
+    Served wrong: nothing.
+    """
     import redis
 
     url = f"{redis_server}?prefix=e2e-{uuid.uuid4().hex[:8]}"
@@ -155,7 +163,12 @@ def test_redis_cluster_replica_killed_mid_run_and_a_dead_store(
 ) -> None:
     """Two metadata replicas over a 3-master Redis Cluster: one is SIGKILLed
     mid-run and clients and the store carry on through the other; a SIGKILLed
-    store's chunks then vanish from lookups within its lease."""
+    store's chunks then vanish from lookups within its lease.
+
+    Lost: nothing committed while replica A died (all six chunks listed and
+    exact through B); then the dead store's chunks, which leave the index.
+    Served wrong: nothing.
+    """
     url = f"{redis_cluster}?prefix=kill-{uuid.uuid4().hex[:8]}"
     procs: list[subprocess.Popen[bytes]] = []
 

@@ -144,6 +144,14 @@ def client(ns: str, *args: str) -> dict[str, object]:
 def test_publish_on_one_host_pull_on_another_and_survive_a_cut_link(
     net: Net, tmp_path: Path
 ) -> None:
+    """Three hosts publish and pull across the virtual links; host1's link is
+    cut between transfers, then healed.
+
+    Lost: host1's chunks while it is cut off (misses, then gone from the index
+    within its lease); nothing committed: once the link is back host1
+    registers again with all of them. Served wrong: nothing: every pull is a
+    miss or verified, and the other hosts keep publishing and pulling.
+    """
     procs: list[subprocess.Popen[bytes]] = []
 
     def spawn(args: list[str], name: str, ns: str | None = None) -> subprocess.Popen[bytes]:
