@@ -43,6 +43,7 @@ from typing import Any, NamedTuple
 import grpc
 
 from kvdepot.errors import InvalidArgument
+from kvdepot.request_guard import MalformedRequestGuard
 
 logger = logging.getLogger(__name__)
 
@@ -691,10 +692,12 @@ def aio_server(
         options: gRPC server options.
     """
     security = security or NO_SECURITY
-    interceptors = []
+    interceptors: list[grpc.aio.ServerInterceptor] = []
     if security.auth:
         interceptors.append(_AuthInterceptor(security.authenticator(), RefusalLog(service)))
-    return grpc.aio.server(interceptors=interceptors or None, options=list(options))
+    # After the token check: bytes that do not parse are INVALID_ARGUMENT, not UNKNOWN.
+    interceptors.append(MalformedRequestGuard())
+    return grpc.aio.server(interceptors=interceptors, options=list(options))
 
 
 def add_port(server: grpc.aio.Server, address: str, security: SecurityConfig | None) -> int:

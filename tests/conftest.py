@@ -2,14 +2,55 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from kvdepot.cluster import LocalCluster
 from kvdepot.connector.client import ClientConfig, KVDepotClient
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("kvdepot fuzzing (tests/integration/test_fuzz.py)")
+    group.addoption(
+        "--fuzz-examples",
+        type=int,
+        default=None,
+        help="examples per fuzz property (default 150; env KVDEPOT_FUZZ_EXAMPLES)",
+    )
+    group.addoption(
+        "--fuzz-seconds",
+        type=float,
+        default=None,
+        help="repeat the fuzz properties, new examples each round, for this long "
+        "(default: one round; env KVDEPOT_FUZZ_SECONDS)",
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class FuzzBudget:
+    """How hard the fuzz tests try: examples per property, and for how long to repeat."""
+
+    examples: int
+    seconds: float
+
+
+@pytest.fixture(scope="session")
+def fuzz_budget(request: pytest.FixtureRequest) -> FuzzBudget:
+    """Bounded for ``make test``; ``--fuzz-examples``/``--fuzz-seconds`` for a long run."""
+    examples = request.config.getoption("--fuzz-examples")
+    seconds = request.config.getoption("--fuzz-seconds")
+    if examples is None:
+        examples = int(os.environ.get("KVDEPOT_FUZZ_EXAMPLES", "150"))
+    if seconds is None:
+        seconds = float(os.environ.get("KVDEPOT_FUZZ_SECONDS", "0"))
+    if examples < 1 or seconds < 0:
+        raise pytest.UsageError("--fuzz-examples must be positive and --fuzz-seconds not negative")
+    return FuzzBudget(examples, seconds)
 
 
 def free_port() -> int:

@@ -157,6 +157,12 @@ def test_bad_grpc_requests_get_invalid_argument(cluster: LocalCluster) -> None:
         with pytest.raises(grpc.RpcError) as info:
             stub.Heartbeat(metadata_pb2.HeartbeatRequest(node_id="nobody"), timeout=5)
         assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        # Bytes that are not a protobuf message at all.
+        lookup = ch.unary_unary("/kvdepot.v1.Metadata/Lookup")
+        with pytest.raises(grpc.RpcError) as info:
+            lookup(b"\x0a\xff\xff", timeout=5)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "malformed request" in (info.value.details() or "")
 
 
 def test_inventory_larger_than_one_request_registers(cluster: LocalCluster) -> None:
