@@ -20,6 +20,10 @@ scatter them layer by layer into the paged cache; a chunk that fails is
 reported through ``get_block_ids_with_load_errors`` so vLLM recomputes it.
 Saves gather each layer's blocks as the layer finishes and publish the
 chunks (skipping those already stored) at the end of the step.
+
+``"kv_codec": "fp8_e4m3"`` in the extra config stores and moves the KV as
+e4m3 with per-block scales (about half the bytes of bf16), dequantized on
+load; lossy, so it is part of the namespace (see ``kvdepot.connector.codec``).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvdepot.connector.client import ClientConfig, KVDepotClient
+from kvdepot.connector.codec import create_codec
 from kvdepot.connector.vllm_layout import (
     ConnectorSettings,
     KVLayout,
@@ -47,7 +52,7 @@ from kvdepot.connector.vllm_layout import (
     namespace_for,
 )
 from kvdepot.connector.vllm_loader import LayerLoader, LoadJob, header_bytes, write_header
-from kvdepot.errors import KVDepotError
+from kvdepot.errors import Corrupt, KVDepotError
 from kvdepot.metadata.keys import ChunkKey, chunk_keys
 
 if TYPE_CHECKING:
@@ -141,6 +146,7 @@ class KVDepotConnector(KVConnectorBase_V1):
         tc = self._kv_transfer_config
         self.settings = ConnectorSettings.from_extra(dict(tc.kv_connector_extra_config or {}))
         self.layout: KVLayout = layout_from_config(vllm_config, self.settings)
+        self._codec = create_codec(self.settings.codec_spec())
         self.is_producer = bool(tc.is_kv_producer)
         self.is_consumer = bool(tc.is_kv_consumer)
         self._client = KVDepotClient(
@@ -177,6 +183,9 @@ class KVDepotConnector(KVConnectorBase_V1):
         self._staged: list[tuple[ChunkTransfer, np.ndarray]] = []
         self._layer_index: dict[str, int] = {}
         self._header_bytes = 0
+        self._layer_values = 0  # KV values of one layer of one chunk
+        self._layer_bytes = 0  # ... encoded by the codec
+        self._codec_header = b""
         self._loader: LayerLoader | None = None
         self._load_job: LoadJob | None = None
         self._load_xfers: list[ChunkTransfer] = []
@@ -347,19 +356,25 @@ class KVDepotConnector(KVConnectorBase_V1):
         # CPU and most backends: [num_blocks, ...]; flash-attn: [2, num_blocks, ...].
         self._block_dim = 1 if first.dim() == 5 and first.shape[0] == 2 else 0
         self._header_bytes = header_bytes(len(self._kv_caches))
-        self._loader = LayerLoader(self._client, len(self._kv_caches), self._layer_chunk_bytes())
+        per_block = first.numel() // first.shape[self._block_dim]
+        self._layer_values = per_block * self.layout.blocks_per_chunk
+        # Raises InvalidArgument for a cache the codec cannot take (fp8 over fp8).
+        self._codec_header = self._codec.header(self._layer_values, first.dtype).pack()
+        self._layer_bytes = self._codec.encoded_bytes(self._layer_values, first.dtype)
+        self._loader = LayerLoader(
+            self._client, len(self._kv_caches), self._layer_bytes, self._codec_header
+        )
         logger.info(
-            "kvdepot: %d KV layers of shape %s (%s), %d bytes per chunk",
+            "kvdepot: %d KV layers of shape %s (%s), codec %s, %d bytes per chunk",
             len(self._kv_caches),
             tuple(first.shape),
             first.dtype,
+            self._codec.name,
             self._chunk_bytes(),
         )
 
     def _layer_chunk_bytes(self) -> int:
-        t = next(iter(self._kv_caches.values()))
-        per_block = t.numel() // t.shape[self._block_dim] * t.element_size()
-        return per_block * self.layout.blocks_per_chunk
+        return self._layer_bytes
 
     def _chunk_bytes(self) -> int:
         return self._header_bytes + self._layer_chunk_bytes() * len(self._kv_caches)
@@ -394,7 +409,13 @@ class KVDepotConnector(KVConnectorBase_V1):
         kv = list(self._kv_caches.values())[li]
         for xfer, staging, n in zip(self._load_xfers, job.staging, ok, strict=True):
             if n:
-                self._scatter_layer(kv, li, staging[:n], xfer.block_ids[:n], xfer.skip_blocks)
+                try:
+                    self._scatter_layer(kv, li, staging[:n], xfer.block_ids[:n], xfer.skip_blocks)
+                except Corrupt as exc:
+                    # Checksums matched but the codec rejects the bytes (a
+                    # writer bug): recompute everything this step loaded.
+                    logger.warning("kvdepot: layer %s does not decode: %s", layer_name, exc)
+                    job.error = job.error or str(exc)
 
     def _finish_load(self) -> None:
         job, self._load_job = self._load_job, None
@@ -441,9 +462,11 @@ class KVDepotConnector(KVConnectorBase_V1):
         if not keep:
             return
         start = self._header_bytes + li * layer_bytes
-        part = torch.from_numpy(staging[:, start : start + layer_bytes]).contiguous()
-        blocks = part.view(kv.dtype).reshape(len(flat), *self._block_shape(kv))
-        blocks = blocks.index_select(0, torch.tensor(keep, dtype=torch.long))
+        # Decoded on the cache's device: a GPU engine copies the encoded bytes.
+        part = torch.from_numpy(staging[:, start : start + layer_bytes]).to(kv.device)
+        values = self._codec.decode(part, self._layer_values, kv.dtype)
+        blocks = values.reshape(len(flat), *self._block_shape(kv))
+        blocks = blocks.index_select(0, torch.tensor(keep, dtype=torch.long, device=kv.device))
         ids = torch.tensor([flat[i] for i in keep], dtype=torch.long, device=kv.device)
         if self._block_dim == 0:
             kv.index_copy_(0, ids, blocks.to(kv.device))
@@ -476,7 +499,8 @@ class KVDepotConnector(KVConnectorBase_V1):
             blocks = kv_layer.index_select(self._block_dim, flat.to(kv_layer.device))
             if self._block_dim == 1:
                 blocks = blocks.transpose(0, 1).contiguous()
-            raw = blocks.cpu().contiguous().view(torch.uint8).reshape(len(xfer.keys), layer_bytes)
+            # Encoded on the cache's device: a GPU engine copies the encoded bytes.
+            raw = self._codec.encode(blocks.reshape(len(xfer.keys), self._layer_values)).cpu()
             staging[:, start : start + layer_bytes] = raw.numpy()
 
     def wait_for_save(self) -> None:
@@ -485,7 +509,9 @@ class KVDepotConnector(KVConnectorBase_V1):
             self._count(chunks_skipped=meta.skipped)
         staged, self._staged = self._staged, []
         for xfer, staging in staged:
-            write_header(staging, len(self._kv_caches), self._layer_chunk_bytes())
+            write_header(
+                staging, len(self._kv_caches), self._layer_chunk_bytes(), self._codec_header
+            )
             try:
                 r = self._client.put(list(xfer.keys), list(staging))
             except KVDepotError as exc:

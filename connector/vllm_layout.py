@@ -6,10 +6,12 @@ everything here is computed from the ``VllmConfig`` alone. The workers then
 check that the KV tensors they are given match it.
 
 A chunk is ``chunk_tokens`` tokens = ``blocks_per_chunk`` paged blocks, laid out
-layer-major: for each attention layer in order, the bytes of that layer's
-blocks of the chunk, exactly as they sit in the paged cache. Blocks are
-treated as opaque bytes (the CPU backend packs K and V per kernel path), so
-the kernel path is part of the namespace.
+layer-major: for each attention layer in order, that layer's blocks of the
+chunk as they sit in the paged cache, passed through the namespace's KV codec
+(``none``: the bytes unchanged; ``fp8_e4m3``: quantized, see
+``kvdepot.connector.codec``). Blocks are treated as opaque arrays of values
+(the CPU backend packs K and V per kernel path), so the kernel path is part
+of the namespace, and so is the codec.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvdepot.connector.codec import CodecSpec, check_codec_name
 from kvdepot.errors import InvalidArgument
 from kvdepot.metadata.keys import Namespace
 from kvdepot.security import SecurityConfig, load_security
@@ -38,6 +41,10 @@ class ConnectorSettings:
         force_recompute_on_load_error: Make vLLM recompute blocks whose load
             failed instead of failing the request (the connector's contract:
             a failed read is a miss).
+        kv_codec: How chunks store KV: ``none`` (the cache's bytes) or
+            ``fp8_e4m3`` (about half the bytes of bf16, dequantized on load;
+            lossy). Part of the namespace.
+        kv_codec_block: Values sharing one scale, for codecs with scales.
         auth_token_file: File with the token the connector presents to a
             cluster that requires one (``KVDEPOT_AUTH_TOKEN`` in the engine's
             environment works too); never the token itself in this config,
@@ -55,6 +62,8 @@ class ConnectorSettings:
     model_id: str = ""
     cache_salt: str = ""
     force_recompute_on_load_error: bool = True
+    kv_codec: str = "none"
+    kv_codec_block: int = 128
     auth_token_file: str = ""
     tls_ca: str = ""
     tls_cert: str = ""
@@ -64,6 +73,8 @@ class ConnectorSettings:
     def __post_init__(self) -> None:
         if self.chunk_tokens < 1:
             raise InvalidArgument("chunk_tokens must be positive")
+        check_codec_name(self.kv_codec)
+        self.codec_spec()  # validates the block size
 
     def security(self, env: Mapping[str, str]) -> SecurityConfig:
         """The client's token and TLS: these settings over ``KVDEPOT_*`` in ``env``."""
@@ -78,6 +89,9 @@ class ConnectorSettings:
                 "tls_server_name": self.tls_server_name or None,
             },
         )
+
+    def codec_spec(self) -> CodecSpec:
+        return CodecSpec(self.kv_codec, self.kv_codec_block)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:
@@ -117,8 +131,8 @@ class KVLayout:
     def signature(self) -> str:
         """The layout part of the key namespace."""
         return (
-            # fmt2: a per-layer checksum header precedes the layers.
-            f"vllm-fmt2:{self.device}:{self.kernel}:bs{self.block_size}:"
+            # fmt3: a header of per-layer checksums and the codec precedes the layers.
+            f"vllm-fmt3:{self.device}:{self.kernel}:bs{self.block_size}:"
             f"L{self.num_layers}:H{self.num_kv_heads}:D{self.head_size}"
         )
 
@@ -156,6 +170,10 @@ def namespace_for(
     """The key namespace of one tensor-parallel rank of this engine."""
     model = settings.model_id or str(vllm_config.model_config.model)
     extra = (settings.cache_salt,) if settings.cache_salt else ()
+    codec_key = settings.codec_spec().namespace_key()
+    if codec_key:
+        # Compressed and uncompressed chunks of one prompt never share a key.
+        extra = (*extra, codec_key)
     return Namespace(
         model=model,
         kv_dtype=layout.dtype,

@@ -1,12 +1,15 @@
 """Layer-pipelined loading of chunks for the vLLM connector.
 
 A chunk written by the connector starts with a small header holding the
-xxh3-64 of each layer's bytes, then the layers in order::
+xxh3-64 of each layer's (encoded) bytes and the codec header, then the
+layers in order::
 
-    [ L x u64 layer checksums, padded to 64 B ][ layer 0 ][ layer 1 ] ... [ layer L-1 ]
+    [ L x u64 layer checksums | 16 B codec header, padded to 64 B ][ layer 0 ] ... [ layer L-1 ]
 
 so a reader can fetch one layer of every chunk at a time (ranged reads) and
-verify each layer end to end against what the writer hashed. A background
+verify each layer end to end against what the writer hashed. A chunk whose
+codec header differs from the one the reader expects (another codec, block
+size, dtype or shape) is a miss: its bytes are never decoded. A background
 thread fetches the headers, then layer 0, 1, … ; the engine's forward pass
 waits only for the layer it is about to run, so layer 0 computes while later
 layers are still in flight. A chunk whose layer is missing or fails its
@@ -25,7 +28,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvdepot.connector.client import KVDepotClient
-from kvdepot.errors import KVDepotError
+from kvdepot.connector.codec.base import HEADER_BYTES as CODEC_HEADER_BYTES
+from kvdepot.errors import InvalidArgument, KVDepotError
 from kvdepot.metadata.keys import ChunkKey
 from kvdepot.store.chunks import checksum
 
@@ -33,13 +37,18 @@ logger = logging.getLogger(__name__)
 
 
 def header_bytes(num_layers: int) -> int:
-    """Size of the per-layer checksum header, padded to 64 bytes."""
-    return -(-8 * num_layers // 64) * 64
+    """Size of the chunk header (checksums and codec header), padded to 64 bytes."""
+    return -(-(8 * num_layers + CODEC_HEADER_BYTES) // 64) * 64
 
 
-def write_header(staging: np.ndarray, num_layers: int, layer_bytes: int) -> None:
-    """Fill each row's header with the checksums of its layers."""
+def write_header(
+    staging: np.ndarray, num_layers: int, layer_bytes: int, codec_header: bytes
+) -> None:
+    """Fill each row's header with the checksums of its layers and the codec header."""
+    if len(codec_header) != CODEC_HEADER_BYTES:
+        raise InvalidArgument(f"codec header must be {CODEC_HEADER_BYTES} bytes")
     hb = header_bytes(num_layers)
+    at = 8 * num_layers
     for row in staging:
         sums = np.array(
             [
@@ -48,8 +57,9 @@ def write_header(staging: np.ndarray, num_layers: int, layer_bytes: int) -> None
             ],
             dtype="<u8",
         )
-        row[: 8 * num_layers] = sums.view(np.uint8)
-        row[8 * num_layers : hb] = 0
+        row[:at] = sums.view(np.uint8)
+        row[at : at + CODEC_HEADER_BYTES] = np.frombuffer(codec_header, dtype=np.uint8)
+        row[at + CODEC_HEADER_BYTES : hb] = 0
 
 
 @dataclass
@@ -75,11 +85,16 @@ class LoadJob:
 class LayerLoader:
     """Runs load jobs on one background thread, layer by layer."""
 
-    def __init__(self, client: KVDepotClient, num_layers: int, layer_bytes: int) -> None:
+    def __init__(
+        self, client: KVDepotClient, num_layers: int, layer_bytes: int, codec_header: bytes
+    ) -> None:
+        if len(codec_header) != CODEC_HEADER_BYTES:
+            raise InvalidArgument(f"codec header must be {CODEC_HEADER_BYTES} bytes")
         self._client = client
         self._layers = num_layers
         self._layer_bytes = layer_bytes
         self._header = header_bytes(num_layers)
+        self._codec_header = np.frombuffer(codec_header, dtype=np.uint8)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvdepot-load")
 
     @property
@@ -121,7 +136,17 @@ class LayerLoader:
             reply = self._client.lookup_locations(keys)
             job.ok[r] = min(job.ok[r], int(reply.hits))
             replicas.append([[x.address for x in loc.replicas] for loc in reply.locations])
-        self._cut(job, self._read(job, replicas, 0, self._header))
+        got = self._read(job, replicas, 0, self._header)
+        at = 8 * self._layers
+        for r, staging in enumerate(job.staging):
+            for c in range(job.ok[r]):
+                # Written with another codec or shape: a miss, never decoded.
+                if got[r][c] and not np.array_equal(
+                    staging[c, at : at + CODEC_HEADER_BYTES], self._codec_header
+                ):
+                    logger.warning("kvdepot: chunk with an unexpected codec header; a miss")
+                    got[r][c] = False
+        self._cut(job, got)
         sums = [
             [staging[c, : 8 * self._layers].view("<u8").tolist() for c in range(job.ok[r])]
             for r, staging in enumerate(job.staging)

@@ -132,8 +132,10 @@ def _plant_random(llm: Any, kv: dict[str, Any], prompts: list[list[int]]) -> Non
     """Negative control: store well-formed chunks of random KV under the
     prompts' real keys, so a consumer that uses loaded KV must change its output."""
     import numpy as np
+    import torch
 
     from kvdepot.connector.client import ClientConfig, KVDepotClient
+    from kvdepot.connector.codec import create_codec
     from kvdepot.connector.vllm_layout import ConnectorSettings, layout_from_config, namespace_for
     from kvdepot.connector.vllm_loader import header_bytes, write_header
     from kvdepot.metadata.keys import chunk_keys
@@ -142,25 +144,25 @@ def _plant_random(llm: Any, kv: dict[str, Any], prompts: list[list[int]]) -> Non
     settings = ConnectorSettings.from_extra(kv["kv_connector_extra_config"])
     layout = layout_from_config(cfg, settings)
     ns = namespace_for(cfg, settings, layout, 0)
-    layer_bytes = layout.chunk_tokens * layout.num_kv_heads * layout.head_size * 2 * 2
-    size = header_bytes(layout.num_layers) + layout.num_layers * layer_bytes
-    rng = np.random.default_rng(7)
+    codec = create_codec(settings.codec_spec())
+    values = layout.chunk_tokens * layout.num_kv_heads * layout.head_size * 2
+    layer_bytes = codec.encoded_bytes(values, torch.bfloat16)
+    hb = header_bytes(layout.num_layers)
+    size = hb + layout.num_layers * layer_bytes
+    torch.manual_seed(7)
     with KVDepotClient(ClientConfig(metadata=settings.metadata)) as client:
         for ids in prompts:
             keys = chunk_keys(ns, ids)
-            # Small normal values in bf16 with a correct checksum header:
-            # well-formed chunks, just not this prompt's KV.
-            fake = (
-                (
-                    rng.standard_normal((len(keys), size // 2)).astype(np.float32).view(np.uint32)
-                    >> 16
-                )
-                .astype(np.uint16)
-                .view(np.uint8)
-            )
-            write_header(fake, layout.num_layers, layer_bytes)
-            fake_rows = list(fake)
-            client.put(keys, fake_rows)
+            # Small normal values in bf16, encoded with the namespace's codec,
+            # under a correct header: well-formed chunks, just not this prompt's KV.
+            fake = np.zeros((len(keys), size), dtype=np.uint8)
+            for li in range(layout.num_layers):
+                rand = torch.randn(len(keys), values, dtype=torch.bfloat16)
+                start = hb + li * layer_bytes
+                fake[:, start : start + layer_bytes] = codec.encode(rand).numpy()
+            header = codec.header(values, torch.bfloat16).pack()
+            write_header(fake, layout.num_layers, layer_bytes, header)
+            client.put(keys, list(fake))
 
 
 if __name__ == "__main__":
