@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -77,6 +78,15 @@ def metadata(
         ],
         log,
     )  # fmt: skip
+
+
+def refused(port: int) -> bool:
+    """Whether nothing listens on ``port`` of 127.0.0.1 any more."""
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except ConnectionRefusedError:
+        return True
+    return False
 
 
 def wait_for(check: Any, timeout_s: float = 10.0) -> Any:
@@ -283,7 +293,8 @@ def test_metadata_replica_sigkill_under_load_fails_over(redis_server: str, tmp_p
             try:
                 assert wait_for(lambda: len(cycles) >= 5 or errors), "no progress before the kill"
                 os.kill(a["pid"], signal.SIGKILL)
-                killed_at = time.monotonic()
+                assert wait_for(lambda: refused(a["port"])), "replica A still listens"
+                killed_at = time.monotonic()  # A is gone: whatever starts now cannot reach it
                 assert wait_for(
                     lambda: sum(s > killed_at for s, _, _, _ in cycles) >= 10 or errors,
                     timeout_s=30,

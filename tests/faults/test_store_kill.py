@@ -21,7 +21,14 @@ import pytest
 from kvdepot.cluster import LocalCluster, wait_nodes
 from kvdepot.connector.client import ClientConfig, KVDepotClient, PutResult
 from kvdepot.metadata.keys import ChunkKey, Namespace, chunk_keys
-from tests.faults.support import ReadTally, payload, sentinel_buffers, store_stats, wait_for
+from tests.faults.support import (
+    SENTINEL,
+    ReadTally,
+    payload,
+    sentinel_buffers,
+    store_stats,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration]
 
@@ -199,12 +206,14 @@ def test_store_sigkill_mid_get_is_a_miss_never_partial_data(tmp_path: Path, tran
         spans: list[tuple[float, float, int]] = []  # start, end, chunks loaded
         errors: list[BaseException] = []
         stop = threading.Event()
+        current: list[list[np.ndarray]] = []  # the buffers of the get in flight
         with KVDepotClient(client_config(cl, transport)) as reader:
 
             def pull() -> None:
                 try:
                     while not stop.is_set():
                         bufs = sentinel_buffers(len(keys), MiB)
+                        current[:] = [bufs]
                         start = time.monotonic()
                         result = reader.get_into(keys, bufs)
                         end = time.monotonic()
@@ -216,6 +225,17 @@ def test_store_sigkill_mid_get_is_a_miss_never_partial_data(tmp_path: Path, tran
             t = threading.Thread(target=pull)
             t.start()
             wait_for(lambda: len(spans) >= 2 or errors, 30, "the reader made no progress")
+
+            def mid_transfer() -> bool:
+                # Bytes landed in the first buffer of a get, not yet in its last:
+                # reads fill a batch front to back (tcp: each half of it).
+                bufs = current[0]
+                return bool((bufs[0][:64] != SENTINEL).any() and (bufs[-1][-64:] == SENTINEL).all())
+
+            deadline = time.monotonic() + 20
+            while not mid_transfer() and not errors:
+                assert time.monotonic() < deadline, "never caught a get mid-transfer"
+                time.sleep(0.0002)
             kill_sent = time.monotonic()
             os.kill(victim.pid, signal.SIGKILL)
             victim.proc.wait()
@@ -238,7 +258,7 @@ def test_store_sigkill_mid_get_is_a_miss_never_partial_data(tmp_path: Path, tran
         assert not t.is_alive() and not errors, errors
     before = [n for _, e, n in spans if e < kill_sent]
     assert before and all(n == len(keys) for n in before), "reads before the kill"
-    # The loop never pauses: one get was in flight when the store died.
+    # The kill was sent while a get was moving bytes.
     assert any(s <= killed_at and e >= kill_sent for s, e, _ in spans), "no get spanned the kill"
     # From a dead store nothing loads (a later get cannot reach it at all).
     assert all(n == 0 for s, _, n in spans if s > killed_at)
