@@ -12,7 +12,13 @@ accepts:
   refused with ``UNAUTHENTICATED`` or a closed connection, and logged once per
   peer and minute, not once per request;
 * optional **tenant tokens**, bound to a tenant name in a daemon's token file
-  (see :func:`parse_token_file`): a client that presents one is that tenant;
+  (see :func:`kvdepot.auth.parse_token_file`): a client that presents one is
+  that tenant. Its keys are moved into the tenant's own key space on arrival,
+  by the metadata service and the stores alike (:func:`kvdepot.auth.tenant_key`), so it finds
+  and reads only chunks published with its token, never another tenant's
+  (nor those published with the cluster token), cannot tell whether another
+  tenant holds a prefix, and cannot overwrite one; it may only publish, look
+  up, route and read (:data:`TENANT_METHODS`), and never maps a store's arena;
 * **TLS** for gRPC: a daemon serves its certificate and key; a client verifies
   it against a CA; with ``tls_client_auth`` a daemon also requires client
   certificates signed by that CA (mutual TLS). ``kvdepot certs`` makes a CA
@@ -27,14 +33,8 @@ configured once is secured everywhere. Without a token and TLS they are plain
 from __future__ import annotations
 
 import contextvars
-import hashlib
-import hmac
-import ipaddress
 import logging
 import os
-import re
-import threading
-import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,249 +42,26 @@ from typing import Any, NamedTuple
 
 import grpc
 
+from kvdepot.auth import (
+    CLUSTER,
+    Authenticator,
+    Principal,
+    RefusalLog,
+    TokenSet,
+    is_loopback,
+    parse_token_file,
+    peer_host,
+    tenant_key,
+)
 from kvdepot.errors import InvalidArgument
 from kvdepot.request_guard import MalformedRequestGuard
 
 logger = logging.getLogger(__name__)
 
-TOKEN_MIN_CHARS = 16
-"""Shortest token accepted: anything shorter is guessable."""
-TOKEN_MAX_CHARS = 4096
 AUTH_METADATA_KEY = "authorization"
 _BEARER = "Bearer "
-_TOKEN_RE = re.compile(r"[\x21-\x7e]+")  # printable ASCII, no spaces: valid gRPC metadata
-_TENANT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-_PROOF_LABEL = b"kvdepot data plane v1\x00"
-_REFUSAL_LOG_S = 60.0
 
 ChannelOptions = Sequence[tuple[str, Any]]
-
-
-# -- tokens -----------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class Principal:
-    """Who a request is from, as far as its token says.
-
-    Attributes:
-        tenant: The tenant whose token it carried; empty for the cluster token
-            (daemons, operators), which sees every chunk.
-    """
-
-    tenant: str = ""
-
-    @property
-    def is_cluster(self) -> bool:
-        return not self.tenant
-
-
-CLUSTER = Principal()
-"""The principal of the cluster token (and of every request where no token is required)."""
-
-
-@dataclass(frozen=True, slots=True)
-class TokenSet:
-    """The tokens of one process.
-
-    Attributes:
-        token: The token this process presents when it calls others; on a
-            daemon also the cluster token it accepts.
-        tenants: ``(tenant, token)`` pairs a daemon also accepts.
-    """
-
-    token: str = field(default="", repr=False)
-    tenants: tuple[tuple[str, str], ...] = field(default=(), repr=False)
-
-    def __post_init__(self) -> None:
-        for tenant, token in ((None, self.token), *self.tenants):
-            if token or tenant is not None:
-                check_token(token)
-            if tenant is not None and not _TENANT_RE.fullmatch(tenant):
-                raise InvalidArgument(
-                    f"bad tenant name {tenant!r}: letters, digits, '_', '.', '-', at most 64"
-                )
-        if self.tenants and not self.token:
-            raise InvalidArgument("tenant tokens need a cluster token too (the daemons' own)")
-        names = [t for t, _ in self.tenants]
-        if len(set(names)) != len(names):
-            raise InvalidArgument("a tenant is named twice in the token file")
-        secrets = [self.token, *(tok for _, tok in self.tenants)]
-        if len(set(secrets)) != len(secrets):
-            raise InvalidArgument("the same token is given twice in the token file")
-
-
-def check_token(token: str) -> None:
-    """Raise :class:`InvalidArgument` unless ``token`` is usable (never says what it is)."""
-    if not TOKEN_MIN_CHARS <= len(token) <= TOKEN_MAX_CHARS:
-        raise InvalidArgument(
-            f"auth tokens must be {TOKEN_MIN_CHARS} to {TOKEN_MAX_CHARS} characters "
-            f"(got {len(token)}); e.g. `openssl rand -hex 32`"
-        )
-    if not _TOKEN_RE.fullmatch(token):
-        raise InvalidArgument("auth tokens must be printable ASCII without spaces")
-
-
-def parse_token_file(text: str, source: str = "token file") -> TokenSet:
-    """Parse a token file.
-
-    Format: ``#`` comments and blank lines are ignored; one bare line is the
-    token (the cluster token on a daemon, the token a client presents);
-    lines ``tenant NAME TOKEN`` (daemons only) accept ``TOKEN`` as tenant
-    ``NAME``'s::
-
-        # /etc/kvdepot/token (mode 0600)
-        3f9c…  the cluster token
-        tenant team-a 8e1d…
-        tenant team-b 0b77…
-
-    Raises:
-        InvalidArgument: Malformed lines, no token, bad tokens or names.
-    """
-    token = ""
-    tenants: list[tuple[str, str]] = []
-    for number, raw in enumerate(text.splitlines(), 1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        parts = line.split()
-        if len(parts) == 1:
-            if token:
-                raise InvalidArgument(f"{source}: line {number}: a second bare token")
-            token = parts[0]
-        elif len(parts) == 3 and parts[0] == "tenant":
-            tenants.append((parts[1], parts[2]))
-        else:
-            # Never echo the line: it may hold a secret.
-            raise InvalidArgument(
-                f"{source}: line {number}: expected TOKEN or `tenant NAME TOKEN`"
-            )
-    if not token and not tenants:
-        raise InvalidArgument(f"{source} holds no token")
-    try:
-        return TokenSet(token, tuple(tenants))
-    except InvalidArgument as exc:
-        raise InvalidArgument(f"{source}: {exc}") from None
-
-
-def dataplane_proof(token: str, nonce: bytes) -> bytes:
-    """What a data-plane client answers a store's challenge ``nonce`` with.
-
-    An HMAC of the nonce: the token never crosses the (unencrypted) data
-    plane, and a recorded answer is worthless for any other nonce.
-    """
-    return hmac.new(token.encode(), _PROOF_LABEL + nonce, hashlib.sha256).digest()
-
-
-PROOF_BYTES = hashlib.sha256().digest_size
-
-
-class Authenticator:
-    """Which principal a presented token or data-plane proof stands for.
-
-    Every comparison runs over all accepted tokens, in constant time, so the
-    time a refusal takes says nothing about how close a guess was.
-    """
-
-    def __init__(self, tokens: TokenSet) -> None:
-        entries = [(tokens.token, CLUSTER)] if tokens.token else []
-        entries += [(tok, Principal(tenant)) for tenant, tok in tokens.tenants]
-        self._entries = [(tok.encode(), hashlib.sha256(tok.encode()).digest(), p)
-                         for tok, p in entries]
-
-    @property
-    def required(self) -> bool:
-        """Whether callers must present a token at all."""
-        return bool(self._entries)
-
-    @property
-    def tenants(self) -> bool:
-        """Whether any tenant token is accepted."""
-        return any(not p.is_cluster for _, _, p in self._entries)
-
-    def verify(self, token: str) -> Principal | None:
-        """The principal of a presented token, or ``None`` for a wrong one."""
-        if not self._entries:
-            return CLUSTER
-        presented = hashlib.sha256(token.encode()).digest()
-        found: Principal | None = None
-        for _, digest, principal in self._entries:
-            if hmac.compare_digest(presented, digest):
-                found = principal
-        return found
-
-    def verify_proof(self, nonce: bytes, proof: bytes) -> Principal | None:
-        """The principal whose token produced ``proof`` for ``nonce``, or ``None``."""
-        if not self._entries:
-            return CLUSTER
-        found: Principal | None = None
-        for secret, _, principal in self._entries:
-            expected = hmac.new(secret, _PROOF_LABEL + nonce, hashlib.sha256).digest()
-            if hmac.compare_digest(proof, expected):
-                found = principal
-        return found
-
-
-class RefusalLog:
-    """Logs refused peers once per peer and interval, not once per request.
-
-    A client with a wrong token retries forever; one line per minute per
-    peer host says as much without flooding the log. Thread-safe.
-
-    Args:
-        what: The service refusing, e.g. ``"metadata gRPC"``.
-        interval_s: Least time between two lines about one peer.
-        max_peers: Peers remembered; beyond it the memory starts afresh.
-    """
-
-    def __init__(self, what: str, interval_s: float = _REFUSAL_LOG_S, max_peers: int = 4096):
-        self.what = what
-        self._interval_s = interval_s
-        self._max_peers = max_peers
-        self._lock = threading.Lock()
-        self._peers: dict[str, tuple[float, int]] = {}
-        self.refused = 0
-
-    def refuse(self, peer: str, reason: str) -> None:
-        """Count a refusal of ``peer`` (a host) and log it unless it was logged lately."""
-        now = time.monotonic()
-        with self._lock:
-            self.refused += 1
-            last, quiet = self._peers.get(peer, (None, 0))
-            if last is not None and now - last < self._interval_s:
-                self._peers[peer] = (last, quiet + 1)
-                return
-            if len(self._peers) >= self._max_peers:
-                self._peers.clear()
-            self._peers[peer] = (now, 0)
-        logger.warning(
-            "%s refused %s: %s%s (logged at most once a minute per peer)",
-            self.what,
-            peer,
-            reason,
-            f"; {quiet} more refused since the last line" if quiet else "",
-            extra={"event": "auth_refused", "peer": peer, "service": self.what},
-        )
-
-
-def peer_host(peer: str) -> str:
-    """The host of a gRPC peer string (``ipv4:1.2.3.4:5``, ``ipv6:[::1]:5``) or ``host:port``."""
-    for prefix in ("ipv4:", "ipv6:"):
-        if peer.startswith(prefix):
-            peer = peer[len(prefix) :]
-            break
-    host, sep, port = peer.rpartition(":")
-    if sep and port.isdigit():
-        peer = host
-    return peer.strip("[]")
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` only accepts connections from this machine."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 # -- configuration -------------------------------------------------------------------
@@ -622,6 +399,24 @@ def current_principal() -> Principal:
     return _PRINCIPAL.get()
 
 
+TENANT_METHODS = frozenset(
+    {
+        "/kvdepot.v1.Metadata/PutStart",
+        "/kvdepot.v1.Metadata/PutEnd",
+        "/kvdepot.v1.Metadata/PutRevoke",
+        "/kvdepot.v1.Metadata/Lookup",
+        "/kvdepot.v1.Metadata/Route",
+        "/kvdepot.v1.Store/GetTransferInfo",
+        "/grpc.health.v1.Health/Check",
+        "/grpc.health.v1.Health/Watch",
+    }
+)
+"""What a tenant token may call: no node management, no cluster statistics."""
+
+_TENANT_KEYED = frozenset(m for m in TENANT_METHODS if m.startswith("/kvdepot.v1.Metadata/"))
+"""Methods whose request ``keys`` are moved into the caller's key space."""
+
+
 def _ignore_request(_: bytes) -> None:
     # The request of a refused call is never parsed: bytes from someone who
     # could not authenticate reach no parser.
@@ -655,30 +450,70 @@ class _AuthInterceptor(grpc.aio.ServerInterceptor):
             return self._refusing(handler, "wrong auth token")
         # Interceptors and the handler share one fresh context per call.
         _PRINCIPAL.set(principal)
+        if principal.is_cluster:
+            return handler
+        method = handler_call_details.method
+        if method not in TENANT_METHODS:
+            reason = f"tenant {principal.tenant} may not call {method}"
+            return _aborting(handler, grpc.StatusCode.PERMISSION_DENIED, reason)
+        if method in _TENANT_KEYED and handler.unary_unary is not None:
+            return _in_tenant_space(handler, principal.tenant)
         return handler
 
-    def _refusing(self, handler: grpc.RpcMethodHandler, reason: str) -> grpc.RpcMethodHandler:
+    def _refusing(self, handler: Any, reason: str) -> Any:
         refusals = self._refusals
 
-        async def refuse(context: grpc.aio.ServicerContext) -> None:
+        def log(context: grpc.aio.ServicerContext) -> None:
             refusals.refuse(peer_host(context.peer()), reason)
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"kvdepot: {reason}")
 
-        async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await refuse(context)
+        return _aborting(handler, grpc.StatusCode.UNAUTHENTICATED, reason, log)
 
-        async def streaming(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            await refuse(context)
-            yield  # pragma: no cover - abort raised
 
-        serialize = handler.response_serializer
-        if handler.request_streaming and handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(streaming, _ignore_request, serialize)
+def _in_tenant_space(handler: Any, tenant: str) -> Any:
+    """``handler`` with the request's ``keys`` moved into ``tenant``'s key space first."""
+    inner = handler.unary_unary
+
+    async def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        keys = getattr(request, "keys", None)  # None: unparsable, refused by the inner handler
+        if keys is not None:
+            mapped = [tenant_key(tenant, k) for k in keys]
+            del keys[:]
+            keys.extend(mapped)
+        return await inner(request, context)
+
+    return grpc.unary_unary_rpc_method_handler(
+        behavior, handler.request_deserializer, handler.response_serializer
+    )
+
+
+def _aborting(
+    handler: Any,
+    code: grpc.StatusCode,
+    reason: str,
+    on_call: Callable[[grpc.aio.ServicerContext], None] | None = None,
+) -> Any:
+    """A handler of ``handler``'s kind that aborts with ``code``, never parsing the request."""
+
+    async def abort(context: grpc.aio.ServicerContext) -> None:
+        if on_call is not None:
+            on_call(context)
+        await context.abort(code, f"kvdepot: {reason}")
+
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await abort(context)
+
+    async def streaming(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        await abort(context)
+        yield  # pragma: no cover - abort raised
+
+    serialize = handler.response_serializer
+    if handler.response_streaming:
         if handler.request_streaming:
-            return grpc.stream_unary_rpc_method_handler(unary, _ignore_request, serialize)
-        if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(streaming, _ignore_request, serialize)
-        return grpc.unary_unary_rpc_method_handler(unary, _ignore_request, serialize)
+            return grpc.stream_stream_rpc_method_handler(streaming, _ignore_request, serialize)
+        return grpc.unary_stream_rpc_method_handler(streaming, _ignore_request, serialize)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(unary, _ignore_request, serialize)
+    return grpc.unary_unary_rpc_method_handler(unary, _ignore_request, serialize)
 
 
 def aio_server(

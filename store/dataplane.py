@@ -36,9 +36,9 @@ import struct
 import threading
 import time
 
+from kvdepot.auth import Authenticator, RefusalLog, peer_host
 from kvdepot.errors import CapacityExceeded, InvalidArgument, Unavailable
 from kvdepot.metadata.keys import KEY_BYTES
-from kvdepot.security import Authenticator, RefusalLog, peer_host
 from kvdepot.store.chunks import ChunkStore, ReadLease, Reservation, checksum
 from kvdepot.store.handshake import ServerHandshake
 from kvdepot.store.host import host_identity
@@ -387,6 +387,8 @@ class DataPlaneServer:
                     request = unpack_header(header)
                     if gate.admit(conn, request):
                         self._dispatch(conn, request, session)
+                    elif gate.principal is not None:
+                        session.tenant = gate.principal.tenant
                 except _ReplyFailed as exc:
                     if self._watchdog.expired(conn):
                         raise self._too_slow() from exc
@@ -496,15 +498,15 @@ class DataPlaneServer:
     def _dispatch(self, conn: socket.socket, header: Header, session: Session) -> None:
         op = header.opcode
         if op is Opcode.PUT:
-            self._handle_put(conn, self._checked_count(header), trailed=False)
+            self._handle_put(conn, self._checked_count(header), session, trailed=False)
         elif op is Opcode.PUT_TRAILED:
-            self._handle_put(conn, self._checked_count(header), trailed=True)
+            self._handle_put(conn, self._checked_count(header), session, trailed=True)
         elif op in _SESSION_OPS:
             self._handle_session(conn, header, session)
         elif op is Opcode.GET:
-            self._handle_get(conn, self._checked_count(header))
+            self._handle_get(conn, self._checked_count(header), session)
         elif op is Opcode.DELETE:
-            self._handle_delete(conn, self._checked_count(header))
+            self._handle_delete(conn, self._checked_count(header), session)
         elif op is Opcode.PING:
             if header.count:
                 raise ProtocolError(ErrorCode.MALFORMED, f"PING with count {header.count}")
@@ -527,7 +529,9 @@ class DataPlaneServer:
         except Unavailable as exc:
             raise _ReplyFailed(str(exc)) from exc
 
-    def _handle_put(self, conn: socket.socket, n: int, *, trailed: bool) -> None:
+    def _handle_put(
+        self, conn: socket.socket, n: int, session: Session, *, trailed: bool
+    ) -> None:
         # PUT announces each checksum before the payload, PUT_TRAILED right
         # after it; either way the payload is received straight into its
         # reservation and hashed block by block while it arrives.
@@ -545,7 +549,7 @@ class DataPlaneServer:
                     code = PutCode.INVALID
                 else:
                     try:
-                        res = self._chunks.reserve(e.key, e.size, e.checksum)
+                        res = self._chunks.reserve(session.key(e.key), e.size, e.checksum)
                     except CapacityExceeded:
                         code = PutCode.NO_SPACE
                     except InvalidArgument:
@@ -620,7 +624,11 @@ class DataPlaneServer:
                     ErrorCode.MALFORMED, f"ATTACH of unknown kind {header.aux}"
                 ) from None
             session.attach(kind)
-            body = self._attach_info.pack()
+            info = self._attach_info
+            if session.tenant:
+                # The arena holds every tenant's chunks: a tenant never maps it.
+                info = AttachInfo(info.generation, info.arena_size, host_id=info.host_id)
+            body = info.pack()
             self._reply(conn, [Header(Opcode.ATTACH_REPLY, len(body)).pack(), body])
             return
         n = self._checked_count(header)
@@ -668,7 +676,7 @@ class DataPlaneServer:
         else:  # pragma: no cover - _SESSION_OPS and this chain agree
             raise ProtocolError(ErrorCode.BAD_OPCODE, f"{op.name} is not a session request")
 
-    def _handle_get(self, conn: socket.socket, n: int) -> None:
+    def _handle_get(self, conn: socket.socket, n: int, session: Session) -> None:
         entries = unpack_get_entries(recv_exact(conn, n * GET_ENTRY.size))
         self._watchdog.disarm(conn)  # reads off SSD are the store's work
         leases: list[ReadLease] = []
@@ -676,7 +684,7 @@ class DataPlaneServer:
             replies: list[GetReplyEntry] = []
             payloads: list[bytes | bytearray | memoryview] = []
             # Chunks on SSD are read in parallel, off this thread.
-            acquired = self._chunks.acquire_many([e.key for e in entries])
+            acquired = self._chunks.acquire_many([session.key(e.key) for e in entries])
             leases = [lease for lease in acquired if lease is not None]
             for e, lease in zip(entries, acquired, strict=True):
                 if lease is None:
@@ -709,10 +717,11 @@ class DataPlaneServer:
             for lease in leases:
                 self._chunks.release(lease)
 
-    def _handle_delete(self, conn: socket.socket, n: int) -> None:
+    def _handle_delete(self, conn: socket.socket, n: int, session: Session) -> None:
         keys = unpack_keys(recv_exact(conn, n * KEY_BYTES))
         statuses = bytes(
-            DeleteCode.OK if self._chunks.delete(key) else DeleteCode.NOT_FOUND for key in keys
+            DeleteCode.OK if self._chunks.delete(session.key(key)) else DeleteCode.NOT_FOUND
+            for key in keys
         )
         self._reply(conn, [Header(Opcode.DELETE_REPLY, n).pack(), statuses])
 

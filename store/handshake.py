@@ -21,7 +21,7 @@ from __future__ import annotations
 import secrets
 import socket
 
-from kvdepot.security import CLUSTER, PROOF_BYTES, Authenticator, Principal, dataplane_proof
+from kvdepot.auth import CLUSTER, PROOF_BYTES, Authenticator, Principal, dataplane_proof
 from kvdepot.store.protocol import (
     AuthRefused,
     ErrorCode,

@@ -20,6 +20,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+from kvdepot.auth import tenant_key
 from kvdepot.errors import CapacityExceeded, InvalidArgument
 from kvdepot.metadata.keys import ChunkKey
 from kvdepot.store.chunks import ChunkStore, ReadLease, Reservation, checksum
@@ -70,6 +71,12 @@ class Session:
         self.kind = AttachKind.PROBE
         self.held_since: float | None = None
         """When the connection last went from holding nothing to holding something."""
+        self.tenant = ""
+        """The tenant the connection authenticated as ("" for the cluster token or none)."""
+
+    def key(self, key: ChunkKey) -> ChunkKey:
+        """Where ``key`` lives for this connection: a tenant's keys are its own."""
+        return ChunkKey(tenant_key(self.tenant, key)) if self.tenant else key
 
     @property
     def held(self) -> int:
@@ -116,7 +123,7 @@ class Session:
                 out.append(ReserveReplyEntry(PutCode.INVALID))
                 continue
             try:
-                res = self._chunks.reserve(e.key, e.size, e.checksum)
+                res = self._chunks.reserve(self.key(e.key), e.size, e.checksum)
             except CapacityExceeded:
                 out.append(ReserveReplyEntry(PutCode.NO_SPACE))
                 continue
@@ -186,7 +193,7 @@ class Session:
         added = 0
         # These clients read the arena themselves: a chunk in another tier
         # is promoted into DRAM first (or is a miss).
-        acquired = self._chunks.acquire_many([e.key for e in entries], in_arena=True)
+        acquired = self._chunks.acquire_many([self.key(e.key) for e in entries], in_arena=True)
         for e, lease in zip(entries, acquired, strict=True):
             if lease is None:
                 out.append(LeaseReplyEntry(GetCode.NOT_FOUND))

@@ -1,8 +1,8 @@
-"""A cluster with a token refuses every surface without it; TLS and mutual TLS.
+"""A cluster with a token refuses every surface without it; tenants; TLS and mutual TLS.
 
 Two clusters of real daemons, one per group of tests: one that requires a
-cluster token (plaintext gRPC), one that requires the token, TLS and client
-certificates made by ``kvdepot certs``.
+cluster token and accepts two tenant tokens (plaintext gRPC), one that
+requires the token, TLS and client certificates made by ``kvdepot certs``.
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ pytestmark = pytest.mark.integration
 
 KVDEPOT = [sys.executable, "-m", "kvdepot.cli"]
 TOKEN = secrets.token_hex(24)
+TEAM_A = SecurityConfig(auth_token=secrets.token_hex(24))
+TEAM_B = SecurityConfig(auth_token=secrets.token_hex(24))
 WRONG = SecurityConfig(auth_token=secrets.token_hex(24))
 NONE = SecurityConfig()
 KB = 64 << 10
@@ -61,12 +63,18 @@ def _payloads(n: int, seed: int) -> list[bytes]:
 
 @pytest.fixture(scope="module")
 def authed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    """Metadata + one store requiring TOKEN (given to them as a file)."""
+    """Metadata + one store requiring TOKEN (or a tenant's), given to them as a file."""
+    secrets_dir = tmp_path_factory.mktemp("auth-secrets")
+    token_file = secrets_dir / "token"
+    token_file.write_text(
+        f"{TOKEN}\ntenant team-a {TEAM_A.auth_token}\ntenant team-b {TEAM_B.auth_token}\n"
+    )
+    token_file.chmod(0o600)
     c = LocalCluster(
         nodes=1,
         capacity="32MiB",
         log_dir=tmp_path_factory.mktemp("auth-logs"),
-        security=SecurityConfig(auth_token=TOKEN),
+        security=SecurityConfig(auth_token_file=str(token_file)),
     )
     c.start()
     try:
@@ -332,3 +340,64 @@ def test_cli_speaks_tls(mtls: LocalCluster, tls_dir: Path) -> None:
         capture_output=True, text=True, timeout=60, env=env, check=False,
     )
     assert out.returncode == 1
+
+
+# -- tenants -------------------------------------------------------------------------
+def _tenant_client(cluster: LocalCluster, security: SecurityConfig) -> KVDepotClient:
+    return KVDepotClient(ClientConfig(metadata=cluster.metadata_address, security=security))
+
+
+def test_tenants_see_only_their_own_chunks(authed: LocalCluster) -> None:
+    keys = _keys(5, 3)
+    a_data, b_data = _payloads(3, 5), _payloads(3, 6)
+    with _tenant_client(authed, TEAM_A) as a, _tenant_client(authed, TEAM_B) as b:
+        assert a.put(keys, a_data).stored == 3
+        assert a.lookup(keys) == 3
+        # Another tenant misses, cannot tell the keys are held elsewhere, and
+        # stores its own chunks under the same keys without touching A's.
+        assert b.lookup(keys) == 0
+        out = [bytearray(KB) for _ in keys]
+        assert b.get_into(keys, out).leading == 0
+        put = b.put(keys, b_data)
+        assert (put.stored, put.skipped) == (3, 0)
+        assert b.get_into(keys, out).leading == 3 and [bytes(x) for x in out] == b_data
+        assert a.get_into(keys, out).leading == 3 and [bytes(x) for x in out] == a_data
+    # The cluster's own namespace is not a tenant's either way.
+    with _tenant_client(authed, authed.security) as cluster:
+        assert cluster.lookup(keys) == 0
+        shared = _keys(6, 2)
+        cluster.put(shared, _payloads(2, 7))
+    with _tenant_client(authed, TEAM_A) as a:
+        assert a.lookup(shared) == 0
+
+
+def test_the_cluster_token_sees_tenant_chunks_where_they_are(authed: LocalCluster) -> None:
+    from kvdepot.auth import tenant_key
+
+    keys, data = _keys(7, 2), _payloads(2, 8)
+    with _tenant_client(authed, TEAM_A) as a:
+        a.put(keys, data)
+    stored = [tenant_key("team-a", k) for k in keys]
+    with _tenant_client(authed, authed.security) as cluster:
+        assert cluster.lookup(stored) == 2
+        out = [bytearray(KB) for _ in keys]
+        assert cluster.get_into(stored, out).leading == 2 and [bytes(x) for x in out] == data
+
+
+def test_tenants_may_not_manage_nodes_nor_map_arenas(authed: LocalCluster) -> None:
+    codes = _call_all_metadata(authed.metadata_address, TEAM_A)
+    denied = {m for m, c in codes.items() if c == grpc.StatusCode.PERMISSION_DENIED}
+    assert denied == {"RegisterNode", "Heartbeat", "ReportRemoved", "ReportMoved", "GetStats"}
+    store = authed.stores[0].info["grpc_address"]
+    with channel(store, TEAM_A) as ch:
+        with pytest.raises(grpc.RpcError) as info:
+            store_pb2_grpc.StoreStub(ch).GetStats(store_pb2.StoreStatsRequest(), timeout=10)
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    # The arena holds every tenant's chunks: a tenant is never told where it is.
+    address = authed.stores[0].info["address"]
+    with ShmTransport(security=TEAM_A) as shm:
+        assert not shm.usable(address)
+    with ShmTransport(security=authed.security) as shm:
+        assert shm.usable(address)

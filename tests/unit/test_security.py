@@ -12,22 +12,20 @@ from pathlib import Path
 
 import pytest
 
-from kvdepot.certs import make_certs
-from kvdepot.errors import InvalidArgument, Unauthenticated
-from kvdepot.security import (
+from kvdepot.auth import (
     CLUSTER,
     Authenticator,
     Principal,
     RefusalLog,
-    SecurityConfig,
     TokenSet,
-    child_args,
     dataplane_proof,
     is_loopback,
-    load_security,
     parse_token_file,
     peer_host,
 )
+from kvdepot.certs import make_certs
+from kvdepot.errors import InvalidArgument, Unauthenticated
+from kvdepot.security import SecurityConfig, child_args, load_security
 from kvdepot.store.handshake import NONCE_BYTES, ServerHandshake, authenticate
 from kvdepot.store.protocol import (
     HEADER,
@@ -143,7 +141,7 @@ def test_child_args_never_carry_the_token(tmp_path: Path) -> None:
 
 def test_refusals_are_logged_once_per_peer(caplog: pytest.LogCaptureFixture) -> None:
     log = RefusalLog("test service", interval_s=3600)
-    with caplog.at_level(logging.WARNING, logger="kvdepot.security"):
+    with caplog.at_level(logging.WARNING, logger="kvdepot.auth"):
         for _ in range(50):
             log.refuse("10.0.0.1", "wrong auth token")
         log.refuse("10.0.0.2", "no auth token")
