@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -64,6 +65,16 @@ def read_exact(c: KVDepotClient, keys: list[ChunkKey], tally: ReadTally) -> int:
     return loaded
 
 
+def in_call(thread: threading.Thread, function: str) -> bool:
+    """Whether ``thread`` is inside a call of a function named ``function``."""
+    frame = sys._current_frames().get(thread.ident or 0)
+    while frame is not None:
+        if frame.f_code.co_name == function:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def listed_on(c: KVDepotClient, keys: list[ChunkKey], node: str) -> list[ChunkKey]:
     """The keys the index lists with a replica on ``node``."""
     out = []
@@ -78,8 +89,10 @@ def listed_on(c: KVDepotClient, keys: list[ChunkKey], node: str) -> list[ChunkKe
 def test_store_sigkill_mid_put_makes_nothing_half_written_visible(
     tmp_path: Path, transport: str
 ) -> None:
-    """A writer publishes 48 chunks into its own store, which is SIGKILLed
-    part-way through (with demotions to its SSD in flight).
+    """A writer publishes 48 chunks into its own store, 4 per put; a quarter
+    of the way, with a put's transfer in flight (the store frozen by SIGSTOP
+    to hold it there) and demotions to its SSD under way, the store is
+    SIGKILLed.
 
     Lost: the chunks committed only to the killed store's DRAM (misses now,
     gone from the index within the lease); nothing committed on the surviving
@@ -129,6 +142,10 @@ def test_store_sigkill_mid_put_makes_nothing_half_written_visible(
                 30,
                 "the victim store never received a dozen chunks",
             )
+            # Frozen, the store holds the writer inside its next transfer: the
+            # kill then lands in the middle of a put, never between two.
+            os.kill(victim.pid, signal.SIGSTOP)
+            wait_for(lambda: in_call(t, "_put_batch"), 4, "the writer never reached the store")
             os.kill(victim.pid, signal.SIGKILL)
             victim.proc.wait()
             killed_at = time.monotonic()
