@@ -32,7 +32,6 @@ configured once is secured everywhere. Without a token and TLS they are plain
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import os
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -43,9 +42,7 @@ from typing import Any, NamedTuple
 import grpc
 
 from kvdepot.auth import (
-    CLUSTER,
     Authenticator,
-    Principal,
     RefusalLog,
     TokenSet,
     is_loopback,
@@ -125,7 +122,7 @@ class SecurityConfig:
 
     # -- what the settings mean -------------------------------------------------
     def tokens(self) -> TokenSet:
-        """The tokens, read from the token file (each time: it may be rotated)."""
+        """The tokens: from the token file, read anew on each call (a daemon reads it at start)."""
         if self.auth_token_file:
             text = _read(self.auth_token_file, "token file").decode("utf-8", "replace")
             return parse_token_file(text, f"token file {self.auth_token_file}")
@@ -389,16 +386,6 @@ def aio_channel(
 
 
 # -- daemons -------------------------------------------------------------------------
-_PRINCIPAL: contextvars.ContextVar[Principal] = contextvars.ContextVar(
-    "kvdepot_principal", default=CLUSTER
-)
-
-
-def current_principal() -> Principal:
-    """Who the gRPC call being served comes from (inside a servicer)."""
-    return _PRINCIPAL.get()
-
-
 TENANT_METHODS = frozenset(
     {
         "/kvdepot.v1.Metadata/PutStart",
@@ -448,8 +435,6 @@ class _AuthInterceptor(grpc.aio.ServerInterceptor):
         principal = self._auth.verify(token)
         if principal is None:
             return self._refusing(handler, "wrong auth token")
-        # Interceptors and the handler share one fresh context per call.
-        _PRINCIPAL.set(principal)
         if principal.is_cluster:
             return handler
         method = handler_call_details.method

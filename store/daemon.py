@@ -345,9 +345,23 @@ class StoreDaemon:
                     registered = False
                     continue
                 if not warned:
-                    logger.warning(
-                        "metadata %s unreachable: %s", self._endpoints[self._current], exc.code()
-                    )
+                    if exc.code() in (
+                        grpc.StatusCode.UNAUTHENTICATED,
+                        grpc.StatusCode.PERMISSION_DENIED,
+                    ):
+                        # Retrying will not help until the token is fixed: say so once.
+                        logger.error(
+                            "metadata %s refused this store (%s): its token is not the "
+                            "cluster token (--auth-token-file / KVDEPOT_AUTH_TOKEN)",
+                            self._endpoints[self._current],
+                            exc.code().name,
+                        )
+                    else:
+                        logger.warning(
+                            "metadata %s unreachable: %s",
+                            self._endpoints[self._current],
+                            exc.code(),
+                        )
                     warned = True
                 if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     self._fail_over()
