@@ -33,8 +33,9 @@ class StoreConfig:
         idle_timeout_s: Data-plane connections idle this long are closed.
         io_timeout_s: A request whose bytes stall this long is aborted.
         min_rate_bytes: Bytes per second a data-plane client must at least
-            move within a request: one that takes longer than ``io_timeout_s``
-            plus its payload at this rate is cut off (however steadily it trickles).
+            move within a request: one that takes longer than twice
+            ``io_timeout_s`` plus its payload at this rate is cut off (however
+            steadily it trickles).
         hold_timeout_s: A data-plane connection (``shm``, ``nixl`` client) that
             holds reservations or read leases without a break for this long is
             closed, and what it held is freed.

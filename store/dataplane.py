@@ -90,6 +90,10 @@ from kvdepot.store.watchdog import RequestWatchdog
 logger = logging.getLogger(__name__)
 
 _ERROR_SEND_TIMEOUT_S = 1.0
+# After an ERROR, what the peer still sends is read and dropped for this long
+# (and at most this many reads), so that the close does not reset the ERROR away.
+_ERROR_LINGER_S = 0.5
+_ERROR_LINGER_READS = 16
 _JOIN_TIMEOUT_S = 5.0
 _LINGER_RESET = struct.pack("ii", 1, 0)
 
@@ -158,8 +162,8 @@ class DataPlaneServer:
         on_nixl_held: Told the change in reservations and leases held by
             connections that attached as NIXL clients.
         min_rate: Bytes per second a client must at least move within a
-            request: one that takes longer than ``io_timeout_s`` plus its
-            payload at this rate is closed, however steadily it trickles.
+            request: one that takes longer than twice ``io_timeout_s`` plus
+            its payload at this rate is closed, however steadily it trickles.
         hold_timeout_s: A connection that holds reservations or leases
             (``shm``, ``nixl`` clients) without a break for this long is
             closed, and what it held is freed.
@@ -214,7 +218,9 @@ class DataPlaneServer:
         self._hold_timeout_s = hold_timeout_s
         self._max_connections = max_connections
         self._at_limit = False
-        self._watchdog = RequestWatchdog(io_timeout_s, min_rate)
+        # Twice the I/O timeout: a request that merely stalls is the kernel
+        # timeout's to end (with a clearer error); this is for the trickles.
+        self._watchdog = RequestWatchdog(2 * io_timeout_s, min_rate)
         self._listener: socket.socket | None = None
         self._accept_thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -492,6 +498,19 @@ class DataPlaneServer:
         try:
             set_send_timeout(conn, _ERROR_SEND_TIMEOUT_S)
             conn.sendall(encode_error(code, message))
+            # Closing with unread input would reset the connection, and the
+            # reset discards the ERROR before the peer reads it: half-close,
+            # then read what the peer still sends, for a moment at most.
+            conn.shutdown(socket.SHUT_WR)
+            deadline = time.monotonic() + _ERROR_LINGER_S
+            scratch = bytearray(64 << 10)
+            for _ in range(_ERROR_LINGER_READS):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                set_recv_timeout(conn, left)
+                if not conn.recv_into(scratch):
+                    break
         except OSError:
             pass
 

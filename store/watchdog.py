@@ -4,10 +4,12 @@ The kernel timeouts of a data-plane socket (``SO_RCVTIMEO``/``SO_SNDTIMEO``)
 bound each system call, not a request: a client that trickles one byte just
 before every timeout (or reads a reply that slowly) would hold its
 connection thread, its reservations and its read leases forever. So each
-request also gets a deadline, ``io_timeout_s`` of grace plus its payload at a
-minimum rate, and one thread shuts down the sockets of requests that pass
-theirs. The connection's own thread then fails in its ``recv``/``send`` and
-cleans up as for any broken connection: reservations revoked, leases released.
+request also gets a deadline, a grace plus its payload at a minimum rate, and
+one thread cuts off the requests that pass theirs: first the receiving side
+of the socket, so that the connection's thread fails in its ``recv``, answers
+ERROR and cleans up as for any broken connection (reservations revoked, leases
+released); if that thread is still stuck a moment later, sending to a reader
+that slow, both sides.
 
 Deadlines cover the time a request waits on its client only: the serving
 thread disarms its deadline around work of its own (reading chunks off SSD,
@@ -24,6 +26,8 @@ import time
 from kvdepot.errors import InvalidArgument
 
 _MAX_TICK_S = 0.5
+_HARD_CUT_S = 1.0
+"""After cutting a request's receiving side, how long until both sides are cut."""
 
 
 class RequestWatchdog:
@@ -46,6 +50,7 @@ class RequestWatchdog:
         self._lock = threading.Lock()
         self._deadlines: dict[socket.socket, float] = {}
         self._expired: set[socket.socket] = set()
+        self._hard: dict[socket.socket, float] = {}
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -75,6 +80,7 @@ class RequestWatchdog:
         """The request no longer waits on its client (done, or the store's own work)."""
         with self._lock:
             self._deadlines.pop(conn, None)
+            self._hard.pop(conn, None)
 
     def expired(self, conn: socket.socket) -> bool:
         """Whether ``conn`` was shut down for passing a deadline."""
@@ -85,17 +91,24 @@ class RequestWatchdog:
         """Drop every record of ``conn``; called before the connection is closed."""
         with self._lock:
             self._deadlines.pop(conn, None)
+            self._hard.pop(conn, None)
             self._expired.discard(conn)
 
     def _run(self) -> None:
         while not self._stopping.wait(self._tick_s):
             now = time.monotonic()
+            # Under the lock: the serving thread forgets its socket before
+            # closing it, so a shutdown here never reaches a reused fd.
             with self._lock:
                 late = [conn for conn, deadline in self._deadlines.items() if deadline <= now]
                 for conn in late:
                     del self._deadlines[conn]
                     self._expired.add(conn)
-                    # Under the lock: the serving thread forgets its socket
-                    # before closing it, so this never reaches a reused fd.
+                    self._hard[conn] = now + _HARD_CUT_S
+                    with contextlib.suppress(OSError):
+                        conn.shutdown(socket.SHUT_RD)
+                stuck = [conn for conn, deadline in self._hard.items() if deadline <= now]
+                for conn in stuck:
+                    del self._hard[conn]
                     with contextlib.suppress(OSError):
                         conn.shutdown(socket.SHUT_RDWR)

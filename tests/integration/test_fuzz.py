@@ -341,8 +341,14 @@ def check_read_reply(frame: Frame, head: p.Header, body: bytes, seen: Counter[st
                     assert (got.length, got.checksum) == (len(want[1]), checksum(want[1]))
 
 
-def exchange(address: tuple[str, int], data: bytes, ending: str, cut: float) -> bytes | None:
-    """Send ``data`` (or a prefix) as ``ending`` says; return what came back, None after a reset."""
+def exchange(
+    address: tuple[str, int], data: bytes, ending: str, cut: float
+) -> tuple[bytes, bool] | None:
+    """Send ``data`` (or a prefix) as ``ending`` says.
+
+    Returns what came back and whether the store reset the connection; None
+    when this end reset it.
+    """
     s = socket.create_connection(address, timeout=10)
     try:
         if ending != "whole":
@@ -355,10 +361,12 @@ def exchange(address: tuple[str, int], data: bytes, ending: str, cut: float) -> 
         with contextlib.suppress(OSError):
             s.shutdown(socket.SHUT_WR)
         got = bytearray()
-        with contextlib.suppress(ConnectionResetError):
+        try:
             while part := s.recv(1 << 20):
                 got += part
-        return bytes(got)
+        except ConnectionResetError:
+            return bytes(got), True
+        return bytes(got), False
     finally:
         s.close()
 
@@ -382,7 +390,8 @@ def test_data_plane_survives_hostile_frames(live: Live, fuzz_budget: FuzzBudget)
                 cleaner.delete(f"{live.address[0]}:{live.address[1]}", sorted(stored))
         if reply is None:
             return
-        messages = parse_replies(reply, reset=False)
+        data, reset = reply
+        messages = parse_replies(data, reset)
         for f, (head, body) in zip(sent, messages, strict=False):
             if head.opcode is p.Opcode.ERROR:
                 seen[f"ERROR {p.ErrorCode(p.ERROR_CODE.unpack_from(body)[0]).name}"] += 1
