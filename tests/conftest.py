@@ -26,9 +26,25 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--fuzz-seconds",
         type=float,
         default=None,
-        help="repeat the fuzz properties, new examples each round, for this long "
+        help="repeat the fuzz properties of each test, new examples each round, this long "
         "(default: one round; env KVDEPOT_FUZZ_SECONDS)",
     )
+
+
+def _fuzz_seconds(config: pytest.Config) -> float:
+    seconds = config.getoption("--fuzz-seconds")
+    if seconds is None:
+        seconds = float(os.environ.get("KVDEPOT_FUZZ_SECONDS", "0"))
+    return float(seconds)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # A long fuzz run outlasts the suite's per-test timeout: give it room.
+    seconds = _fuzz_seconds(config)
+    if seconds > 0:
+        for item in items:
+            if "fuzz_budget" in getattr(item, "fixturenames", ()):
+                item.add_marker(pytest.mark.timeout(int(seconds) + 300))
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,11 +59,9 @@ class FuzzBudget:
 def fuzz_budget(request: pytest.FixtureRequest) -> FuzzBudget:
     """Bounded for ``make test``; ``--fuzz-examples``/``--fuzz-seconds`` for a long run."""
     examples = request.config.getoption("--fuzz-examples")
-    seconds = request.config.getoption("--fuzz-seconds")
+    seconds = _fuzz_seconds(request.config)
     if examples is None:
         examples = int(os.environ.get("KVDEPOT_FUZZ_EXAMPLES", "150"))
-    if seconds is None:
-        seconds = float(os.environ.get("KVDEPOT_FUZZ_SECONDS", "0"))
     if examples < 1 or seconds < 0:
         raise pytest.UsageError("--fuzz-examples must be positive and --fuzz-seconds not negative")
     return FuzzBudget(examples, seconds)

@@ -165,12 +165,12 @@ def test_bad_grpc_requests_get_invalid_argument(cluster: LocalCluster) -> None:
         assert "malformed request" in (info.value.details() or "")
 
 
-def test_inventory_larger_than_one_request_registers(cluster: LocalCluster) -> None:
+def test_inventory_larger_than_one_request_registers(slow_store: LocalCluster) -> None:
     # A store re-announces every chunk it holds in one RegisterNode: the
     # per-request key limit (65536) must not lock a big store out.
     keys = [i.to_bytes(16, "little") for i in range(70_000)]
     inventory = [common_pb2.ChunkRef(key=k, size=4096, tier="ssd") for k in keys]
-    with grpc.insecure_channel(cluster.metadata_address) as ch:
+    with grpc.insecure_channel(slow_store.metadata_address) as ch:
         stub = metadata_pb2_grpc.MetadataStub(ch)
         for _ in range(3):  # this node never heartbeats: its 1.5 s lease may run out first
             stub.RegisterNode(register("big-store", inventory=inventory), timeout=30)
