@@ -300,13 +300,14 @@ def test_fp8_chunks_halve_the_bytes_and_stay_close_to_a_plain_run(
     # sensitive to it. Measured on the CI machine kind: the greedy tokens agree
     # for the first 2 and 5 tokens, then diverge; over the agreeing positions
     # |delta logprob| is at most 0.67, 0.24 on average (the same drift as
-    # quantizing the cache inside transformers). benchmarks/kv_codec.py has more.
+    # quantizing the cache inside transformers). benchmarks/kv_codec.py saw up
+    # to 1.08 on other prompts; the bounds leave room for that.
     deltas: list[float] = []
     for got, want in zip(cons["outputs"], plain, strict=False):
         pairs = list(zip(got["tokens"], want["tokens"], strict=True))
         agree = next((i for i, (a, b) in enumerate(pairs) if a != b), len(pairs))
         assert agree >= 1, (got, want)
         deltas += [abs(got["logprobs"][i] - want["logprobs"][i]) for i in range(agree)]
-    assert max(deltas) <= 1.0 and sum(deltas) / len(deltas) <= 0.5, deltas
+    assert max(deltas) <= 1.5 and sum(deltas) / len(deltas) <= 0.6, deltas
     # Not a no-op: quantization moved the logprobs.
     assert max(deltas) > 0
