@@ -78,6 +78,7 @@ class Live:
     address: tuple[str, int]
     base_used: int
     base_heap_kib: int
+    base_metadata_heap_kib: int
     fuzz_keys: set[ChunkKey] = field(default_factory=set)
     rounds: int = 0
 
@@ -99,7 +100,9 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
             assert client.lookup(list(KNOWN)) == len(KNOWN)
         host, port = cluster.stores[0].info["address"].rsplit(":", 1)
         heap = memory_kib(cluster.stores[0].pid)["RssAnon"]
-        yield Live(cluster, (host, int(port)), used_bytes(cluster), heap)
+        assert cluster.metadata is not None
+        metadata_heap = memory_kib(cluster.metadata.pid)["RssAnon"]
+        yield Live(cluster, (host, int(port)), used_bytes(cluster), heap, metadata_heap)
     finally:
         cluster.stop()
 
@@ -554,6 +557,11 @@ def assert_sound(live: Live) -> None:
     growth = heap["RssAnon"] - live.base_heap_kib
     print(f"store memory after the fuzz (KiB): {heap}, heap growth {growth}")
     assert growth < HEAP_GROWTH_BOUND_KIB, f"store heap grew by {growth} KiB: {heap}"
+    assert c.metadata is not None
+    meta = memory_kib(c.metadata.pid)
+    meta_growth = meta["RssAnon"] - live.base_metadata_heap_kib
+    print(f"metadata memory after the fuzz (KiB): {meta}, heap growth {meta_growth}")
+    assert meta_growth < HEAP_GROWTH_BOUND_KIB, f"metadata heap grew by {meta_growth} KiB"
     with live.client() as client:
         bufs = [bytearray(KNOWN_SIZE) for _ in KNOWN]
         assert client.get_into(list(KNOWN), bufs).leading == len(KNOWN)
