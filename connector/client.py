@@ -8,6 +8,7 @@ transport straight from and into caller-owned buffers.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -206,10 +207,17 @@ class KVDepotClient:
             raise InvalidArgument("chunks must not be empty")
         if not ckeys:
             return PutResult(0, 0, 0, 0, 0)
+        # One id per put, sent again on each failover retry of this request
+        # (the connection resends the same message): if a replica allocated
+        # the keys and died before answering, the next one hands the same
+        # allocations back instead of reporting them pending until they expire.
         reply = self._call(
             "PutStart",
             metadata_pb2.PutStartRequest(
-                keys=ckeys, sizes=[v.nbytes for v in views], writer_node_id=self.config.node_id
+                keys=ckeys,
+                sizes=[v.nbytes for v in views],
+                writer_node_id=self.config.node_id,
+                request_id=os.urandom(16),
             ),
         )
         groups: dict[tuple[str, str], list[int]] = defaultdict(list)

@@ -30,6 +30,7 @@ from kvdepot.metadata.types import (
 )
 from kvdepot.metadata.validation import (
     check_address,
+    check_request_id,
     check_sizes,
     check_text,
     check_tier,
@@ -236,7 +237,10 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
             keys = self._keys(request.keys)
             sizes = self._sizes(keys, request.sizes)
             writer = self._node_id(request.writer_node_id, required=False)
-            allocations = await self._index.put_start(keys, sizes, writer, time.monotonic())
+            request_id = check_request_id(request.request_id)
+            allocations = await self._index.put_start(
+                keys, sizes, writer, time.monotonic(), request_id
+            )
         except KVDepotError as exc:
             await self._guard(context, exc)
         return metadata_pb2.PutStartResponse(

@@ -22,6 +22,9 @@ MAX_TEXT = 256
 MAX_SIZE = (1 << 63) - 1
 """Largest chunk size accepted: what a signed 64-bit integer (Redis) holds."""
 
+MAX_REQUEST_ID = 64
+"""Longest ``PutStart`` request id accepted, in bytes (clients send 16)."""
+
 
 def check_text(text: str, what: str, *, required: bool = True) -> str:
     """A short, printable, space-free name (node id, candidate id).
@@ -68,6 +71,19 @@ def check_sizes(sizes: Sequence[int], count: int) -> list[int]:
         if not 0 < s <= MAX_SIZE:
             raise InvalidArgument(f"chunk sizes must be between 1 and {MAX_SIZE}, got {s}")
     return list(sizes)
+
+
+def check_request_id(request_id: bytes) -> bytes:
+    """A put's request id: opaque bytes, empty for none, at most :data:`MAX_REQUEST_ID`.
+
+    Raises:
+        InvalidArgument: Longer than that.
+    """
+    if len(request_id) > MAX_REQUEST_ID:
+        raise InvalidArgument(
+            f"request_id must be at most {MAX_REQUEST_ID} bytes, got {len(request_id)}"
+        )
+    return bytes(request_id)
 
 
 def check_tier(name: str) -> str:

@@ -82,8 +82,26 @@ class IndexBackend(abc.ABC):
         sizes: Sequence[int],
         writer_node_id: NodeId,
         now: float,
+        request_id: bytes = b"",
     ) -> list[Allocation]:
-        """Phase 1 of a put: skip what exists or is pending, place the rest."""
+        """Phase 1 of a put: skip what exists or is pending, place the rest.
+
+        Args:
+            keys: The chunks to publish; a key repeated in ``keys`` is placed
+                once and skipped as pending after that.
+            sizes: One size in bytes per key.
+            writer_node_id: The node to place on first ("" for none).
+            now: Monotonic time in seconds.
+            request_id: The put's own id, the same on every retry of it
+                (:data:`~kvdepot.metadata.validation.MAX_REQUEST_ID` bytes at
+                most). A key still pending under this id gets its allocation
+                again, on the same node, instead of ``SKIP_PENDING`` (on a new
+                node if that one is gone): a retry after a lost reply writes
+                what the first attempt was given. Empty: never matches.
+
+        Returns:
+            One allocation per key, in order.
+        """
 
     @abc.abstractmethod
     async def put_end(

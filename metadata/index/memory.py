@@ -52,6 +52,7 @@ class _Pending:
     node_id: NodeId
     size: int
     expires_at: float
+    request_id: bytes = b""  # of the put that made it ("" for none)
 
 
 @dataclass(slots=True)
@@ -139,6 +140,7 @@ class MemoryIndex(IndexBackend, ReplicaTierIndex):
         sizes: Sequence[int],
         writer_node_id: NodeId,
         now: float,
+        request_id: bytes = b"",
     ) -> list[Allocation]:
         out: list[Allocation] = []
         planned: dict[NodeId, int] = {}
@@ -151,7 +153,21 @@ class MemoryIndex(IndexBackend, ReplicaTierIndex):
                 self._c.chunks_deduplicated += 1
                 self._c.bytes_saved += size
                 continue
-            if key in batch or (pending is not None and pending.expires_at > now):
+            live = pending is not None and pending.expires_at > now
+            if live and pending is not None and request_id and pending.request_id == request_id:
+                # A retry of the put that made this allocation (its reply was
+                # lost): the same answer, on the same node if it is still
+                # there, else a new placement below. A key repeated within
+                # the put is skipped, as the first attempt answered.
+                held = self._nodes.get(pending.node_id)
+                if held is not None and key not in batch:
+                    planned[held.info.node_id] = planned.get(held.info.node_id, 0) + size
+                    batch.add(key)
+                    replica = Replica(held.info.node_id, held.info.address, "cpu")
+                    out.append(Allocation(Action.WRITE, replica))
+                    continue
+                live = False
+            if key in batch or live:
                 out.append(Allocation(Action.SKIP_PENDING))
                 self._c.chunks_deduplicated += 1
                 self._c.bytes_saved += size
@@ -165,7 +181,9 @@ class MemoryIndex(IndexBackend, ReplicaTierIndex):
                     f"a chunk of {size} bytes is larger than any store node's capacity"
                 )
             planned[node.node_id] = planned.get(node.node_id, 0) + size
-            self._pending[key] = _Pending(node.node_id, size, now + self._config.allocation_ttl_s)
+            self._pending[key] = _Pending(
+                node.node_id, size, now + self._config.allocation_ttl_s, request_id
+            )
             batch.add(key)
             out.append(Allocation(Action.WRITE, Replica(node.node_id, node.address, "cpu")))
         return out

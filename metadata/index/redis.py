@@ -9,7 +9,8 @@ Key layout (``P`` is the key prefix, ``kvd`` by default; ``{…}`` is the Redis
 Cluster hash tag, so that what one script touches is on one slot)::
 
     P:c:{<key hex>}       hash    chunk: "size" -> bytes, "n:<node>" -> "<tier> <epoch>"
-    P:p:{<key hex>}       string  pending allocation "<batch>:<deadline ms>:<node>"
+    P:p:{<key hex>}       string  pending allocation "<batch>:<deadline ms>:<node>"; the batch
+                                  is a uuid, with "-<request id hex>" when the put sent one
     P:n:{<node>}          hash    the node's lease (PX lease TTL): epoch, address, grpc, tiers,
                                   xfer (recent transfer rates)
     P:n:{<node>}:epoch    string  the node's last registration epoch (never reused)
@@ -19,6 +20,11 @@ Cluster hash tag, so that what one script touches is on one slot)::
     P:allocs              zset    allocation batches by deadline (to count expired ones)
     P:alloc:<batch>       set     chunk keys of one allocation batch
     P:stats               hash    cluster-wide counters (HINCRBY)
+
+A put's request id rides in its batch name, so a pending value keeps the
+format that every script (and an older replica sharing the index) parses; a
+retry of that put, whose first reply was lost, finds its own live allocations
+by it and gets them again.
 
 A chunk and its pending allocation share a slot, so one script commits both;
 a node's lease, epoch and key sets share another. Every registration gets a
@@ -187,6 +193,23 @@ def _pending_live(value: bytes | None, now_ms: int) -> bool:
         return False
     parts = value.split(b":", 2)
     return len(parts) == 3 and int(parts[1]) > now_ms
+
+
+def _batch_id(request_id: bytes) -> str:
+    """A new allocation batch, naming the put's request id when it sent one."""
+    batch = uuid.uuid4().hex
+    return f"{batch}-{request_id.hex()}" if request_id else batch
+
+
+def _retried(value: bytes | None, request_hex: bytes, now_ms: int) -> NodeId | None:
+    """The node of ``value`` if it is a live allocation made by the put whose
+    request id is ``request_hex`` (hex, ``b""`` for none), else None."""
+    if value is None or not request_hex or not _pending_live(value, now_ms):
+        return None
+    batch, _, rest = value.partition(b":")
+    if batch.partition(b"-")[2] != request_hex:
+        return None
+    return rest.partition(b":")[2].decode()
 
 
 def split_url(url: str) -> tuple[str, str | None]:
@@ -569,6 +592,7 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
         sizes: Sequence[int],
         writer_node_id: NodeId,
         now: float,
+        request_id: bytes = b"",
     ) -> list[Allocation]:
         if len(keys) != len(sizes):
             raise InvalidArgument(f"{len(keys)} keys but {len(sizes)} sizes")
@@ -594,18 +618,36 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
         epochs = {f"n:{nid}".encode(): epoch for nid, (epoch, _) in live.items()}
         infos = [info for _, info in live.values()]
         now_ms = _now_ms()
+        request_hex = request_id.hex().encode()
+
+        def on(node_id: NodeId | None) -> Replica | None:
+            # Where a retry of this put writes again: the same node, if alive.
+            if node_id is None or node_id not in live:
+                return None
+            return Replica(node_id, live[node_id][1].address, "cpu")
 
         decided: list[Allocation | None] = []
         wanted: list[tuple[int, ChunkKey, NodeInfo]] = []
         planned: dict[NodeId, int] = {}
         batch: set[ChunkKey] = set()
+        gone: dict[NodeId, list[ChunkKey]] = {}  # this put's allocations on dead nodes
         dedup = saved = 0
         for i, (key, size) in enumerate(zip(keys, sizes, strict=True)):
             if any(epochs.get(f) == _field_epoch(v) for f, v in chunks[key].items()):
                 decided.append(Allocation(Action.SKIP_EXISTS))
                 dedup, saved = dedup + 1, saved + size
                 continue
-            if key in batch or _pending_live(pending[key], now_ms):
+            mine = None if key in batch else _retried(pending[key], request_hex, now_ms)
+            if (same := on(mine)) is not None:
+                # A retry of the put whose reply was lost (the replica that
+                # made the allocation died or timed out): the same answer.
+                planned[same.node_id] = planned.get(same.node_id, 0) + size
+                batch.add(key)
+                decided.append(Allocation(Action.WRITE, same))
+                continue
+            if mine is not None:
+                gone.setdefault(mine, []).append(key)  # revoked, then placed anew
+            elif key in batch or _pending_live(pending[key], now_ms):
                 decided.append(Allocation(Action.SKIP_PENDING))
                 dedup, saved = dedup + 1, saved + size
                 continue
@@ -624,8 +666,14 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
         if wanted:
             # Atomic per key: of all replicas racing for a key, one script
             # call wins it; the others answer SKIP_PENDING.
-            batch_id = uuid.uuid4().hex
+            batch_id = _batch_id(request_id)
             members = f"{self._p}:alloc:{batch_id}"
+            # Same slot as the ALLOC of the key, so it runs first, on a cluster too.
+            revokes = [
+                c
+                for nid, ks in gone.items()
+                for c in self._vec(lua.REVOKE, [[self._pending(k)] for k in ks], [nid])
+            ]
             calls = self._vec(
                 lua.ALLOC,
                 [[self._pending(k)] for _, k, _ in wanted],
@@ -634,16 +682,27 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
             )
             out = await self._exec(
                 [
+                    *revokes,
                     *calls,
                     ("SADD", members, *(bytes(k) for _, k, _ in wanted)),
                     ("PEXPIRE", members, self._backstop_ms),
                     ("ZADD", self._k_allocs, now_ms + self._alloc_ms, batch_id),
                 ]
             )
-            for (i, _, node), won in zip(wanted, _flat(out[: len(calls)]), strict=True):
-                if won:
+            won = _flat(out[len(revokes) : len(revokes) + len(calls)])
+            lost = [(i, k) for (i, k, _), w in zip(wanted, won, strict=True) if not w]
+            values: list[bytes | None] = [None] * len(lost)
+            if request_id and lost:
+                # A first attempt of this put, slow rather than dead, may have
+                # allocated the key between the read above and ALLOC.
+                values = await self._read([("GET", self._pending(k)) for _, k in lost])
+            for (i, _, node), w in zip(wanted, won, strict=True):
+                if w:
                     replica = Replica(node.node_id, node.address, "cpu")
                     decided[i] = Allocation(Action.WRITE, replica)
+            for (i, _), value in zip(lost, values, strict=True):
+                if (same := on(_retried(value, request_hex, now_ms))) is not None:
+                    decided[i] = Allocation(Action.WRITE, same)
                 else:
                     decided[i] = Allocation(Action.SKIP_PENDING)
                     dedup, saved = dedup + 1, saved + sizes[i]

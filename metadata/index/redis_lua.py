@@ -7,7 +7,7 @@ of items and return one result per item. The index calls them once per item
 same code and the same semantics.
 
 Chunk fields are ``"n:<node>" -> "<tier> <epoch>"``; pending allocations are
-``"<batch>:<deadline ms>:<node>"`` strings.
+``"<batch>:<deadline ms>:<node>"`` strings (a batch name holds no colon).
 """
 
 from __future__ import annotations

@@ -80,14 +80,16 @@ class ReportMovedResponse(_message.Message):
     def __init__(self, moved: _Optional[int] = ..., recorded: bool = ...) -> None: ...
 
 class PutStartRequest(_message.Message):
-    __slots__ = ("keys", "sizes", "writer_node_id")
+    __slots__ = ("keys", "sizes", "writer_node_id", "request_id")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     SIZES_FIELD_NUMBER: _ClassVar[int]
     WRITER_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     sizes: _containers.RepeatedScalarFieldContainer[int]
     writer_node_id: str
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., sizes: _Optional[_Iterable[int]] = ..., writer_node_id: _Optional[str] = ...) -> None: ...
+    request_id: bytes
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., sizes: _Optional[_Iterable[int]] = ..., writer_node_id: _Optional[str] = ..., request_id: _Optional[bytes] = ...) -> None: ...
 
 class Allocation(_message.Message):
     __slots__ = ("action", "node")

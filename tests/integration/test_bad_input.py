@@ -134,6 +134,10 @@ def test_bad_grpc_requests_get_invalid_argument(cluster: LocalCluster) -> None:
             ("Lookup", metadata_pb2.LookupRequest(keys=[bytes(16)] * 70000)),
             ("Lookup", metadata_pb2.LookupRequest(keys=[bytes(16)], client_node_id="a\x00b")),
             ("PutStart", metadata_pb2.PutStartRequest(keys=[bytes(16)], sizes=[2**64 - 1])),
+            (
+                "PutStart",
+                metadata_pb2.PutStartRequest(keys=[bytes(16)], sizes=[1], request_id=bytes(65)),
+            ),
             ("PutEnd", metadata_pb2.PutEndRequest(keys=[bytes(16)], sizes=[2**63], node_id="n")),
             ("RegisterNode", metadata_pb2.RegisterNodeRequest(node_id="x", address="x" * 9999)),
             ("RegisterNode", metadata_pb2.RegisterNodeRequest(node_id="x", address="no-port")),

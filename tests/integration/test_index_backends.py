@@ -10,6 +10,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pytest
 
@@ -400,3 +401,91 @@ def test_heartbeat_carries_transfer_rates(make_index: MakeIndex) -> None:
         assert status.info.tiers == (TierUsage("cpu", 100, 7),)
 
     run(make_index, body)
+
+
+def test_a_retried_put_start_gets_its_allocations_again(make_index: MakeIndex) -> None:
+    async def body(index: IndexBackend) -> None:
+        await index.register_node(node("a"), [], now())
+        await index.register_node(node("b"), [], now())
+        first = await index.put_start([key(1), key(2)], [10, 10], "a", now(), b"X" * 16)
+        assert [(x.action, x.node and x.node.node_id) for x in first] == [(Action.WRITE, "a")] * 2
+        # The retry of that put (its reply lost) gets the same node, even
+        # where placement would now choose another (writer "b").
+        again = await index.put_start([key(1), key(3), key(1)], [10] * 3, "b", now(), b"X" * 16)
+        assert again[0] == first[0]
+        assert again[1].action is Action.WRITE and again[1].node and again[1].node.node_id == "b"
+        assert again[2].action is Action.SKIP_PENDING  # repeated within the put
+        # Another put, or one without an id (an older client), is told pending.
+        for other in (b"Y" * 16, b""):
+            got = await index.put_start([key(2)], [10], "b", now(), other)
+            assert got[0].action is Action.SKIP_PENDING
+        # One allocation, not two: PutEnd on "a" commits and clears it, and
+        # PutRevoke of "b" (not its node) leaves it alone.
+        assert await index.put_revoke("b", [key(2)]) == 0
+        assert await index.put_end("a", [key(1), key(2)], [10, 10]) == 2
+        got = await index.put_start([key(1), key(2)], [10, 10], "a", now(), b"X" * 16)
+        assert [x.action for x in got] == [Action.SKIP_EXISTS] * 2
+        assert await index.put_revoke("b", [key(3)]) == 1
+        assert await index.expire(now()) == (0, 0)
+
+    run(make_index, body)
+
+
+def test_a_retry_whose_node_died_is_placed_anew(make_index: MakeIndex) -> None:
+    async def body(index: IndexBackend) -> None:
+        await index.register_node(node("a"), [], now())
+        await index.register_node(node("b"), [], now())
+        got = await index.put_start([key(1)], [10], "a", now(), b"X")
+        assert got[0].node is not None and got[0].node.node_id == "a"
+        await asyncio.sleep(0.45)
+        assert await index.heartbeat("b", [], now())
+        await asyncio.sleep(0.45)  # a's lease has run out, b's has not
+        assert await index.expire(now()) == (1, 0)
+        got = await index.put_start([key(1)], [10], "a", now(), b"X")
+        assert got[0].action is Action.WRITE and got[0].node and got[0].node.node_id == "b"
+        assert await index.put_end("b", [key(1)], [10]) == 1
+        assert (await index.lookup([key(1)], "", 0)).hits == 1
+
+    run(make_index, body, lease_ttl_s=0.8)
+
+
+@pytest.mark.parametrize("backend", REDIS_BACKENDS, indirect=True)
+def test_a_put_start_retried_on_another_replica_gets_the_same_allocation(
+    make_index: MakeIndex, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Replica A allocated and its reply was lost; the client retries on B."""
+    from kvdepot.metadata.index.redis import RedisIndex
+
+    async def go() -> None:
+        a, b = make_index(), make_index()
+        try:
+            await a.register_node(node("s0"), [], now())
+            await a.register_node(node("s1"), [], now())
+            keys = [key(i) for i in range(8)]
+            first = await a.put_start(keys, [10] * 8, "s0", now(), b"X" * 16)
+            assert {x.node.node_id for x in first if x.node} == {"s0"}
+            assert await b.put_start(keys, [10] * 8, "s1", now(), b"X" * 16) == first
+            got = await b.put_start(keys, [10] * 8, "s1", now(), b"Y" * 16)
+            assert all(x.action is Action.SKIP_PENDING for x in got)
+            assert await b.put_end("s0", keys, [10] * 8) == 8
+
+            # A slow (not dead) A allocates after B read the index and before
+            # B's own allocation: B still answers the same allocation.
+            assert isinstance(b, RedisIndex)
+            late = [key(100 + i) for i in range(4)]
+            original = b._live_nodes
+            first_late: list[Any] = []
+
+            async def a_allocates_meanwhile(*args: Any) -> Any:
+                first_late.extend(await a.put_start(late, [10] * 4, "s0", now(), b"Z" * 16))
+                return await original(*args)
+
+            monkeypatch.setattr(b, "_live_nodes", a_allocates_meanwhile)
+            got = await b.put_start(late, [10] * 4, "s1", now(), b"Z" * 16)
+            assert [x.node.node_id for x in first_late if x.node] == ["s0"] * 4
+            assert got == first_late
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(go())

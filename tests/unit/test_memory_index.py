@@ -122,3 +122,60 @@ def test_placement_prefers_writer_then_free_space(index) -> None:  # type: ignor
         assert allocs[0].node.node_id != "tiny"
 
     run(go())
+
+
+def test_a_retried_put_start_gets_its_allocation_again(index) -> None:  # type: ignore[no-untyped-def]
+    async def go() -> None:
+        await index.register_node(node("a"), [], now=0)
+        await index.register_node(node("b"), [], now=0)
+        first = await index.put_start([key(1), key(2)], [10, 10], "a", now=0, request_id=b"X")
+        assert [(x.action, x.node.node_id) for x in first] == [(Action.WRITE, "a")] * 2
+        # The retry of that put (its reply lost) gets the same node, even
+        # where placement would now choose another (writer "b").
+        again = await index.put_start(
+            [key(1), key(3), key(1)], [10, 10, 10], "b", now=1, request_id=b"X"
+        )
+        assert again[0] == first[0]
+        assert again[1].action is Action.WRITE and again[1].node.node_id == "b"
+        assert again[2].action is Action.SKIP_PENDING  # repeated within the put
+        # Another put, or one without an id, finds the keys pending as before.
+        for other in (b"Y", b""):
+            got = await index.put_start([key(2)], [10], "b", now=1, request_id=other)
+            assert got[0].action is Action.SKIP_PENDING
+        # The allocation is the first one, not a second: PutEnd commits it.
+        assert await index.put_end("a", [key(1), key(2)], [10, 10]) == 2
+        got = await index.put_start([key(1)], [10], "a", now=2, request_id=b"X")
+        assert got[0].action is Action.SKIP_EXISTS
+        assert (await index.stats(now=2)).chunks_deduplicated == 4
+
+    run(go())
+
+
+def test_a_put_start_without_an_id_never_matches_another(index) -> None:  # type: ignore[no-untyped-def]
+    async def go() -> None:
+        await index.register_node(node("a"), [], now=0)
+        await index.put_start([key(1)], [10], "a", now=0)
+        got = await index.put_start([key(1)], [10], "a", now=1)
+        assert got[0].action is Action.SKIP_PENDING
+        # An id never matches an allocation made without one.
+        got = await index.put_start([key(1)], [10], "a", now=1, request_id=b"X")
+        assert got[0].action is Action.SKIP_PENDING
+
+    run(go())
+
+
+def test_a_retry_whose_node_died_is_placed_anew(index) -> None:  # type: ignore[no-untyped-def]
+    async def go() -> None:
+        await index.register_node(node("a"), [], now=0)
+        await index.register_node(node("b"), [], now=0)
+        await index.put_start([key(1)], [10], "a", now=0, request_id=b"X")
+        await index.heartbeat("b", [], now=4)
+        assert await index.expire(now=6) == (1, 0)  # a is gone, its allocation not yet
+        got = await index.put_start([key(1)], [10], "a", now=6, request_id=b"X")
+        assert got[0].action is Action.WRITE and got[0].node.node_id == "b"
+        assert await index.put_end("b", [key(1)], [10]) == 1
+        # The new allocation replaced the old one: nothing is left to expire.
+        await index.heartbeat("b", [], now=18)
+        assert await index.expire(now=20) == (0, 0)
+
+    run(go())
