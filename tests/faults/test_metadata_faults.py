@@ -249,9 +249,9 @@ def test_metadata_replica_sigkill_under_load_fails_over(redis_server: str, tmp_p
     Lost: nothing committed: every prefix a put reported stored, before or
     after the kill, is still listed and reads back exact. Served wrong:
     nothing. No error reached the caller: the client and the store failed
-    over to B. (A put whose PutStart A had run just before dying may find its
-    keys pending and skip them: they are misses until the allocation expires,
-    never data.)
+    over to B. (A put whose PutStart A had run just before dying gets the same
+    allocations again from B, by its request id, instead of finding its keys
+    pending: see the lost-reply test below.)
     """
     url = f"{redis_server}?prefix=failover-{uuid.uuid4().hex[:8]}"
     store_log = tmp_path / "store.log"
@@ -381,3 +381,82 @@ def test_redis_restart_empty_rebuilds_the_index_from_the_stores(tmp_path: Path) 
     finally:
         _stop_redis(procs)
     assert tally.wrong == 0, f"{tally.wrong} chunks served with wrong bytes"
+
+
+class MutedReplies:
+    """A TCP relay to ``127.0.0.1:port`` that, once :attr:`muted` is set, drops
+    whatever the server sends back: requests still arrive and are acted on,
+    their replies are lost, as with a replica that hangs or dies after acting.
+    """
+
+    def __init__(self, port: int) -> None:
+        self._port = port
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self.muted = threading.Event()
+        self._socks: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                down, _ = self._listener.accept()
+                up = socket.create_connection(("127.0.0.1", self._port))
+            except OSError:
+                return
+            self._socks += [down, up]
+            threading.Thread(target=self._relay, args=(down, up, False), daemon=True).start()
+            threading.Thread(target=self._relay, args=(up, down, True), daemon=True).start()
+
+    def _relay(self, src: socket.socket, dst: socket.socket, replies: bool) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(1 << 16):
+                if not (replies and self.muted.is_set()):
+                    dst.sendall(data)
+
+    def close(self) -> None:
+        self._listener.close()
+        for s in self._socks:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+
+
+def test_put_whose_put_start_reply_was_lost_is_stored_through_the_other_replica(
+    redis_server: str, tmp_path: Path
+) -> None:
+    """Replica A runs a put's PutStart, allocates its keys, and its reply is
+    lost; the client's deadline passes and it retries the same request on B.
+
+    Lost: nothing: B recognises the put's request id and hands back A's
+    allocations (same node), so every chunk is stored and committed instead
+    of skipped as pending until the allocations expire. Served wrong: nothing.
+    """
+    url = f"{redis_server}?prefix=lost-reply-{uuid.uuid4().hex[:8]}"
+    relay: MutedReplies | None = None
+    with (
+        metadata(url, tmp_path / "metadata-a.log") as a,
+        metadata(url, tmp_path / "metadata-b.log") as b,
+    ):
+        both = f"127.0.0.1:{a['port']},127.0.0.1:{b['port']}"
+        store_args = ["store", "--metadata", both, "--port", "0", "--grpc-port", "0",
+                      "--capacity", "16MiB", "--node-id", "s0"]  # fmt: skip
+        try:
+            relay = MutedReplies(a["port"])
+            via_relay = f"127.0.0.1:{relay.port},127.0.0.1:{b['port']}"
+            with (
+                daemon(store_args, tmp_path / "store.log"),
+                KVDepotClient(ClientConfig(metadata=via_relay, rpc_timeout_s=2)) as client,
+            ):
+                # Through A (behind the relay) while its replies still arrive.
+                assert wait_for(lambda: len(client.stats().nodes) == 1), "store not registered"
+                keys = chunk_keys(NS, list(range(5000, 5000 + 16 * 4)))
+                relay.muted.set()
+                put = client.put(keys, [payload(k) for k in keys])
+                assert (put.stored, put.skipped, put.failed) == (4, 0, 0)
+                bufs = sentinel_buffers(len(keys), CHUNK)
+                assert client.get_into(keys, bufs).leading == 4
+                assert all(np.array_equal(x, payload(k)) for k, x in zip(keys, bufs, strict=True))
+        finally:
+            if relay is not None:
+                relay.close()
