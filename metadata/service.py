@@ -156,6 +156,11 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
         return check_text(node_id, "node_id", required=required)
 
     async def _guard(self, context: grpc.aio.ServicerContext, exc: KVDepotError) -> None:
+        # Called from the handler's ``except`` block, where ``exc`` stays bound
+        # while abort raises: exc -> traceback -> handler frame -> exc is a
+        # cycle that keeps the request (megabytes for a big one) until a full
+        # garbage collection. Dropping the traceback lets it go at once.
+        exc.__traceback__ = None
         await context.abort(exc.grpc_code, str(exc))
 
     # -- RPCs ---------------------------------------------------------------
