@@ -23,7 +23,7 @@ from typing import Any
 from kvdepot.connector.codec import CodecSpec, check_codec_name
 from kvdepot.errors import InvalidArgument
 from kvdepot.metadata.keys import Namespace
-from kvdepot.security import SecurityConfig, load_security
+from kvdepot.security import SecurityConfig, client_security
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,17 +78,7 @@ class ConnectorSettings:
 
     def security(self, env: Mapping[str, str]) -> SecurityConfig:
         """The client's token and TLS: these settings over ``KVDEPOT_*`` in ``env``."""
-        return load_security(
-            env,
-            None,
-            {
-                "auth_token_file": self.auth_token_file or None,
-                "tls_ca": self.tls_ca or None,
-                "tls_cert": self.tls_cert or None,
-                "tls_key": self.tls_key or None,
-                "tls_server_name": self.tls_server_name or None,
-            },
-        )
+        return client_security(env, self)
 
     def codec_spec(self) -> CodecSpec:
         return CodecSpec(self.kv_codec, self.kv_codec_block)

@@ -195,6 +195,18 @@ ENV_PREFIX = "KVDEPOT_"
 """Environment variables: ``KVDEPOT_AUTH_TOKEN``, ``KVDEPOT_AUTH_TOKEN_FILE``, ``KVDEPOT_TLS_*``."""
 
 
+CLIENT_SECURITY_FIELDS = ("auth_token_file", "tls_ca", "tls_cert", "tls_key", "tls_server_name")
+"""The security settings a plugin (vLLM connector, LMCache backend) carries as strings."""
+
+
+def client_security(env: Mapping[str, str] | None, settings: object) -> SecurityConfig:
+    """A plugin's token and TLS: its :data:`CLIENT_SECURITY_FIELDS` (``""``: not set)
+    over ``KVDEPOT_*`` in ``env``."""
+    return load_security(
+        env, None, {f: getattr(settings, f) or None for f in CLIENT_SECURITY_FIELDS}
+    )
+
+
 def load_security(
     env: Mapping[str, str] | None,
     file: str | Path | None = None,

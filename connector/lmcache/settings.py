@@ -22,7 +22,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from kvdepot.connector.metadata import parse_endpoints
 from kvdepot.errors import InvalidArgument
-from kvdepot.security import SecurityConfig, load_security
+from kvdepot.security import SecurityConfig, client_security
 
 SCHEME = "kvdepot"
 PLUGIN_TYPE = "kvdepot"
@@ -75,17 +75,7 @@ class PluginSettings:
 
     def security(self, env: Mapping[str, str]) -> SecurityConfig:
         """The client's token and TLS: these settings over ``KVDEPOT_*`` in ``env``."""
-        return load_security(
-            env,
-            None,
-            {
-                "auth_token_file": self.auth_token_file or None,
-                "tls_ca": self.tls_ca or None,
-                "tls_cert": self.tls_cert or None,
-                "tls_key": self.tls_key or None,
-                "tls_server_name": self.tls_server_name or None,
-            },
-        )
+        return client_security(env, self)
 
     @classmethod
     def from_url(cls, url: str) -> PluginSettings:
