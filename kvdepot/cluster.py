@@ -95,6 +95,33 @@ def wait_nodes(
     raise Unavailable(f"only {max(seen, 0)} of {count} stores registered within {timeout_s:.0f} s")
 
 
+def wait_registered(
+    metadata: str,
+    node_id: str,
+    grpc_address: str,
+    timeout_s: float = 30.0,
+    security: SecurityConfig | None = None,
+) -> None:
+    """Wait until the metadata service lists this start of store ``node_id``.
+
+    A store announces READY once it serves, before its registration lands;
+    the gRPC address (a fresh port per start) tells a restarted store from
+    the listing its previous start left.
+    """
+    deadline = time.monotonic() + timeout_s
+    with secure_channel(metadata, security) as channel:
+        stub = metadata_pb2_grpc.MetadataStub(channel)
+        while time.monotonic() < deadline:
+            try:
+                nodes = stub.GetStats(metadata_pb2.GetStatsRequest(), timeout=2).nodes
+                if any(n.node_id == node_id and n.grpc_address == grpc_address for n in nodes):
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.05)
+    raise Unavailable(f"store {node_id} did not register within {timeout_s:.0f} s")
+
+
 class LocalCluster:
     """Metadata service and stores as local processes on loopback.
 
@@ -195,7 +222,9 @@ class LocalCluster:
             raise
         return self
 
-    def add_store(self, name: str, *extra: str) -> DaemonProcess:
+    def add_store(self, name: str, *extra: str, registered: bool = True) -> DaemonProcess:
+        """Start a store ``name`` with ``extra`` flags; with ``registered``, return
+        once the metadata service lists it (so that puts can be placed on it)."""
         store = self._spawn(
             name,
             [
@@ -213,6 +242,14 @@ class LocalCluster:
         )
         self.stores.append(store)
         store.info = wait_ready(store.proc, name, self.ready_timeout_s)
+        if registered:
+            wait_registered(
+                self.metadata_address,
+                name,
+                str(store.info["grpc_address"]),
+                self.ready_timeout_s,
+                self.security,
+            )
         return store
 
     def _metrics_args(self) -> list[str]:

@@ -116,7 +116,15 @@ def test_corrupt_ssd_chunks_are_misses_at_restart_and_while_running(tmp_path: Pa
         first = cl.add_store("s0", *args)
         keys = [k for p in prompts(6) for k in p]
         assert c.put(keys, [data(k) for k in keys]).failed == 0
-        wait_for(lambda: tiers(first.info["grpc_address"])["ssd"].chunks >= 10, 15, "no demotions")
+        try:
+            wait_for(
+                lambda: tiers(first.info["grpc_address"])["ssd"].chunks >= 10, 30, "no demotions"
+            )
+        except AssertionError as exc:  # say where the store stood
+            log = (tmp_path / "logs" / "s0.log").read_text().splitlines()[-20:]
+            raise AssertionError(
+                f"{exc}; tiers: {tiers(first.info['grpc_address'])}; store log: {log}"
+            ) from None
         os.kill(first.pid, signal.SIGKILL)
         first.proc.wait()
         on_ssd = [k for k in keys if on_disk(ssd_dir, k)]
