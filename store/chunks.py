@@ -694,6 +694,11 @@ class ChunkStore(TierPlacement):
             except Exception:  # close the others whatever one hit
                 logger.exception("closing the %s tier failed", level.name)
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` began (the mover stops then)."""
+        return self._closed or self._closing
+
     def check_open(self) -> None:
         """Raise ``Unavailable`` if the store is closed."""
         self._check_open()

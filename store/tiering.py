@@ -35,6 +35,9 @@ logger = logging.getLogger(__name__)
 FULL_BACKOFF_S = 1.0
 """How long the mover leaves a tier alone after it refused a chunk as full."""
 
+LOG_EVERY_S = 10.0
+"""How often at most the mover logs a failing maintenance pass."""
+
 
 class State(enum.Enum):
     """Where a chunk is in its two-phase write."""
@@ -195,15 +198,20 @@ class Mover:
 
     def _run(self) -> None:
         interval = self._store.options.maintenance_interval_s
+        last_logged = 0.0
         while not self._stop.is_set():
             self._wake.wait(interval)
             self._wake.clear()
             try:
                 self.run_once()
-            except Unavailable:
-                return  # the store closed
-            except Exception:  # keep maintaining whatever one pass hit
-                logger.exception("tier maintenance pass failed")
+            except Exception as exc:  # keep maintaining whatever one pass hit
+                if isinstance(exc, Unavailable) and self._store.closed:
+                    return
+                # A failing device (Unavailable) must not end tiering for good;
+                # said at most every few seconds, not every pass.
+                if time.monotonic() - last_logged > LOG_EVERY_S:
+                    last_logged = time.monotonic()
+                    logger.exception("tier maintenance pass failed")
 
     def run_once(self) -> None:
         """One pass: drain tiers above their watermark, promote hot chunks."""

@@ -368,3 +368,33 @@ def test_a_closed_store_refuses_work(tmp_path: Path) -> None:
     with pytest.raises(Unavailable):
         cs.acquire(key(1))
     cs.close()
+
+
+class FlakySsd(SsdTier):
+    """An SSD tier whose first allocations fail as a failing device does."""
+
+    def __init__(self, *args: object, failures: int, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.failures = failures
+
+    def allocate(self, size: int) -> int | None:
+        if self.failures > 0:
+            self.failures -= 1
+            raise Unavailable("device went away for a moment")
+        return super().allocate(size)
+
+
+def test_a_failing_device_does_not_stop_tiering_for_good(tmp_path: Path) -> None:
+    tier = FlakySsd(tmp_path, 8 * MiB, segment_bytes=MiB, failures=3)
+    cs = open_store(
+        tmp_path, dram=MiB, tier=tier, cpu_limits=TierLimits(0.3, 0.1), maintenance_interval_s=0.01
+    )
+    try:
+        for i in range(8):  # 512 KiB, above the high watermark: the mover drains
+            put(cs, key(i), blob(i))
+        # Its first passes hit the failing device; later ones move the chunks.
+        wait_for(lambda: tiers(cs)["ssd"].chunks >= 4)  # type: ignore[attr-defined]
+        assert tier.failures == 0
+        assert all(get(cs, key(i)) == blob(i) for i in range(8))
+    finally:
+        cs.close()
