@@ -163,7 +163,11 @@ def dataplane_proof(token: str, nonce: bytes) -> bytes:
     An HMAC of the nonce: the token never crosses the (unencrypted) data
     plane, and a recorded answer is worthless for any other nonce.
     """
-    return hmac.new(token.encode(), _PROOF_LABEL + nonce, hashlib.sha256).digest()
+    return _proof(token.encode(), nonce)
+
+
+def _proof(secret: bytes, nonce: bytes) -> bytes:
+    return hmac.new(secret, _PROOF_LABEL + nonce, hashlib.sha256).digest()
 
 
 PROOF_BYTES = hashlib.sha256().digest_size
@@ -209,8 +213,7 @@ class Authenticator:
             return CLUSTER
         found: Principal | None = None
         for secret, _, principal in self._entries:
-            expected = hmac.new(secret, _PROOF_LABEL + nonce, hashlib.sha256).digest()
-            if hmac.compare_digest(proof, expected):
+            if hmac.compare_digest(proof, _proof(secret, nonce)):
                 found = principal
         return found
 

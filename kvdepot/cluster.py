@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -76,23 +77,38 @@ def wait_ready(proc: subprocess.Popen[bytes], name: str, timeout_s: float) -> di
         sel.close()
 
 
+def _wait_listed(
+    metadata: str,
+    listed: Callable[[Sequence[metadata_pb2.NodeStats]], bool],
+    timeout_s: float,
+    security: SecurityConfig | None,
+) -> bool:
+    """Poll the metadata service's node list until ``listed`` holds; whether it did."""
+    deadline = time.monotonic() + timeout_s
+    with secure_channel(metadata, security) as channel:
+        stub = metadata_pb2_grpc.MetadataStub(channel)
+        while time.monotonic() < deadline:
+            try:
+                if listed(stub.GetStats(metadata_pb2.GetStatsRequest(), timeout=2).nodes):
+                    return True
+            except grpc.RpcError:
+                pass
+            time.sleep(0.05)
+    return False
+
+
 def wait_nodes(
     metadata: str, count: int, timeout_s: float = 30.0, security: SecurityConfig | None = None
 ) -> None:
     """Wait until the metadata service at ``metadata`` lists ``count`` nodes."""
-    deadline = time.monotonic() + timeout_s
-    with secure_channel(metadata, security) as channel:
-        stub = metadata_pb2_grpc.MetadataStub(channel)
-        seen = -1
-        while time.monotonic() < deadline:
-            try:
-                seen = len(stub.GetStats(metadata_pb2.GetStatsRequest(), timeout=2).nodes)
-                if seen >= count:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.05)
-    raise Unavailable(f"only {max(seen, 0)} of {count} stores registered within {timeout_s:.0f} s")
+    seen = [0]
+
+    def enough(nodes: Sequence[metadata_pb2.NodeStats]) -> bool:
+        seen[0] = len(nodes)
+        return len(nodes) >= count
+
+    if not _wait_listed(metadata, enough, timeout_s, security):
+        raise Unavailable(f"only {seen[0]} of {count} stores registered within {timeout_s:.0f} s")
 
 
 def wait_registered(
@@ -108,18 +124,12 @@ def wait_registered(
     the gRPC address (a fresh port per start) tells a restarted store from
     the listing its previous start left.
     """
-    deadline = time.monotonic() + timeout_s
-    with secure_channel(metadata, security) as channel:
-        stub = metadata_pb2_grpc.MetadataStub(channel)
-        while time.monotonic() < deadline:
-            try:
-                nodes = stub.GetStats(metadata_pb2.GetStatsRequest(), timeout=2).nodes
-                if any(n.node_id == node_id and n.grpc_address == grpc_address for n in nodes):
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.05)
-    raise Unavailable(f"store {node_id} did not register within {timeout_s:.0f} s")
+
+    def this_start(nodes: Sequence[metadata_pb2.NodeStats]) -> bool:
+        return any(n.node_id == node_id and n.grpc_address == grpc_address for n in nodes)
+
+    if not _wait_listed(metadata, this_start, timeout_s, security):
+        raise Unavailable(f"store {node_id} did not register within {timeout_s:.0f} s")
 
 
 class LocalCluster:
