@@ -6,7 +6,9 @@ Put and get of batches of chunks (256 KiB to 16 MiB) through:
 * ``raw-tcp``: plain Python loopback TCP between two processes,
   ``sendall(memoryview)`` / ``recv_into`` a preallocated buffer, one ack per batch;
 * ``raw-shm``: a copy into (put) or out of (get) a shared-memory segment
-  owned by another process, one Unix-socket round trip per batch;
+  owned by another process, one Unix-socket round trip per batch (puts
+  rotate over 512 MiB of it, as a store's puts land in space not recently
+  written);
 * ``redis``: a ``redis-server`` started here, redis-py with hiredis,
   pipelined SET / GET of the batch;
 * ``kvdepot-tcp``, ``kvdepot-shm``, ``kvdepot-nixl``: a real local cluster
@@ -207,7 +209,12 @@ def _raw_shm_server(path: str, sock_path: str, ready: Any) -> None:
 
 
 class RawShm(System):
-    """A copy into / out of another process's shared-memory segment, one round trip per batch."""
+    """A copy into / out of another process's shared-memory segment, one round trip per batch.
+
+    Puts rotate over 512 MiB of the segment (more than the last-level
+    cache), as a store's puts land in arena space not recently written;
+    gets read the same batch each time, as the kvdepot rows do.
+    """
 
     name = "raw-shm"
 
@@ -215,8 +222,9 @@ class RawShm(System):
         self.close()
         self._dir = tempfile.mkdtemp(prefix="kvbench-")
         self._path = f"/dev/shm/kvbench-raw-{os.getpid()}"
+        slots = max(2, (512 * MiB) // (size * batch))
         with open(self._path, "wb") as f:
-            f.truncate(size * batch)
+            f.truncate(size * batch * slots)
         sock_path = os.path.join(self._dir, "s")
         ctx = mp.get_context("spawn")
         ready = ctx.Event()
@@ -232,12 +240,19 @@ class RawShm(System):
                 f.fileno(), 0, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             )
         seg = np.frombuffer(self._mm, dtype=np.uint8)
-        self._seg = [seg[i * size : (i + 1) * size] for i in range(batch)]
+        self._slots = [
+            [seg[(j * batch + i) * size : (j * batch + i + 1) * size] for i in range(batch)]
+            for j in range(slots)
+        ]
+        self._next = 0
         self._src = _sources(size, batch, 1)[0]
         self._dst = [np.ones(size, dtype=np.uint8) for _ in range(batch)]
+        for s, d in zip(self._src, self._slots[0], strict=True):
+            np.copyto(d, s)
 
     def put(self) -> None:
-        for s, d in zip(self._src, self._seg, strict=True):
+        self._next = self._next % (len(self._slots) - 1) + 1  # slot 0 is what gets read
+        for s, d in zip(self._src, self._slots[self._next], strict=True):
             np.copyto(d, s)
         self._sock.sendall(b"p")
         self._sock.recv(1)
@@ -245,7 +260,7 @@ class RawShm(System):
     def get(self) -> None:
         self._sock.sendall(b"g")
         self._sock.recv(1)
-        for s, d in zip(self._seg, self._dst, strict=True):
+        for s, d in zip(self._slots[0], self._dst, strict=True):
             np.copyto(d, s)
 
     def close(self) -> None:
@@ -253,7 +268,7 @@ class RawShm(System):
             return
         self._sock.close()
         self._proc.join(5)
-        self._seg = []
+        self._slots = []
         self._mm.close()
         os.unlink(self._path)
         shutil.rmtree(self._dir, ignore_errors=True)

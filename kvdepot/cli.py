@@ -123,6 +123,7 @@ def cmd_store(args: argparse.Namespace) -> int:
             "arena_path": args.arena_path,
             "max_chunk_bytes": args.max_chunk,
             "shm": False if args.no_shm else None,
+            "verify_shm_commits": True if args.verify_shm_commits else None,
             "nixl": args.nixl,
             "metrics_port": args.metrics_port,
             **_tier_overrides(args),
@@ -482,6 +483,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--arena-path", help="file backing the arena, e.g. /dev/shm/kvdepot")
     s.add_argument("--max-chunk", help="largest chunk accepted (default: the arena size)")
     s.add_argument("--no-shm", action="store_true", help="do not offer same-host shared memory")
+    s.add_argument(
+        "--verify-shm-commits",
+        action="store_true",
+        help="hash chunks shm clients wrote again before committing them",
+    )
     s.add_argument("--nixl", choices=["auto", "on", "off"], help="offer NIXL (RDMA) transfers")
     s.add_argument(
         "--metrics-port", type=int, help="serve Prometheus /metrics on this port (default off)"

@@ -40,6 +40,11 @@ class StoreConfig:
             holds reservations or read leases without a break for this long is
             closed, and what it held is freed.
         max_connections: Data-plane connections served at once; more are refused.
+        verify_shm_commits: Hash again what a same-host ``shm`` client copied
+            into the arena before committing it. Off (the default), the
+            checksum the client took of the arena bytes while copying them is
+            recorded as sent: every reader verifies it, so a wrong one is a
+            miss, never wrong data, and a put saves one pass over memory.
         register_retry_s: Delay between attempts to reach the metadata service.
         metrics_port: Port of the Prometheus ``/metrics`` HTTP endpoint, bound
             on ``host``; ``None`` (the default) serves none, 0 picks a free port.
@@ -90,6 +95,7 @@ class StoreConfig:
     min_rate_bytes: int = 1 << 20
     hold_timeout_s: float = 60.0
     max_connections: int = 1024
+    verify_shm_commits: bool = False
     register_retry_s: float = 0.5
     metrics_port: int | None = None
     cpu_watermarks: str = "0.95:0.85"

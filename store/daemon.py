@@ -109,6 +109,7 @@ class StoreDaemon:
             hold_timeout_s=config.hold_timeout_s,
             max_connections=config.max_connections,
             auth=self.security.authenticator() if self.security.auth else None,
+            verify_shm_commits=config.verify_shm_commits,
         )
         self.node_id = config.node_id
         self.address = ""

@@ -171,6 +171,8 @@ class DataPlaneServer:
             ERROR and closed.
         auth: When it holds tokens, every connection must prove it holds
             one before anything else (see :mod:`kvdepot.store.handshake`).
+        verify_shm_commits: Hash again what ``shm`` clients copied into the
+            arena before committing it (see :class:`~kvdepot.store.session.Session`).
 
     Raises:
         InvalidArgument: If a timeout, the rate or the connection limit is not positive.
@@ -190,6 +192,7 @@ class DataPlaneServer:
         hold_timeout_s: float = 60.0,
         max_connections: int = 1024,
         auth: Authenticator | None = None,
+        verify_shm_commits: bool = False,
     ) -> None:
         if min(idle_timeout_s, io_timeout_s, hold_timeout_s) <= 0:
             raise InvalidArgument("data plane timeouts must be positive")
@@ -198,6 +201,7 @@ class DataPlaneServer:
         self._chunks = chunks
         self._on_nixl_held = on_nixl_held
         self._auth = auth
+        self._verify_shm_commits = verify_shm_commits
         self._refusals = RefusalLog("data plane")
         arena = chunks.arena
         dev, ino = arena.file_id or (0, 0)
@@ -206,7 +210,8 @@ class DataPlaneServer:
             arena_size=arena.capacity,
             file_dev=dev,
             file_ino=ino,
-            flags=AttachFlags.SHM if arena.path else AttachFlags.NONE,
+            flags=(AttachFlags.SHM if arena.path else AttachFlags.NONE)
+            | (AttachFlags.VERIFIES_SHM if verify_shm_commits else AttachFlags.NONE),
             arena_path=arena.path or "",
             host_id=host_identity(),
         )
@@ -380,7 +385,12 @@ class DataPlaneServer:
         return False
 
     def _serve(self, conn: socket.socket, peer: str) -> None:
-        session = Session(self._chunks, self._limits.max_held, self._on_nixl_held)
+        session = Session(
+            self._chunks,
+            self._limits.max_held,
+            self._on_nixl_held,
+            verify_shm_commits=self._verify_shm_commits,
+        )
         gate = ServerHandshake(self._auth)
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -196,6 +196,12 @@ class AttachFlags(enum.IntFlag):
     """The arena is a file same-host clients may map (``path`` is set)."""
     NIXL = 2
     """A NIXL agent has registered the arena; see the Store's GetTransferInfo."""
+    VERIFIES_SHM = 4
+    """The store hashes ``shm`` commits again: a client pipelines its COMMITs."""
+
+
+_KNOWN_ATTACH_FLAGS = AttachFlags.SHM | AttachFlags.NIXL | AttachFlags.VERIFIES_SHM
+"""Bits of ATTACH_REPLY's flags this version knows (newer stores may set more)."""
 
 
 class HeldCode(enum.IntEnum):
@@ -483,7 +489,7 @@ def unpack_attach_info(data: bytes | bytearray | memoryview) -> AttachInfo:
         except UnicodeDecodeError:
             raise ProtocolError(ErrorCode.MALFORMED, "ATTACH_REPLY string not utf-8") from None
         pos += n
-    return AttachInfo(gen, size, dev, ino, AttachFlags(flags & 0x3), *texts)
+    return AttachInfo(gen, size, dev, ino, AttachFlags(flags & _KNOWN_ATTACH_FLAGS), *texts)
 
 
 @dataclass(frozen=True, slots=True)

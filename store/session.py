@@ -57,12 +57,24 @@ class Session:
         on_held: Told the change in the number of held items of sessions
             that attached as NIXL (the store's NIXL agent progresses UCX
             while remote transfers may be in flight).
+        verify_shm_commits: Hash again what a same-host (``shm``) client
+            copied before committing it. Off, the checksum that client took
+            of the arena bytes as it copied them is recorded as it is: every
+            reader verifies it, so a wrong one is a miss, never wrong data,
+            and the put saves a pass over memory. NIXL writes are always
+            verified (the writer never sees the arena).
     """
 
     def __init__(
-        self, chunks: ChunkStore, max_held: int, on_held: HeldListener | None = None
+        self,
+        chunks: ChunkStore,
+        max_held: int,
+        on_held: HeldListener | None = None,
+        *,
+        verify_shm_commits: bool = False,
     ) -> None:
         self._chunks = chunks
+        self._verify_shm = verify_shm_commits
         self._max_held = max_held
         self._on_held = on_held
         self._reservations: dict[ChunkKey, Reservation] = {}
@@ -155,7 +167,8 @@ class Session:
                 out.append((PutCode.INVALID, 0))
                 continue
             dropped += 1
-            if checksum(res.view) != e.checksum:
+            verify = self._verify_shm or self.kind is not AttachKind.SHM
+            if verify and checksum(res.view) != e.checksum:
                 self._chunks.revoke(res)
                 out.append((PutCode.CORRUPT, res.size))
                 continue

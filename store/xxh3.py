@@ -59,7 +59,17 @@ _LIB = _load()
 
 
 def _address(view: memoryview) -> int:
-    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+    return buffer_address(np.frombuffer(view, dtype=np.uint8))
+
+
+def buffer_address(array: np.ndarray) -> int:
+    """Address of the first byte of ``array`` (cheaper than ``array.ctypes.data``)."""
+    return int(array.__array_interface__["data"][0])
+
+
+def native() -> bool:
+    """Whether hashing releases the GIL (the ctypes path is in use)."""
+    return _LIB is not None
 
 
 def xxh3_64(data: memoryview) -> int:
@@ -92,6 +102,12 @@ class Xxh3Stream:
         elif data.nbytes:
             assert _LIB is not None
             _LIB.XXH3_64bits_update_dispatch(self._state, _address(data), data.nbytes)
+
+    def update_at(self, address: int, nbytes: int) -> None:
+        """Hash the next ``nbytes`` bytes at ``address`` (only where :func:`native`)."""
+        assert _LIB is not None and self._state is not None
+        if nbytes:
+            _LIB.XXH3_64bits_update_dispatch(self._state, address, nbytes)
 
     def digest(self) -> int:
         """The xxh3-64 of every part so far."""

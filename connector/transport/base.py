@@ -33,7 +33,7 @@ class PutItem:
         checksum: xxh3-64 of ``data``, see :func:`kvdepot.store.chunks.checksum`;
             ``None`` lets the transport compute it while it reads ``data`` for
             sending or copying (one pass over memory instead of two). Either
-            way the store verifies the bytes it received against it.
+            way, bytes that do not match it are not stored (``CORRUPT``).
     """
 
     key: ChunkKey

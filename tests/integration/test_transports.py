@@ -3,6 +3,7 @@ and clients that die mid-transfer as real processes."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -144,6 +145,22 @@ def test_shm_concurrent_clients_are_byte_exact(stores: LocalCluster) -> None:
     assert errors == []
 
 
+def test_shm_put_with_a_wrong_given_checksum_stores_nothing(stores: LocalCluster) -> None:
+    info = stores.stores[0].info
+    rng = random.Random(7)
+    keys, data = chunks(rng, [300 * KiB, 200 * KiB])
+    before = used_bytes(info["grpc_address"])
+    with ShmTransport() as t:
+        items = [PutItem(keys[0], data[0], checksum(data[0]) ^ 1), PutItem(keys[1], data[1])]
+        assert t.put(info["address"], items) == [PutStatus.CORRUPT, PutStatus.OK]
+        bufs = [memoryview(bytearray(len(d))) for d in data]
+        outs = t.get_into(info["address"], [GetItem(k, b) for k, b in zip(keys, bufs, strict=True)])
+        assert [o.ok for o in outs] == [False, True]
+        assert t.delete(info["address"], [keys[1]]) == [True]
+    # The refused chunk's reservation was given back, not left to expire.
+    wait_for(lambda: used_bytes(info["grpc_address"]) == before)
+
+
 def test_client_publishes_to_its_own_node_through_shm(stores: LocalCluster) -> None:
     info = stores.stores[0].info
     config = ClientConfig(metadata=stores.metadata_address, node_id=info["node_id"])
@@ -168,6 +185,39 @@ def test_auto_uses_tcp_when_the_arena_is_not_shared(tmp_path: Path) -> None:
         with AutoTransport() as t:
             assert t.choice(info["address"]) == "tcp"
             round_trip(t, info["address"], random.Random(3))
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_a_wrong_shm_commit_is_never_served(
+    stores: LocalCluster, tmp_path: Path, verify: bool
+) -> None:
+    # A store told to verify refuses the commit; by default it records the
+    # client's checksum and every reader checks it: a miss either way.
+    rng = random.Random(11)
+    key, data = ChunkKey(rng.randbytes(16)), rng.randbytes(300 * KiB)
+    with contextlib.ExitStack() as stack:
+        if verify:
+            env = dict(os.environ, KVDEPOT_STORE_VERIFY_SHM_COMMITS="1")
+            cluster = stack.enter_context(
+                LocalCluster(nodes=1, capacity="16MiB", env=env, log_dir=tmp_path)
+            )
+        else:
+            cluster = stores
+        address = cluster.stores[0].info["address"]
+        t = stack.enter_context(ShmTransport())
+        if verify:
+            round_trip(t, address, random.Random(12))  # pipelined COMMITs
+        conn, mapping = t._open(address)
+        assert bool(conn.info.flags & p.AttachFlags.VERIFIES_SHM) is verify
+        (r,) = conn.reserve([p.PutEntry(key, len(data), 0)])
+        mapping.view[r.offset : r.offset + len(data)] = data
+        conn.send_commit([p.CommitEntry(key, checksum(data) ^ 1)])
+        assert conn.finish_commits([1]) == [p.PutCode.CORRUPT if verify else p.PutCode.OK]
+        conn.close()
+        buf = bytearray(len(data))
+        (out,) = t.get_into(address, [GetItem(key, memoryview(buf))])
+        assert not out.ok
+        assert out.error == ("not found" if verify else "checksum mismatch")
 
 
 def test_tcp_put_with_trailing_checksums_over_parallel_connections(stores: LocalCluster) -> None:

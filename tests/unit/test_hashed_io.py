@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 import threading
 
-from kvdepot.connector.transport.shm import copy_hashed
+import pytest
+
+from kvdepot.connector.transport.shm import Copier, copy_hashed
 from kvdepot.store.chunks import checksum
 from kvdepot.store.sockets import CHECKSUM_SIZE, recv_exact, recv_hashed_into, send_hashed
 
@@ -58,3 +61,28 @@ def test_xxh3_without_the_gil_matches_xxhash() -> None:
         stream.update(data[: n // 3])
         stream.update(data[n // 3 :])
         assert xxh3_64(data) == stream.digest() == xxhash.xxh3_64_intdigest(data)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_copier_copies_a_batch_on_several_threads_in_order(threads: int) -> None:
+    rng = random.Random(threads)
+    sizes = [rng.randrange(1, 3 << 20) for _ in range(9)] + [1 << 20, 1]
+    srcs = [rng.randbytes(n) for n in sizes]
+    dsts = [bytearray(n) for n in sizes]
+    copier = Copier(threads)
+    try:
+        jobs = [
+            (memoryview(d), memoryview(s), i % 2 == 0)
+            for i, (d, s) in enumerate(zip(dsts, srcs, strict=True))
+        ]
+        assert list(copier.map(jobs)) == [checksum(s) for s in srcs]
+        assert dsts == [bytearray(s) for s in srcs]
+    finally:
+        copier.close()
+
+
+def test_copier_refuses_zero_threads() -> None:
+    from kvdepot.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument):
+        Copier(0)

@@ -70,6 +70,33 @@ def test_corrupt_commit_is_revoked_and_unknown_keys_are_invalid(chunks: ChunkSto
     assert not chunks.contains(key(1)) and chunks.stats().used_bytes == 0
 
 
+@pytest.mark.parametrize("verify", [False, True])
+def test_shm_commits_are_rehashed_only_when_asked(chunks: ChunkStore, verify: bool) -> None:
+    # A same-host client hashes the arena bytes itself while copying; the
+    # store trusts that checksum unless told to verify, and readers always
+    # check it: a wrong one is then a miss, never wrong data.
+    s = Session(chunks, max_held=8, verify_shm_commits=verify)
+    s.attach(p.AttachKind.SHM)
+    (r,) = s.reserve([p.PutEntry(key(1), PAGE, 0)])
+    write(chunks, r.offset, b"z" * PAGE)
+    wrong = checksum(b"z" * PAGE) ^ 1
+    (code, _), = s.commit([p.CommitEntry(key(1), wrong)])
+    if verify:
+        assert code is p.PutCode.CORRUPT and not chunks.contains(key(1))
+        return
+    assert code is p.PutCode.OK
+    (lease,) = s.lease([p.GetEntry(key(1))])
+    assert lease.checksum == wrong != checksum(chunks.arena.view(lease.offset, PAGE))
+
+
+def test_nixl_commits_are_always_verified(chunks: ChunkStore) -> None:
+    s = Session(chunks, max_held=8, verify_shm_commits=False)
+    s.attach(p.AttachKind.NIXL)
+    (r,) = s.reserve([p.PutEntry(key(1), PAGE, 0)])
+    write(chunks, r.offset, b"n" * PAGE)
+    assert s.commit([p.CommitEntry(key(1), 7)]) == [(p.PutCode.CORRUPT, PAGE)]
+
+
 def test_close_drops_everything_the_connection_held(chunks: ChunkStore) -> None:
     s = Session(chunks, max_held=8)
     (r,) = s.reserve([p.PutEntry(key(1), PAGE, 0)])
