@@ -82,7 +82,13 @@ def create_agent(name: str) -> Any:
     """
     api = load_nixl()
     try:
-        agent = api.nixl_agent(name, api.nixl_agent_config(backends=[]))
+        # No NIXL progress thread: it polls UCX without pause, a whole core
+        # even while nothing moves. Initiators progress while they wait for
+        # their transfers; the store's own loop progresses while NIXL
+        # clients hold reservations or leases (StoreNixlAgent).
+        agent = api.nixl_agent(
+            name, api.nixl_agent_config(enable_prog_thread=False, backends=[])
+        )
         agent.create_backend("UCX", backend_params())
     except Exception as exc:
         raise Unavailable(f"cannot start a NIXL agent with UCX: {exc}") from exc

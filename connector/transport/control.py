@@ -21,7 +21,7 @@ import socket
 import threading
 from collections.abc import Sequence
 
-from kvdepot.errors import InvalidArgument, Unavailable
+from kvdepot.errors import InvalidArgument, KVDepotError, Unavailable
 from kvdepot.metadata.keys import ChunkKey
 from kvdepot.store.handshake import authenticate
 from kvdepot.store.protocol import (
@@ -135,6 +135,8 @@ class ControlConnection:
         self.sock = sock
         self.info = info
         self._commits_in_flight = 0
+        # Entries of each RELEASE sent whose answer is not read yet.
+        self._releases_in_flight: list[int] = []
 
     def close(self) -> None:
         """Close the socket; the store drops what this connection held."""
@@ -144,6 +146,7 @@ class ControlConnection:
         """Reserve room for chunks; OK entries carry their arena offset."""
         n = len(entries)
         send_all(self.sock, [Header(Opcode.RESERVE, n).pack() + pack_put_entries(entries)])
+        self.settle()
         recv_reply_header(self.sock, Opcode.RESERVE_REPLY, n)
         return unpack_reserve_reply_entries(recv_exact(self.sock, n * RESERVE_REPLY_ENTRY.size))
 
@@ -159,6 +162,7 @@ class ControlConnection:
             raise InvalidArgument(
                 f"{len(counts)} COMMIT answers expected, {self._commits_in_flight} in flight"
             )
+        self.settle()
         out: list[PutCode] = []
         for n in counts:
             recv_reply_header(self.sock, Opcode.COMMIT_REPLY, n)
@@ -170,6 +174,7 @@ class ControlConnection:
         """Revoke reservations this connection holds."""
         n = len(keys)
         send_all(self.sock, [Header(Opcode.ABORT, n).pack() + pack_keys(keys)])
+        self.settle()
         recv_reply_header(self.sock, Opcode.ABORT_REPLY, n)
         return unpack_statuses(recv_exact(self.sock, n), HeldCode)
 
@@ -177,6 +182,7 @@ class ControlConnection:
         """Lease chunks (or ranges); OK entries say where their bytes are."""
         n = len(entries)
         send_all(self.sock, [Header(Opcode.LEASE, n).pack() + pack_get_entries(entries)])
+        self.settle()
         recv_reply_header(self.sock, Opcode.LEASE_REPLY, n)
         return unpack_lease_reply_entries(recv_exact(self.sock, n * LEASE_REPLY_ENTRY.size))
 
@@ -186,8 +192,29 @@ class ControlConnection:
         if not n:
             return []
         send_all(self.sock, [Header(Opcode.RELEASE, n).pack() + pack_lease_ids(lease_ids)])
+        self.settle()
         recv_reply_header(self.sock, Opcode.RELEASE_REPLY, n)
         return unpack_statuses(recv_exact(self.sock, n), HeldCode)
+
+    def release_later(self, lease_ids: Sequence[int]) -> None:
+        """End leases without waiting for the answer (read by the next exchange).
+
+        The store ends them as soon as the request arrives; the caller only
+        skips a round trip. Answers are in request order, so whichever
+        exchange comes next reads this one's first (:meth:`settle`).
+        """
+        n = len(lease_ids)
+        if n:
+            send_all(self.sock, [Header(Opcode.RELEASE, n).pack() + pack_lease_ids(lease_ids)])
+            self._releases_in_flight.append(n)
+
+    def settle(self) -> None:
+        """Read the answers of RELEASEs sent by :meth:`release_later`."""
+        while self._releases_in_flight:
+            n = self._releases_in_flight[0]
+            recv_reply_header(self.sock, Opcode.RELEASE_REPLY, n)
+            recv_exact(self.sock, n)
+            self._releases_in_flight.pop(0)
 
 
 def attach(sock: socket.socket, kind: AttachKind) -> AttachInfo:
@@ -247,6 +274,11 @@ class ControlPool:
                 conn = idle.pop() if idle else None
             if conn is None:
                 break
+            try:
+                conn.settle()
+            except (KVDepotError, OSError):
+                conn.close()
+                continue
             if looks_alive(conn.sock):
                 return conn
             conn.close()
@@ -258,7 +290,7 @@ class ControlPool:
             raise
 
     def checkin(self, address: str, conn: ControlConnection) -> None:
-        """Return a connection after complete exchanges (nothing left in flight)."""
+        """Return a connection with no COMMIT answer unread (RELEASE answers may be)."""
         with self._lock:
             idle = self._idle.setdefault(address, [])
             if not self._closed and len(idle) < self._max_idle:

@@ -378,7 +378,7 @@ class ShmTransport(ArenaTransport[_Mapping]):
                 if got != expected:
                     out[slot] = (out[slot][0], GetOutcome(False, 0, "checksum mismatch"))
         finally:
-            conn.release(lease_ids)
+            conn.release_later(lease_ids)
         return out
 
     def _release(self) -> None:

@@ -161,6 +161,24 @@ def test_shm_put_with_a_wrong_given_checksum_stores_nothing(stores: LocalCluster
     wait_for(lambda: used_bytes(info["grpc_address"]) == before)
 
 
+def test_shm_reads_end_their_leases_without_waiting_for_the_answer(stores: LocalCluster) -> None:
+    info = stores.stores[0].info
+    rng = random.Random(13)
+    keys, data = chunks(rng, [300 * KiB, 5 * KiB])
+    before = used_bytes(info["grpc_address"])
+    with ShmTransport(max_idle_per_peer=1) as t:
+        assert t.put(info["address"], [PutItem(k, d) for k, d in zip(keys, data, strict=True)])
+        for _ in range(3):  # each read reuses the connection whose RELEASE answer is unread
+            bufs = [bytearray(len(d)) for d in data]
+            gets = [GetItem(k, memoryview(b)) for k, b in zip(keys, bufs, strict=True)]
+            assert all(o.ok for o in t.get_into(info["address"], gets)) and bufs == data
+        assert t.delete(info["address"], keys) == [True, True]
+        # A chunk still leased would keep its bytes after the delete.
+        wait_for(lambda: used_bytes(info["grpc_address"]) == before)
+        outs = t.get_into(info["address"], [GetItem(keys[0], memoryview(bytearray(10)))])
+        assert outs[0].error == "not found"
+
+
 def test_client_publishes_to_its_own_node_through_shm(stores: LocalCluster) -> None:
     info = stores.stores[0].info
     config = ClientConfig(metadata=stores.metadata_address, node_id=info["node_id"])
