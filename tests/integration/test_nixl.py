@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -108,3 +109,18 @@ def test_nixl_client_that_dies_frees_its_reservation(nixl_store: LocalCluster) -
         assert child.stdout is not None
         child.stdout.close()
     wait_for(lambda: used_bytes(info["grpc_address"]) == before)
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_an_idle_nixl_store_does_not_spin(nixl_store: LocalCluster) -> None:
+    # NIXL's own progress thread polled UCX without pause: a whole core
+    # burnt by a store that moved nothing.
+    pid = nixl_store.stores[0].pid
+    before = _cpu_seconds(pid)
+    time.sleep(3.0)
+    assert _cpu_seconds(pid) - before < 0.6  # 20 % of a core, at most
