@@ -4,7 +4,9 @@ Put and get of batches of chunks (256 KiB to 16 MiB) through:
 
 * ``memcpy``: numpy ``copyto`` between cold buffers (the copy limit);
 * ``raw-tcp``: plain Python loopback TCP between two processes,
-  ``sendall(memoryview)`` / ``recv_into`` a preallocated buffer, one ack per batch;
+  ``sendall(memoryview)`` / ``recv_into`` preallocated buffers, one ack per
+  batch (the receiver of puts rotates its buffers over 512 MiB, as a store's
+  puts land in space not recently written);
 * ``raw-shm``: a copy into (put) or out of (get) a shared-memory segment
   owned by another process, one Unix-socket round trip per batch (puts
   rotate over 512 MiB of it, as a store's puts land in space not recently
@@ -145,17 +147,25 @@ def _raw_tcp_server(port_q: Any, size: int, batch: int) -> None:
     port_q.put(lst.getsockname()[1])
     conn, _ = lst.accept()
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    bufs = [memoryview(np.ones(size, dtype=np.uint8)) for _ in range(batch)]
+    # Puts land in buffers rotated over 512 MiB (more than the last-level
+    # cache), as a store's puts land in arena space not recently written;
+    # gets send the same batch each time, as the kvdepot rows read theirs.
+    slots = [
+        [memoryview(np.ones(size, dtype=np.uint8)) for _ in range(batch)]
+        for _ in range(max(2, (512 * MiB) // (size * batch)))
+    ]
+    nxt = 0
     while True:
         op = conn.recv(1)
         if not op:
             return
         if op == b"p":
-            for b in bufs:
+            nxt = nxt % (len(slots) - 1) + 1
+            for b in slots[nxt]:
                 _recv_into(conn, b)
             conn.sendall(b"k")
         else:
-            for b in bufs:
+            for b in slots[0]:
                 conn.sendall(b)
 
 

@@ -12,7 +12,6 @@ import os
 import threading
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,7 +146,6 @@ class KVDepotClient:
         self._lock = threading.Lock()
         # This node's store, once a reply named it (see get_into).
         self._local_address: str | None = None
-        self._helper_pool: ThreadPoolExecutor | None = None
 
     def __enter__(self) -> KVDepotClient:
         return self
@@ -163,17 +161,9 @@ class KVDepotClient:
             self._closed = True
         self._transport.close()
         self._metadata.close()
-        if self._helper_pool is not None:
-            self._helper_pool.shutdown(wait=True)
 
     def _call(self, method: str, request: Any) -> Any:
         return self._metadata.call(method, request)
-
-    def _helpers(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._helper_pool is None:
-                self._helper_pool = ThreadPoolExecutor(4, thread_name_prefix="kvdepot-client")
-            return self._helper_pool
 
     def _learn_local(self, nodes: Iterable[Any]) -> None:
         # Replicas and allocations name nodes with their data-plane address.
@@ -299,6 +289,8 @@ class KVDepotClient:
         Each loaded chunk has been verified against its checksum. A chunk that
         is missing, evicted meanwhile, corrupt, or on a store that died is a
         miss (``loaded[i]`` is False) and its buffer content is undefined.
+        This node's store is read first: when it holds every chunk, the
+        metadata service is not asked at all.
 
         Raises:
             InvalidArgument: mismatched keys and buffers, or bad keys.
@@ -313,17 +305,16 @@ class KVDepotClient:
         local = self._local_address
         early = None
         if local is not None:
-            # This node's store usually holds what this node reads: read it from
-            # there while the lookup is in flight, so the metadata round trip
-            # overlaps the copy. Reads have no effect on the store, and only
-            # chunks the lookup then counts as hits are used.
-            lookup = self._helpers().submit(self.lookup_locations, keys)
+            # This node's store usually holds what this node reads: read it
+            # from there first. When it has every chunk (each read verified
+            # against its checksum) no metadata round trip is needed at all:
+            # a key names its bytes, wherever they are found.
             early = self._transport.get_into(
                 local, [GetItem(k, v) for k, v in zip(ckeys, views, strict=True)]
             )
-            reply = lookup.result()
-        else:
-            reply = self.lookup_locations(keys)
+            if all(o.ok for o in early):
+                return GetResult((True,) * len(keys), sum(o.length for o in early))
+        reply = self.lookup_locations(keys)
         self._learn_local(r for loc in reply.locations for r in loc.replicas)
         loaded = [False] * len(keys)
         remote: list[int] = []

@@ -23,6 +23,7 @@ request is retried once on a fresh connection).
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -234,6 +235,11 @@ class _Pool:
                 sock.close()
 
 
+DEFAULT_STREAMS = min(4, max(1, (os.cpu_count() or 2) // 2))
+"""Connections per large batch: each busy one keeps a core on either end
+copying (and hashing); on two cores one stream beat two by 10-20 %."""
+
+
 class TcpTransport(Transport):
     """The ``tcp`` data plane client.
 
@@ -259,7 +265,7 @@ class TcpTransport(Transport):
         max_idle_per_peer: int = 4,
         *,
         limits: ProtocolLimits | None = None,
-        streams: int = 2,
+        streams: int = DEFAULT_STREAMS,
         security: SecurityConfig | None = None,
     ) -> None:
         if connect_timeout_s <= 0 or io_timeout_s <= 0:
