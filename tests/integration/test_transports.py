@@ -30,6 +30,7 @@ from kvdepot.connector.transport import (
     TcpTransport,
     create_transport,
 )
+from kvdepot.errors import Unavailable
 from kvdepot.metadata.keys import ChunkKey
 from kvdepot.proto.gen import store_pb2, store_pb2_grpc
 from kvdepot.store import protocol as p
@@ -193,6 +194,30 @@ def test_client_publishes_to_its_own_node_through_shm(stores: LocalCluster) -> N
         assert transport.choice(info["address"]) == "shm"
         bufs = [bytearray(MiB) for _ in keys]
         assert client.get_into(keys, bufs).leading == 4 and bufs == data
+
+
+def test_a_node_reads_its_own_chunks_without_the_metadata_service(tmp_path: Path) -> None:
+    with LocalCluster(nodes=1, capacity="32MiB", log_dir=tmp_path) as c:
+        info = c.stores[0].info
+        config = ClientConfig(
+            metadata=c.metadata_address, node_id=info["node_id"], rpc_timeout_s=2
+        )
+        keys, data = chunks(random.Random(21), [MiB, 300 * KiB, 5])
+        other = ChunkKey(random.Random(22).randbytes(16))
+        with KVDepotClient(config) as client:
+            assert client.put(keys, data).stored == 3
+            assert c.metadata is not None
+            c.metadata.proc.send_signal(signal.SIGSTOP)
+            try:
+                bufs = [bytearray(len(d)) for d in data]
+                result = client.get_into(keys, bufs)
+                assert result.loaded == (True,) * 3 and bufs == data
+                # A chunk this node lacks needs the lookup: the stopped service.
+                with pytest.raises(Unavailable):
+                    client.get_into([*keys, other], [*bufs, bytearray(10)])
+            finally:
+                c.metadata.proc.send_signal(signal.SIGCONT)
+            assert client.get_into([*keys, other], [*bufs, bytearray(10)]).leading == 3
 
 
 def test_auto_uses_tcp_when_the_arena_is_not_shared(tmp_path: Path) -> None:
