@@ -36,6 +36,9 @@ from kvdepot.store.tiers.factory import build_chunk_store
 
 logger = logging.getLogger(__name__)
 
+_REPORT_GATHER_S = 0.02
+"""Evictions and tier moves gathered into one report to the metadata service."""
+
 READY_PREFIX = "KVDEPOT READY "
 # Transfer rates are reported over this window, sampled every SAMPLE_S.
 RATE_WINDOW_S = 10.0
@@ -405,6 +408,10 @@ class StoreDaemon:
     async def _report_forever(self) -> None:
         while True:
             await self._removed_event.wait()
+            # A full store evicts on nearly every put: gathering a moment's
+            # evictions into one report spares the metadata service a call
+            # per put (a lookup meanwhile may name a chunk that is gone: a miss).
+            await asyncio.sleep(_REPORT_GATHER_S)
             self._removed_event.clear()
             await self.registered.wait()
             # A key written again since its eviction is still held.
