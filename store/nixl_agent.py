@@ -64,7 +64,18 @@ def load_nixl() -> Any:
         from nixl import _api
     except Exception as exc:  # ImportError, or a bundled library failing to load
         raise Unavailable(f"NIXL is not usable here: {exc}") from exc
+    _tame_nixl_logging()
     return _api
+
+
+def _tame_nixl_logging() -> None:
+    # NIXL logs to stdout through a handler of its own: stdout carries a
+    # daemon's READY line and a benchmark's JSON. Its records go the way of
+    # the process's own logging instead (stderr).
+    nixl_logger = logging.getLogger("nixl")
+    for handler in list(nixl_logger.handlers):
+        nixl_logger.removeHandler(handler)
+    nixl_logger.propagate = True
 
 
 def backend_params() -> dict[str, str]:
