@@ -17,7 +17,7 @@ import threading
 from collections.abc import Sequence
 
 from kvdepot.errors import InvalidArgument, Unavailable
-from kvdepot.store.xxh3 import Xxh3Stream, xxh3_64
+from kvdepot.store.xxh3 import BlockHasher, xxh3_64
 
 # sendmsg takes at most IOV_MAX buffers per call (1024 on Linux).
 try:
@@ -144,11 +144,11 @@ def recv_hashed_into(sock: socket.socket, view: memoryview, block: int = HASH_BL
     if total <= block:
         recv_exact_into(sock, view)
         return xxh3_64(view)
-    hasher = Xxh3Stream()
+    hasher = BlockHasher(view)
     for start in range(0, total, block):
-        part = view[start : start + block]
-        recv_exact_into(sock, part)
-        hasher.update(part)
+        end = min(start + block, total)
+        recv_exact_into(sock, view[start:end])
+        hasher.update(start, end)
     return hasher.digest()
 
 
@@ -173,13 +173,13 @@ def send_hashed(
     sums: list[int] = []
     for payload in payloads:
         view = byte_view(payload)
-        hasher = Xxh3Stream()
+        hasher = BlockHasher(view)
         for start in range(0, view.nbytes, block):
-            part = view[start : start + block]
-            pending.append(part)
+            end = min(start + block, view.nbytes)
+            pending.append(view[start:end])
             send_all(sock, pending)
             pending = []
-            hasher.update(part)
+            hasher.update(start, end)
         digest = hasher.digest()
         sums.append(digest)
         pending.append(_CHECKSUM.pack(digest))

@@ -67,7 +67,7 @@ from kvdepot.store.protocol import (
     PutCode,
     PutEntry,
 )
-from kvdepot.store.xxh3 import Xxh3Stream, buffer_address, xxh3_64
+from kvdepot.store.xxh3 import BlockHasher, xxh3_64
 from kvdepot.store.xxh3 import native as xxh3_native
 
 logger = logging.getLogger(__name__)
@@ -109,12 +109,11 @@ def copy_hashed(
     if total <= block or not xxh3_native():
         np.copyto(d, s)
         return xxh3_64(dst if hash_dst else src)
-    hasher = Xxh3Stream()
-    base = buffer_address(d if hash_dst else s)
+    hasher = BlockHasher(dst if hash_dst else src)
     for start in range(0, total, block):
         end = min(start + block, total)
         np.copyto(d[start:end], s[start:end])
-        hasher.update_at(base + start, end - start)
+        hasher.update(start, end)
     return hasher.digest()
 
 
