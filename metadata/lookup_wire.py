@@ -17,7 +17,12 @@ from kvdepot.proto.gen import common_pb2, metadata_pb2
 
 def pack_lookup(result: LookupResult) -> metadata_pb2.LookupResponse:
     """The packed ``LookupResponse`` of ``result``."""
-    table: dict[Replica, int] = {}
+    # First by identity (the memory index shares one Replica object per node
+    # and tier, and hashing the dataclass per key cost more than the rest of
+    # packing), then by value.
+    by_id: dict[int, int] = {}
+    by_value: dict[Replica, int] = {}
+    rows: list[Replica] = []
     sizes: list[int] = []
     counts: list[int] = []
     refs: list[int] = []
@@ -25,14 +30,18 @@ def pack_lookup(result: LookupResult) -> metadata_pb2.LookupResponse:
         sizes.append(loc.size)
         counts.append(len(loc.replicas))
         for r in loc.replicas:
-            ref = table.get(r)
+            ref = by_id.get(id(r))
             if ref is None:
-                ref = table[r] = len(table)
+                ref = by_value.get(r)
+                if ref is None:
+                    ref = by_value[r] = len(rows)
+                    rows.append(r)
+                by_id[id(r)] = ref
             refs.append(ref)
     return metadata_pb2.LookupResponse(
         hits=result.hits,
         replica_table=[
-            common_pb2.Replica(node_id=r.node_id, address=r.address, tier=r.tier) for r in table
+            common_pb2.Replica(node_id=r.node_id, address=r.address, tier=r.tier) for r in rows
         ],
         sizes=sizes,
         replica_counts=counts,

@@ -45,6 +45,10 @@ class _Node:
 class _Chunk:
     size: int
     replicas: dict[NodeId, str] = field(default_factory=dict)  # node -> tier
+    # The lookup answer for this chunk, replicas by tier speed; None when a
+    # replica changed, stale when its generation is not the index's.
+    location: KeyLocation | None = None
+    generation: int = 0
 
 
 @dataclass(slots=True)
@@ -83,12 +87,19 @@ class MemoryIndex(IndexBackend, ReplicaTierIndex):
         # them per key was most of a lookup's cost. Emptied when a node
         # (re)registers or goes, since its address is in them.
         self._replica_cache: dict[tuple[NodeId, str], Replica] = {}
+        # Bumped with every emptying of the replica cache: chunks' cached
+        # answers of an older generation may name an old address.
+        self._generation = 0
+
+    def _forget_replicas(self) -> None:
+        self._replica_cache.clear()
+        self._generation += 1
 
     async def register_node(
         self, node: NodeInfo, inventory: Sequence[InventoryItem], now: float
     ) -> None:
         old = self._nodes.pop(node.node_id, None)
-        self._replica_cache.clear()
+        self._forget_replicas()
         if old is not None:
             self._drop_replicas(node.node_id, old.keys)
         entry = _Node(info=node, expires_at=now + self._config.lease_ttl_s)
@@ -122,6 +133,7 @@ class MemoryIndex(IndexBackend, ReplicaTierIndex):
             chunk = self._chunks.get(key)
             if chunk is not None and chunk.replicas.get(node_id, tier) != tier:
                 chunk.replicas[node_id] = tier
+                chunk.location = None
                 changed += 1
         return changed
 
@@ -218,23 +230,22 @@ class MemoryIndex(IndexBackend, ReplicaTierIndex):
         self, keys: Sequence[ChunkKey], client_node_id: NodeId, tokens_per_key: int
     ) -> LookupResult:
         locations: list[KeyLocation] = []
-        chunks, cache = self._chunks, self._replica_cache
+        chunks, generation = self._chunks, self._generation
         for key in keys:
             chunk = chunks.get(key)
             if chunk is None or not chunk.replicas:
                 break
-            replicas = []
-            for pair in chunk.replicas.items():
-                r = cache.get(pair)
-                if r is None:
-                    nid, tier = pair
-                    r = cache[pair] = Replica(nid, self._nodes[nid].info.address, tier)
-                replicas.append(r)
-            if len(replicas) > 1:
-                replicas.sort(
-                    key=lambda r: (r.node_id != client_node_id, TIER_RANK.get(r.tier, 9))
-                )
-            locations.append(KeyLocation(chunk.size, tuple(replicas)))
+            loc = chunk.location
+            if loc is None or chunk.generation != generation:
+                loc = self._location(chunk)
+            first = loc.replicas[0].node_id
+            if len(loc.replicas) > 1 and client_node_id and first != client_node_id:
+                # The client's own replica first, the others still by tier speed.
+                mine = tuple(r for r in loc.replicas if r.node_id == client_node_id)
+                if mine:
+                    rest = tuple(r for r in loc.replicas if r.node_id != client_node_id)
+                    loc = KeyLocation(loc.size, mine + rest)
+            locations.append(loc)
         hits = len(locations)
         c = self._c
         c.lookups += 1
@@ -244,11 +255,28 @@ class MemoryIndex(IndexBackend, ReplicaTierIndex):
         c.miss_tokens += (len(keys) - hits) * tokens_per_key
         return LookupResult(hits, tuple(locations))
 
+    def _location(self, chunk: _Chunk) -> KeyLocation:
+        # Built once per change of the chunk's replicas and shared by every
+        # answer: building it per key was most of a lookup's cost.
+        cache = self._replica_cache
+        replicas = []
+        for pair in chunk.replicas.items():
+            r = cache.get(pair)
+            if r is None:
+                nid, tier = pair
+                r = cache[pair] = Replica(nid, self._nodes[nid].info.address, tier)
+            replicas.append(r)
+        if len(replicas) > 1:
+            replicas.sort(key=lambda r: TIER_RANK.get(r.tier, 9))
+        loc = chunk.location = KeyLocation(chunk.size, tuple(replicas))
+        chunk.generation = self._generation
+        return loc
+
     async def expire(self, now: float) -> tuple[int, int]:
         dead = [nid for nid, n in self._nodes.items() if n.expires_at <= now]
         for nid in dead:
             entry = self._nodes.pop(nid)
-            self._replica_cache.clear()
+            self._forget_replicas()
             self._drop_replicas(nid, entry.keys)
             logger.warning(
                 "node %s lease expired: dropped with %d chunks", nid, len(entry.keys)
@@ -288,6 +316,7 @@ class MemoryIndex(IndexBackend, ReplicaTierIndex):
             chunk = self._chunks[key] = _Chunk(size)
         is_new = node.info.node_id not in chunk.replicas
         chunk.replicas[node.info.node_id] = tier
+        chunk.location = None
         node.keys.add(key)
         return is_new
 
@@ -297,5 +326,6 @@ class MemoryIndex(IndexBackend, ReplicaTierIndex):
             if chunk is None:
                 continue
             chunk.replicas.pop(node_id, None)
+            chunk.location = None
             if not chunk.replicas:
                 del self._chunks[key]

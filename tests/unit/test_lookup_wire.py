@@ -99,3 +99,15 @@ def test_malformed_packed_answers_are_corrupt(fields: dict[str, object]) -> None
     )
     with pytest.raises(Corrupt):
         unpack_lookup(reply)
+
+
+def test_equal_replicas_share_one_table_row_whether_or_not_the_same_object() -> None:
+    # The redis index builds a Replica per key; the memory index shares them.
+    shared = Replica(NodeId("a"), "127.0.0.1:1", "cpu")
+    locs = [KeyLocation(10, (shared,)) for _ in range(3)] + [
+        KeyLocation(10, (Replica(NodeId("a"), "127.0.0.1:1", "cpu"),)) for _ in range(3)
+    ]
+    result = LookupResult(6, tuple(locs))
+    packed = pack_lookup(result)
+    assert len(packed.replica_table) == 1 and list(packed.replica_refs) == [0] * 6
+    assert wire(result) == result

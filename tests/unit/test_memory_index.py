@@ -179,3 +179,40 @@ def test_a_retry_whose_node_died_is_placed_anew(index) -> None:  # type: ignore[
         assert await index.expire(now=20) == (0, 0)
 
     run(go())
+
+
+def test_lookup_orders_replicas_and_follows_every_change(index) -> None:  # type: ignore[no-untyped-def]
+    # Answers are built once per chunk and shared: each change must show.
+    def order(r) -> list[tuple[str, str, str]]:  # type: ignore[no-untyped-def]
+        return [(x.node_id, x.tier, x.address) for x in r.locations[0].replicas]
+
+    async def go() -> None:
+        for name in ("a", "b", "c"):
+            await index.register_node(node(name), [], now=0)
+        await index.put_end("a", [key(1)], [10])
+        await index.put_end("b", [key(1)], [10])
+        await index.put_end("c", [key(1)], [10])
+        await index.set_replica_tier("b", [key(1)], "gpu")
+        await index.set_replica_tier("c", [key(1)], "ssd")
+        r = await index.lookup([key(1)], "", 0)
+        assert order(r) == [("b", "gpu", "b:1"), ("a", "cpu", "a:1"), ("c", "ssd", "c:1")]
+        r = await index.lookup([key(1)], "c", 0)
+        assert order(r) == [("c", "ssd", "c:1"), ("b", "gpu", "b:1"), ("a", "cpu", "a:1")]
+        # The shared answer was not reordered for that client.
+        assert order(await index.lookup([key(1)], "", 0))[0][0] == "b"
+        await index.set_replica_tier("a", [key(1)], "gpu")
+        assert [x[0] for x in order(await index.lookup([key(1)], "", 0))] == ["a", "b", "c"]
+        await index.remove_replicas("a", [key(1)])
+        assert [x[0] for x in order(await index.lookup([key(1)], "", 0))] == ["b", "c"]
+        # A node that comes back at another address (its chunks re-announced).
+        moved = NodeInfo("b", "b:2", "", (TierUsage("cpu", 1 << 30, 0),))
+        await index.register_node(moved, [InventoryItem(key(1), 10, "gpu")], now=1)
+        assert order(await index.lookup([key(1)], "", 0))[0] == ("b", "gpu", "b:2")
+        # A node that dies takes its replicas along.
+        await index.heartbeat("b", [], now=2)
+        await index.expire(now=6.5)  # c's lease ran out, b's not
+        assert [x[0] for x in order(await index.lookup([key(1)], "", 0))] == ["b"]
+        await index.expire(now=7.5)
+        assert (await index.lookup([key(1)], "", 0)).hits == 0
+
+    run(go())
