@@ -42,7 +42,7 @@ class StoreConfig:
         max_connections: Data-plane connections served at once; more are refused.
         verify_shm_commits: Hash again what a same-host ``shm`` client copied
             into the arena before committing it. Off (the default), the
-            checksum the client took of the arena bytes while copying them is
+            checksum the client took of its source while copying it is
             recorded as sent: every reader verifies it, so a wrong one is a
             miss, never wrong data, and a put saves one pass over memory.
         register_retry_s: Delay between attempts to reach the metadata service.

@@ -59,10 +59,10 @@ class Session:
             while remote transfers may be in flight).
         verify_shm_commits: Hash again what a same-host (``shm``) client
             copied before committing it. Off, the checksum that client took
-            of the arena bytes as it copied them is recorded as it is: every
-            reader verifies it, so a wrong one is a miss, never wrong data,
-            and the put saves a pass over memory. NIXL writes are always
-            verified (the writer never sees the arena).
+            of its source as it copied it is recorded as it is: every reader
+            verifies it, so a wrong one (or a source changed during the copy)
+            is a miss, never wrong data, and the put saves a pass over memory.
+            NIXL writes are always verified (the writer never sees the arena).
     """
 
     def __init__(

@@ -6,9 +6,10 @@ cross the store's data-plane socket, batched (see
 :mod:`kvdepot.connector.transport.control`):
 
 * put: RESERVE the batch, copy each chunk to its offset (hashing each block
-  as it landed in the arena, while it is in cache: the checksum costs no
-  pass over memory of its own), COMMIT the batch. The store records that
-  checksum; every reader checks it. A store started with
+  of the source right after it was copied, while it is in cache: the
+  checksum costs no pass over memory of its own), COMMIT the batch. The
+  store records that checksum; every reader checks it, so a source the
+  caller changed during the copy is a miss, never torn data. A store started with
   ``--verify-shm-commits`` hashes the arena bytes again and commits only
   what matches; COMMITs to it are pipelined, so it verifies one group on its
   core while the client copies the next.
@@ -318,9 +319,10 @@ class ShmTransport(ArenaTransport[_Mapping]):
             if reply.offset + entry.size > arena.nbytes:
                 raise ProtocolError(ErrorCode.MALFORMED, "reservation outside the arena")
             placed.append((i, entry, items[i].checksum))
-            # The checksum is taken of the bytes as they landed in the arena
-            # (the store records it without another pass over them).
-            jobs.append((arena[reply.offset : reply.offset + entry.size], view, True))
+            # The checksum is of the source, each block hashed right after it
+            # was copied: bytes changed under the copy then fail it at read
+            # time (hashing the copy would record them as the truth).
+            jobs.append((arena[reply.offset : reply.offset + entry.size], view, False))
         committed: list[int] = []
         counts: list[int] = []
         group: list[CommitEntry] = []
