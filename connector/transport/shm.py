@@ -31,11 +31,12 @@ wrong data.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
@@ -137,8 +138,14 @@ class Copier:
             ThreadPoolExecutor(threads, thread_name_prefix="kvdepot-copy") if threads > 1 else None
         )
 
-    def map(self, jobs: Sequence[tuple[memoryview, memoryview, bool]]) -> Iterator[int]:
-        """Copy each ``(dst, src, hash_dst)`` job; yield the checksums in job order."""
+    def map(
+        self, jobs: Sequence[tuple[memoryview, memoryview, bool]]
+    ) -> Generator[int, None, None]:
+        """Copy each ``(dst, src, hash_dst)`` job; yield the checksums in job order.
+
+        Close the generator (``contextlib.closing``) when not iterating it to
+        the end: closing waits for the copies still running.
+        """
         if self._pool is None or len(jobs) < 2:
             for dst, src, hash_dst in jobs:
                 yield copy_hashed(dst, src, hash_dst=hash_dst)
@@ -332,19 +339,22 @@ class ShmTransport(ArenaTransport[_Mapping]):
         # order, and checks one group on its core while the next ones are
         # copied; one that does not gets one COMMIT for the batch.
         limit = COMMIT_GROUP_BYTES if conn.info.flags & AttachFlags.VERIFIES_SHM else 1 << 62
-        for (i, entry, given), ck in zip(placed, self._copier.map(jobs), strict=True):
-            if given is not None and given != ck:
-                # The caller's checksum does not describe its bytes: store neither.
-                wrong.append(entry.key)
-                out.append((i, PutStatus.CORRUPT))
-                continue
-            group.append(CommitEntry(entry.key, ck))
-            committed.append(i)
-            group_bytes += entry.size
-            if group_bytes >= limit:
-                conn.send_commit(group)
-                counts.append(len(group))
-                group, group_bytes = [], 0
+        # Closed before anything leaves: every copy has ended, even when a
+        # COMMIT fails, before the connection (and its reservations) goes.
+        with contextlib.closing(self._copier.map(jobs)) as sums:
+            for (i, entry, given), ck in zip(placed, sums, strict=True):
+                if given is not None and given != ck:
+                    # The caller's checksum does not describe its bytes: store neither.
+                    wrong.append(entry.key)
+                    out.append((i, PutStatus.CORRUPT))
+                    continue
+                group.append(CommitEntry(entry.key, ck))
+                committed.append(i)
+                group_bytes += entry.size
+                if group_bytes >= limit:
+                    conn.send_commit(group)
+                    counts.append(len(group))
+                    group, group_bytes = [], 0
         if group:
             conn.send_commit(group)
             counts.append(len(group))
@@ -374,10 +384,11 @@ class ShmTransport(ArenaTransport[_Mapping]):
                 copies.append((len(out), reply.checksum))
                 out.append((i, GetOutcome(True, length)))
                 jobs.append((dest, arena[reply.offset : reply.offset + length], True))
-            # Every copy has ended when map() is done, before the leases go.
-            for (slot, expected), got in zip(copies, self._copier.map(jobs), strict=True):
-                if got != expected:
-                    out[slot] = (out[slot][0], GetOutcome(False, 0, "checksum mismatch"))
+            # Every copy has ended when the iterator is closed, before the leases go.
+            with contextlib.closing(self._copier.map(jobs)) as sums:
+                for (slot, expected), got in zip(copies, sums, strict=True):
+                    if got != expected:
+                        out[slot] = (out[slot][0], GetOutcome(False, 0, "checksum mismatch"))
         finally:
             conn.release_later(lease_ids)
         return out

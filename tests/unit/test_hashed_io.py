@@ -86,3 +86,27 @@ def test_copier_refuses_zero_threads() -> None:
 
     with pytest.raises(InvalidArgument):
         Copier(0)
+
+
+def test_closing_the_copier_early_waits_for_every_copy() -> None:
+    # A put that fails halfway gives its reservations back: no copy may
+    # still be writing into them then.
+    import contextlib
+
+    copier = Copier(2)
+    try:
+        srcs = [os.urandom(8 << 20) for _ in range(6)]
+        dsts = [bytearray(len(s)) for s in srcs]
+        jobs = [(memoryview(d), memoryview(s), False) for d, s in zip(dsts, srcs, strict=True)]
+        with contextlib.closing(copier.map(jobs)) as sums:
+            next(sums)
+        # Closed after one answer: what started has finished, what had not
+        # started never will.
+        done = [d == bytearray(s) for d, s in zip(dsts, srcs, strict=True)]
+        untouched = [d == bytearray(len(d)) for d in dsts]
+        assert all(a or b for a, b in zip(done, untouched, strict=True))
+        snapshot = [bytes(d) for d in dsts]
+        threading.Event().wait(0.2)
+        assert [bytes(d) for d in dsts] == snapshot
+    finally:
+        copier.close()
