@@ -86,10 +86,17 @@ class PutResult:
 
 @dataclass(frozen=True, slots=True)
 class GetResult:
-    """Which keys were loaded into their buffers (verified) and which missed."""
+    """Which keys were loaded into their buffers (verified) and which missed.
+
+    Attributes:
+        loaded: Per key, whether its chunk is in its buffer.
+        bytes_received: Bytes of all loaded chunks.
+        sizes: Per key, the size of the chunk loaded (0 for a miss).
+    """
 
     loaded: tuple[bool, ...]
     bytes_received: int
+    sizes: tuple[int, ...] = ()
 
     @property
     def leading(self) -> int:
@@ -300,7 +307,7 @@ class KVDepotClient:
             raise InvalidArgument(f"{len(keys)} keys but {len(buffers)} buffers")
         views = [_as_view(b, writable=True) for b in buffers]
         if not keys:
-            return GetResult((), 0)
+            return GetResult((), 0, ())
         ckeys = _check_keys(keys)
         local = self._local_address
         early = None
@@ -313,7 +320,8 @@ class KVDepotClient:
                 local, [GetItem(k, v) for k, v in zip(ckeys, views, strict=True)]
             )
             if all(o.ok for o in early):
-                return GetResult((True,) * len(keys), sum(o.length for o in early))
+                sizes = tuple(o.length for o in early)
+                return GetResult((True,) * len(keys), sum(sizes), sizes)
         reply = self.lookup_locations(keys)
         self._learn_local(r for loc in reply.locations for r in loc.replicas)
         loaded = [False] * len(keys)
@@ -355,7 +363,8 @@ class KVDepotClient:
             self._replicate(
                 [ckeys[i] for i in remote], [views[i][: reply.locations[i].size] for i in remote]
             )
-        return GetResult(tuple(loaded), received)
+        sizes = tuple(reply.locations[i].size if ok else 0 for i, ok in enumerate(loaded))
+        return GetResult(tuple(loaded), received, sizes)
 
     def _replicate(self, keys: list[ChunkKey], views: list[memoryview]) -> None:
         """Store pulled chunks on this node too and register the replicas."""

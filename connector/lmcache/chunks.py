@@ -148,7 +148,7 @@ class RawChunks:
         out: list[MemoryObj | None] = [None] * len(keys)
         try:
             result = client.get_into(keys[: len(objs)], [_bytes(o) for o in objs])
-            sizes = self._sizes(client, keys, result)
+            sizes = self._sizes(result)
         except BaseException:
             release(objs)
             raise
@@ -162,23 +162,12 @@ class RawChunks:
                 obj.ref_count_down()
         return out
 
-    def _sizes(
-        self, client: KVDepotClient, keys: Sequence[ChunkKey], result: GetResult
-    ) -> dict[int, int]:
-        # The read tells the total, not which chunk is short. Each chunk fit a
-        # full-size buffer, so n full chunks' worth means all are full (almost
-        # always), and one chunk is its total; otherwise (a short last chunk in
-        # a batch) one more lookup names the sizes.
-        loaded = [i for i, ok in enumerate(result.loaded) if ok]
-        if not loaded:
-            return {}
-        full = self.geometry.full_bytes
-        if result.bytes_received == len(loaded) * full:
-            return dict.fromkeys(loaded, full)
-        if len(loaded) == 1:
-            return {loaded[0]: result.bytes_received}
-        reply = client.lookup_locations(keys[: loaded[-1] + 1])
-        return {i: int(reply.locations[i].size) for i in loaded if i < reply.hits}
+    @staticmethod
+    def _sizes(result: GetResult) -> dict[int, int]:
+        # A chunk shorter than the layout's full size (the last of a
+        # sequence) is reshaped to the tokens it holds.
+        pairs = zip(result.loaded, result.sizes, strict=True)
+        return {i: size for i, (ok, size) in enumerate(pairs) if ok}
 
 
 class FramedChunks:

@@ -212,12 +212,15 @@ def test_a_node_reads_its_own_chunks_without_the_metadata_service(tmp_path: Path
                 bufs = [bytearray(len(d)) for d in data]
                 result = client.get_into(keys, bufs)
                 assert result.loaded == (True,) * 3 and bufs == data
+                assert result.sizes == (MiB, 300 * KiB, 5)
                 # A chunk this node lacks needs the lookup: the stopped service.
                 with pytest.raises(Unavailable):
                     client.get_into([*keys, other], [*bufs, bytearray(10)])
             finally:
                 c.metadata.proc.send_signal(signal.SIGCONT)
-            assert client.get_into([*keys, other], [*bufs, bytearray(10)]).leading == 3
+            result = client.get_into([*keys, other], [*bufs, bytearray(10)])
+            assert result.loaded == (True, True, True, False)
+            assert result.sizes == (MiB, 300 * KiB, 5, 0)
 
 
 def test_auto_uses_tcp_when_the_arena_is_not_shared(tmp_path: Path) -> None:
