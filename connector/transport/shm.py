@@ -32,6 +32,7 @@ wrong data.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import mmap
 import os
@@ -119,23 +120,63 @@ def copy_hashed(
     return hasher.digest()
 
 
+PARALLEL_COPY_BYTES = 16 << 20
+"""Batches smaller than this are copied on the caller's thread alone: waking
+another thread costs more than it saves there."""
+
+
+def _copy_group(jobs: Sequence[tuple[memoryview, memoryview, bool]]) -> list[int]:
+    return [copy_hashed(dst, src, hash_dst=hash_dst) for dst, src, hash_dst in jobs]
+
+
+def _split(
+    jobs: Sequence[tuple[memoryview, memoryview, bool]], ways: int
+) -> list[Sequence[tuple[memoryview, memoryview, bool]]]:
+    # Contiguous groups, in order, each cut where the bytes before it come
+    # closest to an equal share.
+    sums: list[int] = []
+    total = 0
+    for _, src, _ in jobs:
+        total += src.nbytes
+        sums.append(total)
+    cuts: list[int] = []
+    for k in range(1, ways):
+        target = total * k / ways
+        first = cuts[-1] + 1 if cuts else 1
+        if first >= len(jobs):
+            break
+        cuts.append(min(range(first, len(jobs)), key=lambda j: abs(sums[j - 1] - target)))
+    bounds = [0, *cuts, len(jobs)]
+    return [jobs[a:b] for a, b in itertools.pairwise(bounds) if b > a]
+
+
 class Copier:
     """Runs the chunk copies of a batch on a few threads at once.
 
     One core does not saturate memory bandwidth with copies: two threads
     moved nearly twice the bytes of one on the CI machine kind. Copies and
     hashes release the GIL (numpy ``copyto``, xxh3 through ctypes), so the
-    threads really run in parallel.
+    threads really run in parallel. The batch is cut into contiguous groups
+    of about equal bytes: the caller copies the first, a pool thread each
+    other one, so a batch wakes each helper once. Waking a thread cost
+    0.1 ms to several ms on the 2-vCPU CI machine kind (more while the host
+    was busy), so small batches stay on the caller's thread.
 
     Args:
-        threads: Copy threads; 1 copies on the caller's thread.
+        threads: Threads copying a large batch, the caller's included; 1
+            copies everything on the caller's thread.
+        parallel_bytes: Smallest batch copied on several threads.
     """
 
-    def __init__(self, threads: int) -> None:
+    def __init__(self, threads: int, parallel_bytes: int = PARALLEL_COPY_BYTES) -> None:
         if threads < 1:
             raise InvalidArgument("copy threads must be at least 1")
+        self._threads = threads
+        self._parallel_bytes = parallel_bytes
         self._pool = (
-            ThreadPoolExecutor(threads, thread_name_prefix="kvdepot-copy") if threads > 1 else None
+            ThreadPoolExecutor(threads - 1, thread_name_prefix="kvdepot-copy")
+            if threads > 1
+            else None
         )
 
     def map(
@@ -146,17 +187,22 @@ class Copier:
         Close the generator (``contextlib.closing``) when not iterating it to
         the end: closing waits for the copies still running.
         """
-        if self._pool is None or len(jobs) < 2:
-            for dst, src, hash_dst in jobs:
-                yield copy_hashed(dst, src, hash_dst=hash_dst)
-            return
-        futures = [
-            self._pool.submit(copy_hashed, dst, src, hash_dst=hash_dst)
-            for dst, src, hash_dst in jobs
-        ]
+        groups = (
+            _split(jobs, self._threads)
+            if self._pool is not None
+            and sum(src.nbytes for _, src, _ in jobs) >= self._parallel_bytes
+            else [jobs]
+        )
+        futures = (
+            [self._pool.submit(_copy_group, g) for g in groups[1:]]
+            if self._pool is not None
+            else []
+        )
         try:
+            for dst, src, hash_dst in groups[0]:
+                yield copy_hashed(dst, src, hash_dst=hash_dst)
             for f in futures:
-                yield f.result()
+                yield from f.result()
         finally:
             # A caller that stops early (an error) must not leave copies
             # running into memory it is about to give back.

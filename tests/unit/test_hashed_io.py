@@ -69,7 +69,7 @@ def test_copier_copies_a_batch_on_several_threads_in_order(threads: int) -> None
     sizes = [rng.randrange(1, 3 << 20) for _ in range(9)] + [1 << 20, 1]
     srcs = [rng.randbytes(n) for n in sizes]
     dsts = [bytearray(n) for n in sizes]
-    copier = Copier(threads)
+    copier = Copier(threads, parallel_bytes=1)
     try:
         jobs = [
             (memoryview(d), memoryview(s), i % 2 == 0)
@@ -93,7 +93,7 @@ def test_closing_the_copier_early_waits_for_every_copy() -> None:
     # still be writing into them then.
     import contextlib
 
-    copier = Copier(2)
+    copier = Copier(2, parallel_bytes=1)
     try:
         srcs = [os.urandom(8 << 20) for _ in range(6)]
         dsts = [bytearray(len(s)) for s in srcs]
@@ -110,3 +110,20 @@ def test_closing_the_copier_early_waits_for_every_copy() -> None:
         assert [bytes(d) for d in dsts] == snapshot
     finally:
         copier.close()
+
+
+def test_copier_splits_a_batch_into_contiguous_groups_of_about_equal_bytes() -> None:
+    from kvdepot.connector.transport.shm import _split
+
+    def jobs(*sizes: int) -> list[tuple[memoryview, memoryview, bool]]:
+        return [(memoryview(bytearray(n)), memoryview(bytearray(n)), True) for n in sizes]
+
+    def shape(groups: list) -> list[list[int]]:  # type: ignore[type-arg]
+        return [[src.nbytes for _, src, _ in g] for g in groups]
+
+    assert shape(_split(jobs(4, 4, 4, 4), 2)) == [[4, 4], [4, 4]]
+    assert shape(_split(jobs(8, 1, 1, 1, 1), 2)) == [[8], [1, 1, 1, 1]]
+    assert shape(_split(jobs(1, 1, 1, 9), 2)) == [[1, 1, 1], [9]]
+    assert shape(_split(jobs(1, 2, 3, 4, 5, 6), 3)) == [[1, 2, 3], [4, 5], [6]]
+    assert shape(_split(jobs(3, 3, 3), 3)) == [[3], [3], [3]]
+    assert shape(_split(jobs(5), 2)) == [[5]]
