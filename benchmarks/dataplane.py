@@ -109,6 +109,12 @@ class System(abc.ABC):
         """Stop whatever the system started."""
 
 
+def _cold_sets(size: int, batch: int) -> int:
+    """Batches of buffers to rotate over: 512 MiB, more than the last-level
+    cache (up to 300 MiB on these machines), so each use finds them cold."""
+    return max(2, (512 * MiB) // (size * batch))
+
+
 def _sources(size: int, batch: int, pools: int) -> list[list[np.ndarray]]:
     rng = np.random.default_rng(size)
     return [
@@ -122,8 +128,7 @@ class Memcpy(System):
     name = "memcpy"
 
     def prepare(self, size: int, batch: int) -> None:
-        # More than the last-level cache (up to 300 MiB on these machines).
-        pools = max(2, (512 * MiB) // (size * batch))
+        pools = _cold_sets(size, batch)
         self._src = [[np.full(size, 7, dtype=np.uint8) for _ in range(batch)] for _ in range(pools)]
         self._dst = [[np.ones(size, dtype=np.uint8) for _ in range(batch)] for _ in range(pools)]
         self._i = 0
@@ -152,7 +157,7 @@ def _raw_tcp_server(port_q: Any, size: int, batch: int) -> None:
     # gets send the same batch each time, as the kvdepot rows read theirs.
     slots = [
         [memoryview(np.ones(size, dtype=np.uint8)) for _ in range(batch)]
-        for _ in range(max(2, (512 * MiB) // (size * batch)))
+        for _ in range(_cold_sets(size, batch))
     ]
     nxt = 0
     while True:
@@ -232,7 +237,7 @@ class RawShm(System):
         self.close()
         self._dir = tempfile.mkdtemp(prefix="kvbench-")
         self._path = f"/dev/shm/kvbench-raw-{os.getpid()}"
-        slots = max(2, (512 * MiB) // (size * batch))
+        slots = _cold_sets(size, batch)
         with open(self._path, "wb") as f:
             f.truncate(size * batch * slots)
         sock_path = os.path.join(self._dir, "s")

@@ -161,13 +161,13 @@ class Session:
         """
         out: list[tuple[PutCode, int]] = []
         dropped = 0
+        verify = self._verify_shm or self.kind is not AttachKind.SHM
         for e in entries:
             res = self._reservations.pop(e.key, None)
             if res is None:
                 out.append((PutCode.INVALID, 0))
                 continue
             dropped += 1
-            verify = self._verify_shm or self.kind is not AttachKind.SHM
             if verify and checksum(res.view) != e.checksum:
                 self._chunks.revoke(res)
                 out.append((PutCode.CORRUPT, res.size))

@@ -67,11 +67,6 @@ def buffer_address(array: np.ndarray) -> int:
     return int(array.__array_interface__["data"][0])
 
 
-def native() -> bool:
-    """Whether hashing releases the GIL (the ctypes path is in use)."""
-    return _LIB is not None
-
-
 def xxh3_64(data: memoryview) -> int:
     """xxh3-64 of a flat byte view (the GIL is released for large inputs)."""
     if _LIB is None or data.nbytes < _MIN_RELEASE:
@@ -104,7 +99,7 @@ class Xxh3Stream:
             _LIB.XXH3_64bits_update_dispatch(self._state, _address(data), data.nbytes)
 
     def update_at(self, address: int, nbytes: int) -> None:
-        """Hash the next ``nbytes`` bytes at ``address`` (only where :func:`native`)."""
+        """Hash the next ``nbytes`` bytes at ``address`` (ctypes path only)."""
         assert _LIB is not None and self._state is not None
         if nbytes:
             _LIB.XXH3_64bits_update_dispatch(self._state, address, nbytes)

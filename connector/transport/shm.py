@@ -71,7 +71,6 @@ from kvdepot.store.protocol import (
     PutEntry,
 )
 from kvdepot.store.xxh3 import BlockHasher, xxh3_64
-from kvdepot.store.xxh3 import native as xxh3_native
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +108,7 @@ def copy_hashed(
     total = src.nbytes
     d = np.frombuffer(dst, dtype=np.uint8)
     s = np.frombuffer(src, dtype=np.uint8)
-    if total <= block or not xxh3_native():
+    if total <= block:
         np.copyto(d, s)
         return xxh3_64(dst if hash_dst else src)
     hasher = BlockHasher(dst if hash_dst else src)
