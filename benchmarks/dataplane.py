@@ -457,6 +457,56 @@ def _measure(
     return rows
 
 
+def _metadata_round_trips(address: str, node_id: str, size: int, batch: int) -> float:
+    """p50 ms of the two metadata calls around a put's transfer, without the transfer.
+
+    ``PutStart`` of ``batch`` new keys, then ``PutRevoke`` of them (a call of
+    the same shape as ``PutEnd`` that leaves nothing behind in the index).
+    """
+    import grpc
+
+    from kvdepot.proto.gen import metadata_pb2, metadata_pb2_grpc
+
+    times: list[float] = []
+    with grpc.insecure_channel(address) as channel:
+        stub = metadata_pb2_grpc.MetadataStub(channel)
+        for _ in range(41):
+            keys = [os.urandom(16) for _ in range(batch)]
+            t0 = time.perf_counter()
+            stub.PutStart(
+                metadata_pb2.PutStartRequest(
+                    keys=keys, sizes=[size] * batch, writer_node_id=node_id
+                ),
+                timeout=10,
+            )
+            stub.PutRevoke(metadata_pb2.PutRevokeRequest(keys=keys, node_id=node_id), timeout=10)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:]) * 1e3
+
+
+def _put_ceilings(
+    rows: list[Row], address: str, node_id: str, batch_of: Callable[[int], int]
+) -> list[str]:
+    """What kvdepot-tcp/raw-tcp put could reach with a transport as fast as raw-tcp.
+
+    A put is ``PutStart`` (so an already stored chunk is never sent), the
+    transfer, then ``PutEnd`` (so a lookup never names a chunk not yet
+    readable): the two round trips add to raw-tcp's batch time.
+    """
+    raw = {r.size: r.p50_ms for r in rows if r.system == "raw-tcp" and r.op == "put"}
+    lines = []
+    for size in (4 * MiB, 16 * MiB):
+        if size not in raw:
+            continue
+        batch = batch_of(size)
+        md = _metadata_round_trips(address, node_id, size, batch)
+        lines.append(
+            f"  {size // MiB:2d} MiB x {batch}: PutStart + PutEnd {md:5.2f} ms, raw-tcp batch "
+            f"{raw[size]:6.2f} ms -> kvdepot-tcp/raw-tcp put <= {raw[size] / (raw[size] + md):.2f}"
+        )
+    return lines
+
+
 def _ratios(rows: list[Row]) -> list[tuple[str, float, str]]:
     index = {(r.system, r.op, r.size): r.gbps for r in rows}
     out: list[tuple[str, float, str]] = []
@@ -584,6 +634,11 @@ def main(argv: list[str] | None = None) -> int:
         rows = _measure(systems, SIZES, batch_of, trials, log)
         if rss is not None:
             rss.stop()
+        ceilings: list[str] = []
+        if "kvdepot-tcp" in wanted:
+            ceilings = _put_ceilings(
+                rows, cluster.metadata_address, cluster.stores[0].info["node_id"], batch_of
+            )
     elapsed = time.monotonic() - started
     log(f"\n{'system':14s} {'op':3s} {'size':>7s} {'GB/s':>6s} {'p50 ms':>8s} {'p99 ms':>8s}")
     for r in rows:
@@ -592,6 +647,10 @@ def main(argv: list[str] | None = None) -> int:
     log("\nratios (same run):")
     for label, ratio, goal in _ratios(rows):
         log(f"  {label:34s} {ratio:5.2f}  ({goal})")
+    if ceilings:
+        log("\nmetadata round trips of a put (p50, same run), and the put ratio they leave:")
+        for line in ceilings:
+            log(line)
     if rss is not None:
         from kvdepot.config import parse_size
 

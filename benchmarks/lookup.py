@@ -8,6 +8,8 @@ sync stub:
 
 - ``lookup``: one 128-key ``Lookup`` (all hits);
 - ``put``: one 128-key ``PutStart`` + ``PutEnd`` of new keys;
+- ``health`` (backend ``grpc-floor``): one empty gRPC health check of the
+  memory-index process, the floor under any call through the service here;
 
 and, in the same run, the raw Redis cost of the equivalent pipelined commands
 (lookup: 128 HGETALL + the node's lease in one pipeline; put: 128 SET NX PX,
@@ -42,6 +44,7 @@ from typing import Any
 
 import grpc
 import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvdepot.cluster import wait_ready
 from kvdepot.metadata.lookup_wire import unpack_lookup
@@ -257,8 +260,15 @@ def grpc_worker(
         assert all(a.action == metadata_pb2.Allocation.WRITE for a in reply.allocations)
         stub.PutEnd(metadata_pb2.PutEndRequest(keys=new, node_id=NODE_ID, sizes=sizes), timeout=10)
 
+    health = health_pb2_grpc.HealthStub(channel)
+    empty = health_pb2.HealthCheckRequest()
+
+    def check(i: int) -> None:
+        health.Check(empty, timeout=10)
+
+    ops = {"lookup": lookup, "put": put, "health": check}
     try:
-        return timed_loop(lookup if op == "lookup" else put, seconds, warmup_s, start_at)
+        return timed_loop(ops[op], seconds, warmup_s, start_at)
     finally:
         channel.close()
 
@@ -351,6 +361,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     lat, elapsed = run_clients(pool, addresses, op, keys, seconds, warmup)
                     rows.append(row(backend, op, keys, lat, elapsed))
                     log(args, rows[-1])
+            lat, elapsed = run_clients(pool, [memory], "health", keys, seconds, warmup)
+            rows.append(row("grpc-floor", "health", 0, lat, elapsed))
+            log(args, rows[-1])
             with redis.Redis(port=port) as rc:
                 found = rc.hget(f"{PREFIX}:n:{{{NODE_ID}}}", "epoch")
             epoch = found if isinstance(found, bytes) else b"0"
@@ -361,7 +374,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     def get(backend: str, op: str) -> dict[str, Any]:
         return next(r for r in rows if r["backend"] == backend and r["op"] == op)
 
-    summary: dict[str, Any] = {}
+    floor = get("grpc-floor", "health")
+    summary: dict[str, Any] = {
+        "grpc_floor": {"p50_ms": floor["p50_ms"], "p99_ms": floor["p99_ms"]}
+    }
     for op in ("lookup", "put"):
         redis_row, raw, mem = get("redis", op), get("raw-redis", op), get("memory", op)
         two = get("redis-2-replicas", op)
@@ -406,7 +422,13 @@ def render(result: dict[str, Any]) -> str:
     if cpus < 6:
         # Two replicas, their two client processes and Redis need ~5 cores.
         lines.append(f"note: {cpus} CPUs only: the redis-2-replicas rows cannot scale here")
-    for op, s in result["summary"].items():
+    floor = result["summary"]["grpc_floor"]
+    lines.append(
+        f"grpc floor (empty health check, same process and client): "
+        f"p50 {floor['p50_ms']} ms, p99 {floor['p99_ms']} ms"
+    )
+    for op in ("lookup", "put"):
+        s = result["summary"][op]
         lines.append(
             f"{op}: redis p99 / raw p99 = {s['redis_p99_over_raw_p99']}x, "
             f"p50 ratio {s['redis_p50_over_raw_p50']}x; memory p99 = {s['memory_p99_ms']} ms; "
