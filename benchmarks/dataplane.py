@@ -50,6 +50,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 
 KiB = 1 << 10
@@ -463,8 +464,6 @@ def _metadata_round_trips(address: str, node_id: str, size: int, batch: int) -> 
     ``PutStart`` of ``batch`` new keys, then ``PutRevoke`` of them (a call of
     the same shape as ``PutEnd`` that leaves nothing behind in the index).
     """
-    import grpc
-
     from kvdepot.proto.gen import metadata_pb2, metadata_pb2_grpc
 
     times: list[float] = []
@@ -499,7 +498,11 @@ def _put_ceilings(
         if size not in raw:
             continue
         batch = batch_of(size)
-        md = _metadata_round_trips(address, node_id, size, batch)
+        try:
+            md = _metadata_round_trips(address, node_id, size, batch)
+        except grpc.RpcError as exc:
+            lines.append(f"  {size // MiB:2d} MiB: not measured ({exc.code().name})")
+            continue
         lines.append(
             f"  {size // MiB:2d} MiB x {batch}: PutStart + PutEnd {md:5.2f} ms, raw-tcp batch "
             f"{raw[size]:6.2f} ms -> kvdepot-tcp/raw-tcp put <= {raw[size] / (raw[size] + md):.2f}"
