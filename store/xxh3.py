@@ -59,12 +59,8 @@ _LIB = _load()
 
 
 def _address(view: memoryview) -> int:
-    return buffer_address(np.frombuffer(view, dtype=np.uint8))
-
-
-def buffer_address(array: np.ndarray) -> int:
-    """Address of the first byte of ``array`` (cheaper than ``array.ctypes.data``)."""
-    return int(array.__array_interface__["data"][0])
+    # The array interface is cheaper to read than ``ndarray.ctypes.data``.
+    return int(np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0])
 
 
 def xxh3_64(data: memoryview) -> int:
@@ -133,9 +129,7 @@ class BlockHasher:
         self._stream = Xxh3Stream()
         self._view = view
         self._base = (
-            buffer_address(np.frombuffer(view, dtype=np.uint8))
-            if self._stream._state is not None and view.nbytes
-            else None
+            _address(view) if self._stream._state is not None and view.nbytes else None
         )
 
     def update(self, start: int, end: int) -> None:
