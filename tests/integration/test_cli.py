@@ -38,15 +38,22 @@ def test_demo_against_a_running_cluster(cluster: LocalCluster) -> None:
     assert 0.5 < s["prefix_hit_rate"] < 1.0
     assert s["bytes_transferred"] >= s["chunks_published"] * 256 * 1024
 
-    stats = run("stats", "--json", "--metadata", cluster.metadata_address)
-    assert stats.returncode == 0, stats.stderr
-    d = json.loads(stats.stdout)
+    # Tier figures reach the metadata service with each store's next heartbeat.
+    deadline = time.monotonic() + 15
+    while True:
+        stats = run("stats", "--json", "--metadata", cluster.metadata_address)
+        assert stats.returncode == 0, stats.stderr
+        d = json.loads(stats.stdout)
+        tier_chunks = sum(t["chunks"] for n in d["nodes"] for t in n["tiers"])
+        if tier_chunks == s["chunks_published"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert len(d["nodes"]) == 2
     for n in d["nodes"]:
         assert n["address"].startswith("127.0.0.1:")
         (tier,) = n["tiers"]
         assert tier["name"] == "cpu" and tier["capacity_bytes"] == 64 << 20
-    assert sum(t["chunks"] for n in d["nodes"] for t in n["tiers"]) == s["chunks_published"]
+    assert tier_chunks == s["chunks_published"]
     assert d["bytes_saved"] == s["bytes_saved"]
     assert d["hit_tokens"] == s["chunks_pulled"] * 256
     assert d["lookups"] > 0 and d["miss_tokens"] > 0

@@ -179,16 +179,27 @@ def make_engine() -> Iterator[Callable[..., Engine]]:
     assert [e.allocated for e in engines] == [0] * len(engines), "LMCache memory leaked"
 
 
-def cli_stats(metadata: str) -> dict[str, Any]:
-    out = subprocess.run(
-        [sys.executable, "-m", "kvdepot.cli", "stats", "--json", "--metadata", metadata],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    stats: dict[str, Any] = json.loads(out.stdout)
-    return stats
+def cli_stats(
+    metadata: str, until: Callable[[dict[str, Any]], bool] | None = None, timeout: float = 15.0
+) -> dict[str, Any]:
+    """``kvdepot stats --json``; with ``until``, asked again until it holds or ``timeout`` passes.
+
+    Tier figures reach the metadata service with a store's next heartbeat, not with the
+    read that changed them, so a test waits for them rather than for a fixed time.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        out = subprocess.run(
+            [sys.executable, "-m", "kvdepot.cli", "stats", "--json", "--metadata", metadata],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        stats: dict[str, Any] = json.loads(out.stdout)
+        if until is None or until(stats) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.2)
 
 
 # -- the key mapping ------------------------------------------------------------------
@@ -630,14 +641,18 @@ def test_kvdepot_stats_count_lmcache_traffic(
     got = e.remote.batched_get_blocking(keys)  # 4 hits
     for g in got:
         g.ref_count_down()
-    stats = cli_stats(cluster.metadata_address)
+
+    def tier_hits(stats: dict[str, Any]) -> int:
+        return sum(t["hits"] for n in stats["nodes"] for t in n["tiers"])
+
+    stats = cli_stats(cluster.metadata_address, until=lambda s: tier_hits(s) >= 4)
     chunk_bytes = 2 * LAYERS * CHUNK * HEADS * HEAD_DIM * 2
     assert stats["puts_committed"] == 4
     assert stats["bytes_committed"] == 4 * chunk_bytes
     assert stats["chunks"] == 4
     assert (stats["hit_keys"], stats["miss_keys"]) == (8, 1)
     assert (stats["hit_tokens"], stats["miss_tokens"]) == (8 * CHUNK, CHUNK)
-    assert sum(t["hits"] for n in stats["nodes"] for t in n["tiers"]) >= 4
+    assert tier_hits(stats) >= 4
 
 
 def test_url_settings_take_a_token_file_never_a_token(tmp_path: Path) -> None:

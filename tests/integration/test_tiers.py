@@ -100,13 +100,21 @@ def test_demotion_and_promotion_under_pressure_keep_every_byte(tmp_path: Path) -
         t = tiers(store["grpc_address"])
         assert t["ssd"].promotions > 0 and t["ssd"].hits > 0
         assert t["cpu"].used_bytes <= t["cpu"].capacity_bytes
-        out = subprocess.run(
-            [sys.executable, "-m", "kvdepot.cli", "stats", "--json", "--metadata",
-             cl.metadata_address],
-            capture_output=True, text=True, timeout=30, check=True,
-        )  # fmt: skip
-        (node,) = json.loads(out.stdout)["nodes"]
-        listed = {t["name"]: t for t in node["tiers"]}
+        listed: dict[str, dict[str, int]] = {}
+
+        def demotions_listed() -> bool:
+            # Tier figures reach the metadata service with the store's next heartbeat.
+            nonlocal listed
+            out = subprocess.run(
+                [sys.executable, "-m", "kvdepot.cli", "stats", "--json", "--metadata",
+                 cl.metadata_address],
+                capture_output=True, text=True, timeout=30, check=True,
+            )  # fmt: skip
+            (node,) = json.loads(out.stdout)["nodes"]
+            listed = {t["name"]: t for t in node["tiers"]}
+            return listed["cpu"]["demotions"] > 0
+
+        wait_for(demotions_listed)
         assert set(listed) == {"cpu", "ssd"}
         assert listed["ssd"]["capacity_bytes"] == 64 * MiB
         for field in ("used_bytes", "chunks", "hits", "misses", "evictions", "promotions"):
