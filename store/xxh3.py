@@ -94,6 +94,11 @@ class Xxh3Stream:
             assert _LIB is not None
             _LIB.XXH3_64bits_update_dispatch(self._state, _address(data), data.nbytes)
 
+    @property
+    def native(self) -> bool:
+        """Whether updates call libxxhash directly (so :meth:`update_at` may be used)."""
+        return self._state is not None
+
     def update_at(self, address: int, nbytes: int) -> None:
         """Hash the next ``nbytes`` bytes at ``address`` (ctypes path only)."""
         assert _LIB is not None and self._state is not None
@@ -128,9 +133,7 @@ class BlockHasher:
     def __init__(self, view: memoryview) -> None:
         self._stream = Xxh3Stream()
         self._view = view
-        self._base = (
-            _address(view) if self._stream._state is not None and view.nbytes else None
-        )
+        self._base = _address(view) if self._stream.native and view.nbytes else None
 
     def update(self, start: int, end: int) -> None:
         """Hash ``view[start:end]``, the range right after the previous one."""

@@ -186,17 +186,12 @@ class Copier:
         Close the generator (``contextlib.closing``) when not iterating it to
         the end: closing waits for the copies still running.
         """
-        groups = (
-            _split(jobs, self._threads)
-            if self._pool is not None
-            and sum(src.nbytes for _, src, _ in jobs) >= self._parallel_bytes
-            else [jobs]
-        )
-        futures = (
-            [self._pool.submit(_copy_group, g) for g in groups[1:]]
-            if self._pool is not None
-            else []
-        )
+        pool = self._pool
+        futures = []
+        groups: Sequence[Sequence[tuple[memoryview, memoryview, bool]]] = [jobs]
+        if pool is not None and sum(src.nbytes for _, src, _ in jobs) >= self._parallel_bytes:
+            groups = _split(jobs, self._threads)
+            futures = [pool.submit(_copy_group, g) for g in groups[1:]]
         try:
             for dst, src, hash_dst in groups[0]:
                 yield copy_hashed(dst, src, hash_dst=hash_dst)
