@@ -6,7 +6,8 @@ Used by the connector tests and ``benchmarks/vllm_ttft.py``::
 
 SPEC: ``{"model": dir, "prompts": [[ids…]…], "max_tokens": n, "logprobs": k,
 "kv": {…KVTransferConfig fields…} | null}``. Prints one JSON line with the
-generated tokens, logprobs, timings and the connector's process counters.
+generated tokens, their logprobs, the top-k per position, timings and the
+connector's process counters.
 """
 
 from __future__ import annotations
@@ -113,13 +114,20 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             llm.generate([{"prompt_token_ids": ids}], one, use_tqdm=False)
             ttft = time.perf_counter() - t0
         out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0]
-        logprobs = None
+        logprobs = top = None
         if out.logprobs is not None:
             logprobs = [
                 round(float(lp[t].logprob), 4)
                 for t, lp in zip(out.token_ids, out.logprobs, strict=True)
             ]
-        outputs.append({"tokens": list(out.token_ids), "logprobs": logprobs, "ttft_s": ttft})
+            # Per position, the k most likely tokens (JSON keys are strings).
+            top = [
+                {str(t): round(float(x.logprob), 4) for t, x in lp.items()}
+                for lp in out.logprobs
+            ]
+        outputs.append(
+            {"tokens": list(out.token_ids), "logprobs": logprobs, "top": top, "ttft_s": ttft}
+        )
     stats: dict[str, int] = {}
     if kv:
         from kvdepot.connector.vllm import PROCESS_STATS

@@ -287,27 +287,32 @@ def test_fp8_chunks_halve_the_bytes_and_stay_close_to_a_plain_run(
     assert chunk_bytes("fp8_e4m3") / chunk_bytes("none") == 33856 / 65600  # 0.516
     assert all(same(x, y) for x, y in zip(prod["outputs"], plain, strict=False))
 
-    cons = run_engine(
-        workdir,
-        spec(model, [PROMPT_A, PROMPT_B], kv("kv_consumer", meta, "store-1", **fp8)),
-        "fp8-consumer",
-    )
+    # The top 5 per position: where the greedy choice flips, the plain run's
+    # token must still be among them.
+    cons_spec = spec(model, [PROMPT_A, PROMPT_B], kv("kv_consumer", meta, "store-1", **fp8))
+    cons = run_engine(workdir, {**cons_spec, "logprobs": 5}, "fp8-consumer")
     c = cons["connector"]
     assert c["chunks_loaded"] == 5 and c["load_errors"] == 0, c
     assert c["bytes_loaded"] == 5 * chunk_bytes("fp8_e4m3")
     # e4m3 keeps 3 mantissa bits: the loaded KV is close, not equal, and this
-    # random model (attention logits of std ~8, near-tied top tokens) is very
-    # sensitive to it. Measured on the CI machine kind: the greedy tokens agree
-    # for the first 2 and 5 tokens, then diverge; over the agreeing positions
-    # |delta logprob| is at most 0.67, 0.24 on average (the same drift as
-    # quantizing the cache inside transformers). benchmarks/kv_codec.py saw up
-    # to 1.08 on other prompts; the bounds leave room for that.
+    # random model (attention logits of std ~8, near-tied top tokens: the
+    # best has a logprob near -2) is very sensitive to it. Measured on the CI
+    # machine kind: the greedy tokens agree for the first 2 and 5 tokens, then
+    # diverge; on another CPU of that kind the very first token flipped to its
+    # runner-up. Over the agreeing positions |delta logprob| is at most 0.67,
+    # 0.24 on average (the same drift as quantizing the cache inside
+    # transformers); benchmarks/kv_codec.py saw up to 1.08 on other prompts.
+    # Up to the first divergence the context is the same, so the plain run's
+    # token there is compared too, by its logprob in the fp8 run's top 5.
     deltas: list[float] = []
     for got, want in zip(cons["outputs"], plain, strict=False):
         pairs = list(zip(got["tokens"], want["tokens"], strict=True))
         agree = next((i for i, (a, b) in enumerate(pairs) if a != b), len(pairs))
-        assert agree >= 1, (got, want)
         deltas += [abs(got["logprobs"][i] - want["logprobs"][i]) for i in range(agree)]
+        if agree < len(pairs):
+            flipped = got["top"][agree].get(str(want["tokens"][agree]))
+            assert flipped is not None, ("plain token not in the fp8 top 5", agree, got, want)
+            deltas.append(abs(flipped - want["logprobs"][agree]))
     assert max(deltas) <= 1.5 and sum(deltas) / len(deltas) <= 0.6, deltas
     # Not a no-op: quantization moved the logprobs.
     assert max(deltas) > 0
