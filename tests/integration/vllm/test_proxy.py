@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -77,6 +78,19 @@ def wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None
     raise AssertionError(f"{url} not up within {timeout_s} s")
 
 
+def engine_trouble(tmp: Path) -> dict[str, list[str]]:
+    """The engines' kvdepot, error and traceback lines, for a failure message.
+
+    (CI once saw a prefill that published nothing, with no log left to read.)
+    """
+    found: dict[str, list[str]] = {}
+    for name in ("prefill", "decode"):
+        text = (tmp / f"{name}.out").read_text(errors="replace")
+        lines = [ln for ln in text.splitlines() if re.search("kvdepot|Error|Traceback", ln)]
+        found[name] = lines[-20:]
+    return found
+
+
 def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
     req = urllib.request.Request(
         url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
@@ -129,7 +143,7 @@ def test_proxy_prefill_then_decode_over_http(tmp_path: Path) -> None:
             with KVDepotClient(ClientConfig(metadata=meta)) as client:
                 stats = client.stats()
             # The prefill published the prompt's 2 chunks; the decode hit them.
-            assert stats.puts_committed == 2
+            assert stats.puts_committed == 2, (stats, engine_trouble(tmp_path))
             assert stats.hit_tokens >= 2 * CHUNK
             # Streaming goes through too.
             req = urllib.request.Request(
