@@ -70,9 +70,10 @@ def test_churn_of_100k_mixed_size_puts_and_evictions_does_not_fragment() -> None
 
 def test_churn_through_the_tiered_store_keeps_dram_full_and_usable(tmp_path: Path) -> None:
     # DRAM over SSD, no background demotion: every put that finds DRAM full
-    # moves the coldest chunks down on its own path. The SSD holds everything
-    # (~580 MiB) and the demotion buffer too, so how fast this disk writes
-    # cannot turn a demotion into a drop (CI's disk once dropped 40%).
+    # moves the coldest chunks down on its own path. The SSD and the demotion
+    # buffer hold all 3000 chunks (~570 MiB), so how fast this disk writes
+    # cannot turn a demotion into a drop (with a 64 MiB SSD, a slow CI disk
+    # left 1755 of ~2900 chunks dropped).
     cs = ChunkStore(
         16 * MiB,
         cpu_limits=TierLimits(1.0, 1.0),

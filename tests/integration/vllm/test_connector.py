@@ -298,12 +298,14 @@ def test_fp8_chunks_halve_the_bytes_and_stay_close_to_a_plain_run(
     # random model (attention logits of std ~8, near-tied top tokens: the
     # best has a logprob near -2) is very sensitive to it. Measured on the CI
     # machine kind: the greedy tokens agree for the first 2 and 5 tokens, then
-    # diverge; on another CPU of that kind the very first token flipped to its
-    # runner-up. Over the agreeing positions |delta logprob| is at most 0.67,
-    # 0.24 on average (the same drift as quantizing the cache inside
-    # transformers); benchmarks/kv_codec.py saw up to 1.08 on other prompts.
-    # Up to the first divergence the context is the same, so the plain run's
-    # token there is compared too, by its logprob in the fp8 run's top 5.
+    # diverge; on another CPU of that kind the very first token of PROMPT_A
+    # flipped (the plain run's token became the runner-up, logprob -2.35 vs
+    # -2.05) and PROMPT_B agreed for 7 (the plain token then 4th). Over the
+    # agreeing positions |delta logprob| is at most 0.67, 0.24 on average (the
+    # same drift as quantizing the cache inside transformers);
+    # benchmarks/kv_codec.py saw up to 1.08 on other prompts. Up to the first
+    # divergence the context is the same, so the plain run's token there is
+    # compared too, by its logprob in the fp8 run's top 5.
     deltas: list[float] = []
     for got, want in zip(cons["outputs"], plain, strict=False):
         pairs = list(zip(got["tokens"], want["tokens"], strict=True))
