@@ -60,7 +60,8 @@ class HealthState:
         name = "SERVING" if serving else "NOT_SERVING"
         if first and serving:
             return  # the daemon's "listening" line says as much
-        log = logger.info if serving else logger.warning
+        # A daemon that starts NOT_SERVING (a store before it registers) says so quietly.
+        log = logger.info if serving or first else logger.warning
         log(
             "%s health: %s%s",
             self.daemon,

@@ -194,8 +194,9 @@ class StoreDaemon:
         if grpc_port == 0:
             raise InvalidArgument(f"cannot bind {self.config.host}:{self.config.grpc_port}")
         await server.start()
-        # SERVING until the metadata service is gone for longer than a lease.
-        await health.set(True)
+        # SERVING once registered with a metadata service (a client cannot
+        # find this node before), until it is gone for longer than a lease.
+        await health.set(False, "not registered with a metadata service yet")
         self._server = server
         if self.config.metrics_port is not None:
             self.metrics = MetricsServer(
@@ -378,7 +379,7 @@ class StoreDaemon:
                 await asyncio.sleep(self.config.register_retry_s)
                 continue
             last_ok = time.monotonic()
-            await health.set(True, "holds a metadata lease again")
+            await health.set(True, "holds a metadata lease")
             await asyncio.sleep(self._heartbeat_s)
 
     async def _sample_forever(self) -> None:
