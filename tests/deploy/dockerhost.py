@@ -1,0 +1,268 @@
+"""A Docker engine of the tests' own, and the local images the compose file needs.
+
+No image registry is reachable where the tests run, so the base image is made
+with debootstrap from the Debian mirror apt already uses (cached between runs
+in the engine's data root, under :data:`CACHE`), and every other image is
+built on it. The engine runs with ``--iptables=false --ip-forward=false
+--bridge=none``: it never touches the host's firewall rules or its forwarding
+policy (other tests rely on both); a user-defined bridge network and published
+loopback ports work without them.
+
+Only one engine runs per machine at a time: :func:`engine` holds a lock file
+for as long as it runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+CACHE = Path(os.environ.get("KVDEPOT_TEST_DOCKER_CACHE", "/var/cache/kvdepot-test"))
+"""Kept between runs: the engine's data root (images, build cache) and its lock."""
+
+DEBIAN_MIRROR = os.environ.get("KVDEPOT_TEST_DEBIAN_MIRROR", "http://deb.debian.org/debian")
+BASE_PACKAGES = "python3,python3-venv,python3-pip,ca-certificates,redis-server"
+HOST_CAS = Path("/usr/local/share/ca-certificates")
+LOCK_WAIT_S = 900.0
+TOOLS = ("dockerd", "docker-compose", "debootstrap")
+
+
+def missing_tools() -> list[str]:
+    """The programs the compose tests need that are not installed."""
+    return [t for t in TOOLS if shutil.which(t) is None] + (
+        [] if docker_client() else ["docker"]
+    )
+
+
+def docker_client() -> str:
+    """The docker CLI that speaks the engine's API: Debian's (20.10) before a newer one."""
+    if os.access("/usr/bin/docker", os.X_OK):
+        return "/usr/bin/docker"
+    return shutil.which("docker") or ""
+
+
+@dataclass
+class Engine:
+    """A running dockerd: ``env`` points docker and docker-compose at it."""
+
+    env: dict[str, str]
+    root: Path
+    log: Path
+
+    def docker(self, *args: str, timeout: float = 120, check: bool = True) -> str:
+        r = subprocess.run(
+            [docker_client(), *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        if check and r.returncode != 0:
+            raise RuntimeError(f"docker {' '.join(args)} failed ({r.returncode}): {r.stderr[-3000:]}")
+        return r.stdout
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _stop_pid(pid: int, timeout_s: float = 30) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while _pid_alive(pid) and time.monotonic() < deadline:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+        time.sleep(0.2)
+    if _pid_alive(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _stale_dockerd(pidfile: Path) -> None:
+    """Stop a dockerd a killed earlier run left behind (we hold the lock: it is not in use)."""
+    try:
+        pid = int(pidfile.read_text().strip())
+    except (OSError, ValueError):
+        return
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return
+    if b"dockerd" in cmdline and str(CACHE).encode() in cmdline:
+        _stop_pid(pid)
+
+
+@contextlib.contextmanager
+def engine(startup_timeout_s: float = 60) -> Iterator[Engine]:
+    """Start a dockerd of our own; stop it (and everything it ran) at the end."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / "lock", "w") as lock:
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"another run holds {CACHE / 'lock'}") from None
+                time.sleep(2)
+        _stale_dockerd(CACHE / "dockerd.pid")
+        # Exec root and socket: short paths (unix sockets are limited to 108 bytes).
+        run = Path(tempfile.mkdtemp(prefix="kvd-docker-"))
+        sock = run / "docker.sock"
+        log = run / "dockerd.log"
+        cmd = [
+            "dockerd",
+            "--iptables=false",
+            "--ip6tables=false",
+            "--ip-forward=false",
+            "--ip-masq=false",
+            "--bridge=none",
+            f"--data-root={CACHE / 'docker'}",
+            f"--exec-root={run / 'exec'}",
+            f"--pidfile={CACHE / 'dockerd.pid'}",
+            f"--host=unix://{sock}",
+            "--log-level=warn",
+        ]
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
+        env = dict(os.environ)
+        env.update(
+            DOCKER_HOST=f"unix://{sock}",
+            DOCKER_BUILDKIT="0",
+            COMPOSE_DOCKER_CLI_BUILD="0",
+            COMPOSE_INTERACTIVE_NO_CLI="1",
+        )
+        eng = Engine(env=env, root=run, log=log)
+        try:
+            until = time.monotonic() + startup_timeout_s
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"dockerd exited: {log.read_text()[-3000:]}")
+                r = subprocess.run(
+                    [docker_client(), "version", "--format", "{{.Server.Version}}"],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    timeout=30,
+                    check=False,
+                )
+                if r.returncode == 0:
+                    break
+                if time.monotonic() > until:
+                    raise RuntimeError(f"dockerd not ready: {log.read_text()[-3000:]}")
+                time.sleep(0.3)
+            clean(eng)
+            yield eng
+        finally:
+            with contextlib.suppress(Exception):
+                clean(eng)
+            _stop_pid(proc.pid)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+            shutil.rmtree(run, ignore_errors=True)
+
+
+def clean(eng: Engine) -> None:
+    """Remove every container, network and volume (images stay: they are the cache).
+
+    Containers left by a run that was killed would otherwise come back with
+    their restart policies and hold the ports.
+    """
+    ids = eng.docker("ps", "-aq").split()
+    if ids:
+        eng.docker("rm", "-f", "-v", *ids, timeout=120)
+    eng.docker("network", "prune", "-f")
+    eng.docker("volume", "prune", "-f")
+
+
+def base_key() -> str:
+    """What the base image is made from: packages, mirror and the host's CA certificates."""
+    h = hashlib.sha256(f"bookworm {BASE_PACKAGES} {DEBIAN_MIRROR}".encode())
+    if HOST_CAS.is_dir():
+        for crt in sorted(HOST_CAS.rglob("*.crt")):
+            h.update(crt.name.encode() + crt.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def base_image(eng: Engine, timeout_s: float = 600) -> str:
+    """A Debian bookworm image with Python, its venv module and redis-server.
+
+    Made once per machine (about 2 minutes) with debootstrap; the host's CA
+    certificates go into it (builds reach PyPI through a TLS-intercepting
+    proxy) and nowhere else. Later runs find it in the engine's data root.
+    """
+    tag = f"kvdepot-test/debian:bookworm-{base_key()}"
+    if eng.docker("images", "-q", tag).strip():
+        return tag
+    rootfs = Path(tempfile.mkdtemp(prefix="kvd-rootfs-", dir=CACHE))
+    try:
+        subprocess.run(
+            [
+                "debootstrap",
+                "--variant=minbase",
+                f"--include={BASE_PACKAGES}",
+                "bookworm",
+                str(rootfs),
+                DEBIAN_MIRROR,
+            ],
+            capture_output=True,
+            timeout=timeout_s,
+            check=True,
+        )
+        if HOST_CAS.is_dir():
+            target = rootfs / "usr/local/share/ca-certificates"
+            target.mkdir(parents=True, exist_ok=True)
+            for crt in sorted(HOST_CAS.rglob("*.crt")):
+                shutil.copy(crt, target / crt.name)
+            subprocess.run(
+                ["chroot", str(rootfs), "update-ca-certificates"],
+                capture_output=True,
+                timeout=120,
+                check=True,
+            )
+        # apt lists and caches are not needed in the image.
+        for sub in ("var/lib/apt/lists", "var/cache/apt/archives"):
+            for p in (rootfs / sub).glob("*"):
+                if p.is_file():
+                    p.unlink()
+        tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
+        imp = subprocess.run(
+            [docker_client(), "import", "-c", "ENV LANG=C.UTF-8", "-", tag],
+            stdin=tar.stdout,
+            env=eng.env,
+            capture_output=True,
+            timeout=300,
+            check=False,
+        )
+        assert tar.stdout is not None
+        tar.stdout.close()
+        tar.wait(timeout=60)
+        if imp.returncode != 0 or tar.returncode != 0:
+            raise RuntimeError(f"docker import failed: {imp.stderr.decode()[-2000:]}")
+    except subprocess.CalledProcessError as exc:
+        out = (exc.stderr or b"").decode(errors="replace")[-2000:]
+        raise RuntimeError(f"{exc.cmd[0]} failed ({exc.returncode}): {out}") from None
+    finally:
+        shutil.rmtree(rootfs, ignore_errors=True)
+    return tag
