@@ -86,7 +86,9 @@ class Arena:
                 os.posix_fallocate(fd, 0, capacity)
             except OSError as exc:
                 raise CapacityExceeded(
-                    f"cannot reserve {capacity} bytes for arena file {path}: {exc}"
+                    f"cannot reserve {capacity} bytes for arena file {path}: {exc.strerror}"
+                    f"{_room(path)}; lower the capacity or give that file system more room "
+                    "(in a container: --shm-size, compose shm_size)"
                 ) from exc
             try:
                 mm = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED | _POPULATE)
@@ -194,6 +196,16 @@ class Arena:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _room(path: str) -> str:
+    """`` (DIR holds N bytes in all)`` for an error message, or nothing."""
+    directory = os.path.dirname(path) or "."
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return ""
+    return f" ({directory} holds {st.f_blocks * st.f_frsize} bytes in all)"
 
 
 def _unlink_quietly(path: str) -> None:

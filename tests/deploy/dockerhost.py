@@ -39,9 +39,7 @@ TOOLS = ("dockerd", "docker-compose", "debootstrap")
 
 def missing_tools() -> list[str]:
     """The programs the compose tests need that are not installed."""
-    return [t for t in TOOLS if shutil.which(t) is None] + (
-        [] if docker_client() else ["docker"]
-    )
+    return [t for t in TOOLS if shutil.which(t) is None] + ([] if docker_client() else ["docker"])
 
 
 def docker_client() -> str:
@@ -69,7 +67,9 @@ class Engine:
             check=False,
         )
         if check and r.returncode != 0:
-            raise RuntimeError(f"docker {' '.join(args)} failed ({r.returncode}): {r.stderr[-3000:]}")
+            raise RuntimeError(
+                f"docker {' '.join(args)} failed ({r.returncode}): {r.stderr[-3000:]}"
+            )
         return r.stdout
 
 
@@ -266,3 +266,91 @@ def base_image(eng: Engine, timeout_s: float = 600) -> str:
     finally:
         shutil.rmtree(rootfs, ignore_errors=True)
     return tag
+
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+KVDEPOT_IMAGE = "kvdepot-test/kvdepot:latest"
+REDIS_IMAGE = "kvdepot-test/redis:latest"
+VLLM_CPU_IMAGE = "kvdepot-test/vllm-cpu:latest"
+
+
+def free_subnet() -> str:
+    """First three octets of a /24 the host has no route into (e.g. ``172.31.240``)."""
+    routes = subprocess.run(
+        ["ip", "-4", "route"], capture_output=True, text=True, timeout=10, check=False
+    ).stdout
+    for third in range(240, 255):
+        prefix = f"172.31.{third}"
+        if f"{prefix}." not in routes:
+            return prefix
+    raise RuntimeError("no free 172.31.240-254.0/24 subnet on this host")
+
+
+@dataclass
+class Project:
+    """One ``docker-compose -p NAME`` project of deploy/docker-compose.yml."""
+
+    eng: Engine
+    name: str
+    env: dict[str, str]
+    log_dir: Path
+
+    def compose(
+        self, *args: str, timeout: float = 180, check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
+        r = subprocess.run(
+            ["docker-compose", "-f", str(DEPLOY / "docker-compose.yml"), "-p", self.name, *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+            cwd=DEPLOY,
+        )
+        if check and r.returncode != 0:
+            raise RuntimeError(
+                f"docker-compose {' '.join(args)} failed ({r.returncode}): {r.stderr[-3000:]}"
+            )
+        return r
+
+    def container(self, service: str) -> str:
+        cid = self.compose("ps", "-q", service).stdout.strip()
+        if not cid:
+            raise RuntimeError(f"no container for {service}")
+        return cid
+
+    def health(self, service: str) -> str:
+        cid = self.compose("ps", "-q", service).stdout.strip()
+        if not cid:
+            return "absent"
+        return self.eng.docker(
+            "inspect",
+            "--format",
+            "{{.State.Status}}/{{if .State.Health}}{{.State.Health.Status}}{{end}}",
+            cid,
+        ).strip()
+
+    def wait_healthy(self, services: list[str], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            states = {s: self.health(s) for s in services}
+            if all(v in ("running/healthy", "running/") for v in states.values()):
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"not healthy within {timeout_s:.0f} s: {states}\n{self.logs_tail()}"
+                )
+            time.sleep(1)
+
+    def logs_tail(self, lines: int = 30) -> str:
+        r = self.compose("logs", "--no-color", "--tail", str(lines), check=False, timeout=60)
+        return r.stdout[-12000:]
+
+    def save_logs(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        r = self.compose("logs", "--no-color", "--timestamps", check=False, timeout=60)
+        (self.log_dir / f"{self.name}.log").write_text(r.stdout + r.stderr)
+
+    def down(self) -> None:
+        self.save_logs()
+        self.compose("--profile", "cpu", "down", "-v", "--timeout", "10", check=False, timeout=180)

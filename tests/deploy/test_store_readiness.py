@@ -38,8 +38,17 @@ def test_store_is_not_serving_until_registered(tmp_path: Path) -> None:
     procs: list[subprocess.Popen[bytes]] = []
     try:
         store = subprocess.Popen(
-            [*KVDEPOT, "store", "--metadata", f"127.0.0.1:{port}", "--port", "0",
-             "--capacity", "8MiB", "--no-shm"],
+            [
+                *KVDEPOT,
+                "store",
+                "--metadata",
+                f"127.0.0.1:{port}",
+                "--port",
+                "0",
+                "--capacity",
+                "8MiB",
+                "--no-shm",
+            ],
             stdout=subprocess.PIPE,
             stderr=open(tmp_path / "store.log", "wb"),  # noqa: SIM115
         )
