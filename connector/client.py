@@ -13,7 +13,7 @@ import threading
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from kvdepot.connector.metadata import MetadataConnection, parse_endpoints
 from kvdepot.connector.transport import create_transport
@@ -26,6 +26,9 @@ from kvdepot.proto.gen import metadata_pb2
 from kvdepot.security import NO_SECURITY, SecurityConfig
 
 logger = logging.getLogger(__name__)
+
+LookupCount = Literal["all", "hits", "none"]
+"""What a lookup adds to the cluster's statistics (see ``KVDepotClient.lookup``)."""
 
 Buffer = Any  # anything exporting the buffer protocol: bytes, bytearray, numpy, memoryview
 
@@ -263,7 +266,14 @@ class KVDepotClient:
         return PutResult(stored, skipped, failed, bytes_sent, bytes_skipped)
 
     # -- lookup -----------------------------------------------------------------
-    def _lookup(self, keys: Sequence[bytes]) -> metadata_pb2.LookupResponse:
+    def _lookup(
+        self,
+        keys: Sequence[bytes],
+        key_tokens: Sequence[int] = (),
+        count: LookupCount = "all",
+    ) -> metadata_pb2.LookupResponse:
+        if key_tokens and len(key_tokens) != len(keys):
+            raise InvalidArgument(f"{len(key_tokens)} key_tokens for {len(keys)} keys")
         return self._call(
             "Lookup",
             metadata_pb2.LookupRequest(
@@ -271,33 +281,59 @@ class KVDepotClient:
                 client_node_id=self.config.node_id,
                 tokens_per_key=self.config.tokens_per_chunk,
                 packed=True,
+                key_tokens=list(key_tokens),
+                count=_COUNT[count],
             ),
         )
 
-    def lookup_locations(self, keys: Sequence[bytes]) -> LookupResult:
+    def lookup_locations(
+        self, keys: Sequence[bytes], *, count: LookupCount = "all"
+    ) -> LookupResult:
         """The lookup answer: leading hits and the replicas of each, this node's first.
+
+        Args:
+            keys: Chunk keys in prompt order.
+            count: What the lookup adds to the cluster's statistics: ``all``,
+                ``hits`` (the rest of a prompt's lookup) or ``none`` (a load
+                of a prompt whose lookup was counted).
 
         Raises:
             Unavailable: The metadata service cannot be reached.
             Corrupt: The answer is malformed.
         """
-        return unpack_lookup(self._lookup(keys))
+        return unpack_lookup(self._lookup(keys, count=count))
 
-    def lookup(self, keys: Sequence[bytes]) -> int:
-        """Number of leading keys that are stored somewhere in the cluster."""
+    def lookup(
+        self,
+        keys: Sequence[bytes],
+        *,
+        key_tokens: Sequence[int] = (),
+        count: LookupCount = "all",
+    ) -> int:
+        """Number of leading keys that are stored somewhere in the cluster.
+
+        Args:
+            keys: Chunk keys in prompt order.
+            key_tokens: Tokens each key covers, where they differ (for the
+                cluster's hit rate in tokens).
+            count: As for :meth:`lookup_locations`.
+        """
         if not keys:
             return 0
-        return int(self._lookup(keys).hits)
+        return int(self._lookup(keys, key_tokens, count).hits)
 
     # -- pull ---------------------------------------------------------------------
-    def get_into(self, keys: Sequence[bytes], buffers: Sequence[Buffer]) -> GetResult:
+    def get_into(
+        self, keys: Sequence[bytes], buffers: Sequence[Buffer], *, count: LookupCount = "all"
+    ) -> GetResult:
         """Pull the leading cached chunks of ``keys`` into ``buffers``.
 
         Each loaded chunk has been verified against its checksum. A chunk that
         is missing, evicted meanwhile, corrupt, or on a store that died is a
         miss (``loaded[i]`` is False) and its buffer content is undefined.
         This node's store is read first: when it holds every chunk, the
-        metadata service is not asked at all.
+        metadata service is not asked at all. ``count`` is passed to the
+        lookup it makes (``none`` when the caller counted the prompt already).
 
         Raises:
             InvalidArgument: mismatched keys and buffers, or bad keys.
@@ -322,7 +358,7 @@ class KVDepotClient:
             if all(o.ok for o in early):
                 sizes = tuple(o.length for o in early)
                 return GetResult((True,) * len(keys), sum(sizes), sizes)
-        reply = self.lookup_locations(keys)
+        reply = self.lookup_locations(keys, count=count)
         self._learn_local(r for loc in reply.locations for r in loc.replicas)
         loaded = [False] * len(keys)
         remote: list[int] = []
@@ -440,3 +476,8 @@ class KVDepotClient:
 
 
 _WRITTEN = (PutStatus.OK, PutStatus.EXISTS)
+_COUNT = {
+    "all": metadata_pb2.LookupRequest.COUNT_ALL,
+    "hits": metadata_pb2.LookupRequest.COUNT_HITS,
+    "none": metadata_pb2.LookupRequest.COUNT_NONE,
+}

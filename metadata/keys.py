@@ -128,3 +128,43 @@ def validate_key(key: bytes) -> ChunkKey:
     if not isinstance(key, bytes | bytearray) or len(key) != KEY_BYTES:
         raise InvalidArgument(f"chunk keys are {KEY_BYTES} bytes")
     return ChunkKey(bytes(key))
+
+
+# Distinct from a chunk's input by length (a tag of 5 bytes cannot make up a
+# multiple of 4 token bytes), so a block key never equals a chunk key.
+_BLOCK_TAG = b"\x01blk"
+
+
+def block_keys(
+    seed: bytes, tokens: Sequence[int] | np.ndarray, block_tokens: int
+) -> list[ChunkKey]:
+    """Keys of the whole blocks that follow a chunk boundary, one per block.
+
+    The tail of a prompt (its whole engine blocks after the last whole chunk)
+    is stored block by block under keys chained from the last chunk's key::
+
+        t[0] = xxh3_128(tag || seed || tokens[0:B])
+        t[j] = xxh3_128(tag || t[j-1] || tokens[j*B:(j+1)*B])
+
+    so each block's key covers the exact prefix up to its end, and a longer
+    prompt that shares the prefix hits the same blocks.
+
+    Args:
+        seed: The key of the chunk before ``tokens`` (``Namespace.digest()``
+            when ``tokens`` start the prompt).
+        tokens: The tokens after the chunk boundary (a trailing partial block
+            is ignored).
+        block_tokens: Tokens per engine block.
+    """
+    if block_tokens < 1:
+        raise InvalidArgument("block_tokens must be positive")
+    if len(seed) != KEY_BYTES:
+        raise InvalidArgument(f"a block key chain is seeded with a {KEY_BYTES}-byte key")
+    data = encode_tokens(tokens)
+    step = block_tokens * 4
+    keys: list[ChunkKey] = []
+    prev = bytes(seed)
+    for i in range(len(data) // step):
+        prev = xxhash.xxh3_128_digest(_BLOCK_TAG + prev + data[i * step : (i + 1) * step])
+        keys.append(ChunkKey(prev))
+    return keys

@@ -20,9 +20,11 @@ from kvdepot.metadata.lookup_wire import pack_lookup
 from kvdepot.metadata.replica_tiers import record_moves
 from kvdepot.metadata.routing import Candidate, RoutingWeights, best, score_candidates
 from kvdepot.metadata.types import (
+    COUNT_NONE,
     Action,
     IndexStats,
     InventoryItem,
+    LookupCounting,
     NodeInfo,
     Replica,
     TierUsage,
@@ -289,7 +291,16 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
         try:
             keys = self._keys(request.keys)
             client = self._node_id(request.client_node_id, required=False)
-            result = await self._index.lookup(keys, client, request.tokens_per_key)
+            if request.key_tokens and len(request.key_tokens) != len(keys):
+                raise InvalidArgument(
+                    f"{len(request.key_tokens)} key_tokens for {len(keys)} keys"
+                )
+            if not 0 <= int(request.count) <= COUNT_NONE:
+                raise InvalidArgument(f"unknown lookup count mode {int(request.count)}")
+            counting = LookupCounting(
+                request.tokens_per_key, tuple(request.key_tokens), int(request.count)
+            )
+            result = await self._index.lookup(keys, client, counting)
         except KVDepotError as exc:
             await self._guard(context, exc)
         if request.packed:

@@ -106,6 +106,47 @@ class LookupResult:
     locations: tuple[KeyLocation, ...] = ()
 
 
+COUNT_ALL, COUNT_HITS, COUNT_NONE = 0, 1, 2
+
+
+@dataclass(frozen=True, slots=True)
+class LookupCounting:
+    """What one lookup adds to the cluster's statistics.
+
+    Attributes:
+        tokens_per_key: Tokens each key covers, for hit rates in tokens.
+        key_tokens: Per key, where keys cover different token counts (a
+            prompt's chunks, then its tail blocks); overrides tokens_per_key.
+        mode: ``COUNT_ALL`` (a prompt's lookup), ``COUNT_HITS`` (the rest of
+            a prompt's lookup: its hits only) or ``COUNT_NONE`` (a load's
+            lookup of a prompt counted already).
+    """
+
+    tokens_per_key: int = 0
+    key_tokens: tuple[int, ...] = ()
+    mode: int = COUNT_ALL
+
+    def deltas(self, keys: int, hits: int) -> dict[str, int]:
+        """The counters' increments for ``hits`` leading hits of ``keys`` keys."""
+        if self.mode == COUNT_NONE:
+            return {}
+        if self.key_tokens and len(self.key_tokens) == keys:
+            hit_tokens = sum(self.key_tokens[:hits])
+            miss_tokens = sum(self.key_tokens[hits:])
+        else:
+            hit_tokens = hits * self.tokens_per_key
+            miss_tokens = (keys - hits) * self.tokens_per_key
+        if self.mode == COUNT_HITS:
+            return {"hit_keys": hits, "hit_tokens": hit_tokens}
+        return {
+            "lookups": 1,
+            "hit_keys": hits,
+            "miss_keys": keys - hits,
+            "hit_tokens": hit_tokens,
+            "miss_tokens": miss_tokens,
+        }
+
+
 @dataclass(frozen=True, slots=True)
 class NodeStatus:
     """A node as the index sees it, for statistics."""

@@ -16,82 +16,12 @@ of the namespace, and so is the codec.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvdepot.connector.codec import CodecSpec, check_codec_name
+from kvdepot.connector.vllm.settings import ConnectorSettings
 from kvdepot.errors import InvalidArgument
 from kvdepot.metadata.keys import Namespace
-from kvdepot.security import SecurityConfig, client_security
-
-
-@dataclass(frozen=True, slots=True)
-class ConnectorSettings:
-    """The connector's ``kv_connector_extra_config``.
-
-    Attributes:
-        metadata: Metadata service address(es), ``host:port[,host:port]``.
-        chunk_tokens: Tokens per chunk; a multiple of the engine's block size.
-        node_id: The store node on this host (local-first puts and reads).
-        transport: Data-plane transport name.
-        model_id: Overrides the model path in the namespace (engines that load
-            the same weights from different paths can then share KV).
-        cache_salt: Extra namespace salt (tenant, LoRA, …).
-        force_recompute_on_load_error: Make vLLM recompute blocks whose load
-            failed instead of failing the request (the connector's contract:
-            a failed read is a miss).
-        kv_codec: How chunks store KV: ``none`` (the cache's bytes) or
-            ``fp8_e4m3`` (about half the bytes of bf16, dequantized on load;
-            lossy). Part of the namespace.
-        kv_codec_block: Values sharing one scale, for codecs with scales.
-        auth_token_file: File with the token the connector presents to a
-            cluster that requires one (``KVDEPOT_AUTH_TOKEN`` in the engine's
-            environment works too); never the token itself in this config,
-            which vLLM logs.
-        tls_ca: CA that signed the daemons' certificates (gRPC over TLS).
-        tls_cert: Client certificate, for daemons that require one.
-        tls_key: Private key of ``tls_cert``.
-        tls_server_name: Name expected in the daemons' certificates.
-    """
-
-    metadata: str = "127.0.0.1:7700"
-    chunk_tokens: int = 256
-    node_id: str = ""
-    transport: str = "tcp"
-    model_id: str = ""
-    cache_salt: str = ""
-    force_recompute_on_load_error: bool = True
-    kv_codec: str = "none"
-    kv_codec_block: int = 128
-    auth_token_file: str = ""
-    tls_ca: str = ""
-    tls_cert: str = ""
-    tls_key: str = ""
-    tls_server_name: str = ""
-
-    def __post_init__(self) -> None:
-        if self.chunk_tokens < 1:
-            raise InvalidArgument("chunk_tokens must be positive")
-        check_codec_name(self.kv_codec)
-        self.codec_spec()  # validates the block size
-
-    def security(self, env: Mapping[str, str]) -> SecurityConfig:
-        """The client's token and TLS: these settings over ``KVDEPOT_*`` in ``env``."""
-        return client_security(env, self)
-
-    def codec_spec(self) -> CodecSpec:
-        return CodecSpec(self.kv_codec, self.kv_codec_block)
-
-    @classmethod
-    def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:
-        known = set(cls.__dataclass_fields__)
-        unknown = set(extra) - known
-        if unknown:
-            raise InvalidArgument(
-                f"unknown kv_connector_extra_config keys: {', '.join(sorted(unknown))}"
-            )
-        return cls(**extra)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +36,7 @@ class KVLayout:
     head_size: int
     kernel: str
     chunk_tokens: int
+    sliding_window: int = 0
 
     def __post_init__(self) -> None:
         if self.chunk_tokens % self.block_size:
@@ -120,11 +51,13 @@ class KVLayout:
 
     def signature(self) -> str:
         """The layout part of the key namespace."""
-        return (
+        sig = (
             # fmt3: a header of per-layer checksums and the codec precedes the layers.
             f"vllm-fmt3:{self.device}:{self.kernel}:bs{self.block_size}:"
             f"L{self.num_layers}:H{self.num_kv_heads}:D{self.head_size}"
         )
+        # A model with a sliding window keeps other KV than one without.
+        return f"{sig}:sw{self.sliding_window}" if self.sliding_window else sig
 
 
 def layout_from_config(vllm_config: Any, settings: ConnectorSettings) -> KVLayout:
@@ -151,6 +84,7 @@ def layout_from_config(vllm_config: Any, settings: ConnectorSettings) -> KVLayou
         head_size=int(model_config.get_head_size()),
         kernel=kernel,
         chunk_tokens=settings.chunk_tokens,
+        sliding_window=int(model_config.get_sliding_window() or 0),
     )
 
 

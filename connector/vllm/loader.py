@@ -133,7 +133,7 @@ class LayerLoader:
     def _fetch(self, job: LoadJob) -> None:
         replicas: list[list[list[str]]] = []
         for r, keys in enumerate(job.keys):
-            reply = self._client.lookup_locations(keys)
+            reply = self._client.lookup_locations(keys, count="none")
             job.ok[r] = min(job.ok[r], int(reply.hits))
             replicas.append([[x.address for x in loc.replicas] for loc in reply.locations])
         got = self._read(job, replicas, 0, self._header)

@@ -12,6 +12,7 @@ from kvdepot.metadata.types import (
     Allocation,
     IndexStats,
     InventoryItem,
+    LookupCounting,
     LookupResult,
     NodeId,
     NodeInfo,
@@ -115,7 +116,10 @@ class IndexBackend(abc.ABC):
 
     @abc.abstractmethod
     async def lookup(
-        self, keys: Sequence[ChunkKey], client_node_id: NodeId, tokens_per_key: int
+        self,
+        keys: Sequence[ChunkKey],
+        client_node_id: NodeId,
+        counting: LookupCounting | int = 0,
     ) -> LookupResult:
         """Leading hits of ``keys`` with their replicas, local first."""
 

@@ -22,6 +22,7 @@ from kvdepot.metadata.types import (
     IndexStats,
     InventoryItem,
     KeyLocation,
+    LookupCounting,
     LookupResult,
     NodeId,
     NodeInfo,
@@ -227,7 +228,10 @@ class MemoryIndex(IndexBackend, ReplicaTierIndex):
         return revoked
 
     async def lookup(
-        self, keys: Sequence[ChunkKey], client_node_id: NodeId, tokens_per_key: int
+        self,
+        keys: Sequence[ChunkKey],
+        client_node_id: NodeId,
+        counting: LookupCounting | int = 0,
     ) -> LookupResult:
         locations: list[KeyLocation] = []
         chunks, generation = self._chunks, self._generation
@@ -247,12 +251,11 @@ class MemoryIndex(IndexBackend, ReplicaTierIndex):
                     loc = KeyLocation(loc.size, mine + rest)
             locations.append(loc)
         hits = len(locations)
+        if isinstance(counting, int):
+            counting = LookupCounting(counting)
         c = self._c
-        c.lookups += 1
-        c.hit_keys += hits
-        c.miss_keys += len(keys) - hits
-        c.hit_tokens += hits * tokens_per_key
-        c.miss_tokens += (len(keys) - hits) * tokens_per_key
+        for name, delta in counting.deltas(len(keys), hits).items():
+            setattr(c, name, getattr(c, name) + delta)
         return LookupResult(hits, tuple(locations))
 
     def _location(self, chunk: _Chunk) -> KeyLocation:

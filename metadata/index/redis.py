@@ -78,6 +78,7 @@ from kvdepot.metadata.types import (
     IndexStats,
     InventoryItem,
     KeyLocation,
+    LookupCounting,
     LookupResult,
     NodeId,
     NodeInfo,
@@ -744,7 +745,10 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
     # -- lookup ---------------------------------------------------------------
     @_guarded
     async def lookup(
-        self, keys: Sequence[ChunkKey], client_node_id: NodeId, tokens_per_key: int
+        self,
+        keys: Sequence[ChunkKey],
+        client_node_id: NodeId,
+        counting: LookupCounting | int = 0,
     ) -> LookupResult:
         known = list(self._known) if len(self._known) <= _PREFETCH_NODES else []
         # One round trip: every chunk's hash and the leases of the known nodes,
@@ -789,14 +793,11 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
                 replicas.sort(key=lambda r: (r.node_id != client_node_id, TIER_RANK.get(r.tier, 9)))
             locations.append(KeyLocation(int(h[b"size"]), tuple(replicas)))
         hits = len(locations)
-        misses = len(keys) - hits
-        self._count(
-            lookups=1,
-            hit_keys=hits,
-            miss_keys=misses,
-            hit_tokens=hits * tokens_per_key,
-            miss_tokens=misses * tokens_per_key,
-        )
+        if isinstance(counting, int):
+            counting = LookupCounting(counting)
+        deltas = counting.deltas(len(keys), hits)
+        if deltas:
+            self._count(**deltas)
         return LookupResult(hits, tuple(locations))
 
     # -- maintenance ----------------------------------------------------------

@@ -148,16 +148,28 @@ class PutRevokeResponse(_message.Message):
     def __init__(self, revoked: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("keys", "client_node_id", "tokens_per_key", "packed")
+    __slots__ = ("keys", "client_node_id", "tokens_per_key", "packed", "key_tokens", "count")
+    class Count(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        COUNT_ALL: _ClassVar[LookupRequest.Count]
+        COUNT_HITS: _ClassVar[LookupRequest.Count]
+        COUNT_NONE: _ClassVar[LookupRequest.Count]
+    COUNT_ALL: LookupRequest.Count
+    COUNT_HITS: LookupRequest.Count
+    COUNT_NONE: LookupRequest.Count
     KEYS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_KEY_FIELD_NUMBER: _ClassVar[int]
     PACKED_FIELD_NUMBER: _ClassVar[int]
+    KEY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     client_node_id: str
     tokens_per_key: int
     packed: bool
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., client_node_id: _Optional[str] = ..., tokens_per_key: _Optional[int] = ..., packed: bool = ...) -> None: ...
+    key_tokens: _containers.RepeatedScalarFieldContainer[int]
+    count: LookupRequest.Count
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., client_node_id: _Optional[str] = ..., tokens_per_key: _Optional[int] = ..., packed: bool = ..., key_tokens: _Optional[_Iterable[int]] = ..., count: _Optional[_Union[LookupRequest.Count, str]] = ...) -> None: ...
 
 class KeyLocation(_message.Message):
     __slots__ = ("size", "replicas")

@@ -10,7 +10,8 @@ import pytest
 
 from kvdepot.connector.codec import CodecHeader, CodecSpec, available_codecs, create_codec
 from kvdepot.connector.codec.base import HEADER_BYTES
-from kvdepot.connector.vllm_layout import ConnectorSettings, KVLayout, namespace_for
+from kvdepot.connector.vllm.layout import KVLayout, namespace_for
+from kvdepot.connector.vllm.settings import ConnectorSettings
 from kvdepot.errors import Corrupt, InvalidArgument
 
 

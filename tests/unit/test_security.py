@@ -270,7 +270,7 @@ def test_grpc_channels_and_ports_go_through_the_security_module() -> None:
 
 
 def test_vllm_connector_settings_take_a_token_file(tmp_path: Path) -> None:
-    from kvdepot.connector.vllm_layout import ConnectorSettings
+    from kvdepot.connector.vllm.settings import ConnectorSettings
 
     token = tmp_path / "token"
     token.write_text(TEAM_A + "\n")

@@ -130,8 +130,10 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         )
     stats: dict[str, int] = {}
     if kv:
-        from kvdepot.connector.vllm import PROCESS_STATS
+        from kvdepot.connector.vllm import PROCESS_STATS, wait_published
 
+        # Publishing runs behind the engine: count what it did once it is done.
+        wait_published(30.0)
         stats = dict(PROCESS_STATS)
     return {"outputs": outputs, "connector": stats}
 
@@ -144,8 +146,9 @@ def _plant_random(llm: Any, kv: dict[str, Any], prompts: list[list[int]]) -> Non
 
     from kvdepot.connector.client import ClientConfig, KVDepotClient
     from kvdepot.connector.codec import create_codec
-    from kvdepot.connector.vllm_layout import ConnectorSettings, layout_from_config, namespace_for
-    from kvdepot.connector.vllm_loader import header_bytes, write_header
+    from kvdepot.connector.vllm.layout import layout_from_config, namespace_for
+    from kvdepot.connector.vllm.settings import ConnectorSettings
+    from kvdepot.connector.vllm.loader import header_bytes, write_header
     from kvdepot.metadata.keys import chunk_keys
 
     cfg = llm.llm_engine.vllm_config

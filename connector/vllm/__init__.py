@@ -1,0 +1,249 @@
+"""``KVDepotConnector``: vLLM V1 KV connector backed by kvdepot.
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "KVDepotConnector",
+                           "kv_connector_module_path": "kvdepot.connector.vllm",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"metadata": "127.0.0.1:7700",
+                                                         "chunk_tokens": 256}}'
+
+The facade builds one role object: :class:`SchedulerSide` in the scheduler
+(lookups with a deadline and a breaker, load and save plans) or
+:class:`WorkerSide` in each worker (asynchronous loads, staged saves
+published in the background). Nothing kvdepot does waits on the engine's
+thread for the network: a frozen metadata service costs a new request at
+most ``lookup_timeout_s``, a frozen store costs the requests whose KV is on
+it their ``load_timeout_s``, after which they recompute.
+
+What is stored: every whole chunk of a prompt (and, with ``save_decode``, of
+the generated tokens), and the whole engine blocks after the last whole
+chunk, block by block (``save_tail``), so the same prompt loads all but its
+last partial block. ``"kv_codec": "fp8_e4m3"`` stores and moves the KV as
+e4m3 with per-block scales (about half the bytes of bf16), dequantized on
+load; lossy, so it is part of the namespace (see ``kvdepot.connector.codec``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from kvdepot.connector.client import ClientConfig, KVDepotClient
+from kvdepot.connector.codec import create_codec
+from kvdepot.connector.vllm.layout import KVLayout, layout_from_config, namespace_for
+from kvdepot.connector.vllm.plan import KVDepotConnectorMetadata
+from kvdepot.connector.vllm.scheduler import PD_TOKENS_PARAM, SchedulerSide
+from kvdepot.connector.vllm.settings import ConnectorSettings
+from kvdepot.connector.vllm.stats import (
+    PROCESS_STATS,
+    Counters,
+    KVDepotConnectorStats,
+    attach_to_vllm_logging,
+)
+from kvdepot.connector.vllm.worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+_WORKERS: weakref.WeakSet[WorkerSide] = weakref.WeakSet()
+
+
+def wait_published(timeout_s: float = 30.0) -> bool:
+    """Wait until every save this process staged was published (or failed).
+
+    For tests and benchmarks that read the counters when their requests are
+    done: publishing runs behind the engine.
+    """
+    deadline = time.monotonic() + timeout_s
+    return all(w.wait_published(max(0.0, deadline - time.monotonic())) for w in list(_WORKERS))
+
+
+def check_config(vllm_config: Any) -> tuple[ConnectorSettings, KVLayout]:
+    """Validate the connector's settings against the engine's configuration.
+
+    Called as early as vLLM lets a connector see its configuration (when
+    the attention backend asks for the KV cache layout, before the weights
+    load), so a bad setting fails at engine start.
+
+    Raises:
+        InvalidArgument: A setting kvdepot cannot run with, naming it.
+    """
+    tc = vllm_config.kv_transfer_config
+    settings = ConnectorSettings.from_extra(dict(tc.kv_connector_extra_config or {}))
+    return settings, layout_from_config(vllm_config, settings)
+
+
+class KVDepotConnector(KVConnectorBase_V1):
+    """vLLM V1 KV connector publishing to and loading from kvdepot."""
+
+    def __init__(
+        self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        attach_to_vllm_logging()
+        tc = self._kv_transfer_config
+        self.settings, self.layout = check_config(vllm_config)
+        self.is_producer = bool(tc.is_kv_producer)
+        self.is_consumer = bool(tc.is_kv_consumer)
+        self._counters = Counters()
+        scheduler = role == KVConnectorRole.SCHEDULER
+        s = self.settings
+        self._client = KVDepotClient(
+            ClientConfig(
+                metadata=s.metadata,
+                node_id=s.node_id,
+                transport=s.transport,
+                tokens_per_chunk=s.chunk_tokens,
+                # The scheduler only looks up, and must never wait long.
+                rpc_timeout_s=s.lookup_timeout_s if scheduler else s.rpc_timeout_s,
+                io_timeout_s=s.io_timeout_s,
+                connect_timeout_s=min(5.0, s.io_timeout_s),
+                # vLLM loads this class: like a command, it reads the environment.
+                security=s.security(os.environ),
+            )
+        )
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if scheduler:
+            if s.force_recompute_on_load_error and self.is_consumer:
+                # The scheduler reads the policy right after creating us: a
+                # failed or corrupt chunk must be recomputed, never fail the request.
+                tc.kv_load_failure_policy = "recompute"
+            self._scheduler = SchedulerSide(
+                s,
+                self.layout,
+                namespace_for(vllm_config, s, self.layout, 0),
+                self._client,
+                kv_role=str(tc.kv_role),
+                is_producer=self.is_producer,
+                is_consumer=self.is_consumer,
+                counters=self._counters,
+            )
+        else:
+            self._worker = WorkerSide(
+                s,
+                self.layout,
+                create_codec(s.codec_spec()),
+                self._client,
+                is_producer=self.is_producer,
+                counters=self._counters,
+            )
+            _WORKERS.add(self._worker)
+        logger.info(
+            "KVDepotConnector (%s, %s): metadata %s, %d-token chunks, layout %s",
+            role.name,
+            tc.kv_role,
+            s.metadata,
+            s.chunk_tokens,
+            self.layout.signature(),
+        )
+
+    # ------------------------------------------------------------ checks
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        if vllm_config is not None and vllm_config.kv_transfer_config is not None:
+            check_config(vllm_config)
+        return None
+
+    # ------------------------------------------------------------- stats
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        return self._counters.take()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return KVDepotConnectorStats(data=dict(data or {}))
+
+    # ===================================================== scheduler side
+    def _sched(self) -> SchedulerSide:
+        assert self._scheduler is not None, "a scheduler-side call on a worker"
+        return self._scheduler
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._sched().build_connector_meta(scheduler_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().request_finished(request, block_ids)
+
+    def reset_cache(self) -> bool | None:
+        return self._scheduler.reset_cache() if self._scheduler is not None else None
+
+    # ======================================================== worker side
+    def _work(self) -> WorkerSide:
+        assert self._worker is not None, "a worker-side call on the scheduler"
+        return self._worker
+
+    def _meta(self) -> KVDepotConnectorMetadata | None:
+        if not self.has_connector_metadata():
+            return None
+        meta = self._get_connector_metadata()
+        return meta if isinstance(meta, KVDepotConnectorMetadata) else None
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._work().register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._work().start_load_kv(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._work().wait_for_layer_load(layer_name)
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        self._work().save_kv_layer(self._meta(), layer_name, kv_layer)
+
+    def wait_for_save(self) -> None:
+        self._work().wait_for_save(self._meta())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        recved = self._work().get_finished()
+        return None, (recved or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._work().get_block_ids_with_load_errors()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        self._client.close()
+
+
+__all__ = [
+    "PD_TOKENS_PARAM",
+    "PROCESS_STATS",
+    "ConnectorSettings",
+    "KVDepotConnector",
+    "KVDepotConnectorMetadata",
+    "KVDepotConnectorStats",
+    "wait_published",
+]

@@ -1,0 +1,141 @@
+"""What the scheduler side tells the workers to load and save in one step.
+
+The unit moved is a *KV object*: a whole chunk (``blocks_per_chunk`` engine
+blocks under its chained chunk key) or one block of a prompt's tail (the
+whole blocks after its last whole chunk, each under a block key chained from
+that chunk's key, see :func:`kvdepot.metadata.keys.block_keys`). Both have
+the same layer-major format; only their number of blocks differs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from kvdepot.metadata.keys import ChunkKey, Namespace, block_keys, chunk_keys
+
+
+@dataclass(frozen=True, slots=True)
+class KVObject:
+    """One stored object: its key and the engine blocks it fills, in order."""
+
+    key: ChunkKey
+    blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadPlan:
+    """One request's load.
+
+    Attributes:
+        req_id: The request.
+        objects: What to load, in prompt order.
+        skip_blocks: Blocks the engine computed already (its own prefix
+            cache): loaded objects leave them untouched.
+        asynchronous: Loaded between steps (the request waits in
+            ``WAITING_FOR_REMOTE_KVS``) instead of inside the step.
+        wait_for_commit: The objects may still be being published (a
+            prefill's ``kv_transfer_params`` announced them): poll the
+            lookup until they are all there, within the load's deadline.
+    """
+
+    req_id: str
+    objects: tuple[KVObject, ...]
+    skip_blocks: frozenset[int] = frozenset()
+    asynchronous: bool = True
+    wait_for_commit: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SavePlan:
+    """Objects of one request that became complete in this step."""
+
+    req_id: str
+    objects: tuple[KVObject, ...]
+
+
+@dataclass
+class KVDepotConnectorMetadata(KVConnectorMetadata):
+    """What the workers do in one step."""
+
+    loads: list[LoadPlan] = field(default_factory=list)
+    saves: list[SavePlan] = field(default_factory=list)
+    skipped: int = 0  # objects not published because they are stored already
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixKeys:
+    """The keys of a token sequence: its whole chunks, then its tail blocks.
+
+    Attributes:
+        chunks: One key per whole chunk.
+        tail: One key per whole block after the last whole chunk.
+        chunk_tokens: Tokens per chunk.
+        block_tokens: Tokens per engine block.
+    """
+
+    chunks: tuple[ChunkKey, ...]
+    tail: tuple[ChunkKey, ...]
+    chunk_tokens: int
+    block_tokens: int
+
+    @property
+    def keys(self) -> list[ChunkKey]:
+        return [*self.chunks, *self.tail]
+
+    @property
+    def key_tokens(self) -> list[int]:
+        return [self.chunk_tokens] * len(self.chunks) + [self.block_tokens] * len(self.tail)
+
+    def tokens_of(self, hits: int) -> int:
+        """Tokens covered by the first ``hits`` keys."""
+        full = min(hits, len(self.chunks))
+        return full * self.chunk_tokens + (hits - full) * self.block_tokens
+
+
+def prefix_keys(
+    ns: Namespace,
+    tokens: Sequence[int],
+    block_tokens: int,
+    *,
+    with_tail: bool = True,
+    chunks: Sequence[ChunkKey] | None = None,
+) -> PrefixKeys:
+    """Keys of ``tokens``: chunk keys, and block keys of the tail.
+
+    Args:
+        ns: The engine's namespace.
+        tokens: The token sequence.
+        block_tokens: Tokens per engine block.
+        with_tail: Also key the tail blocks.
+        chunks: Chunk keys of a prefix of ``tokens`` computed before; only
+            the chunks after them are hashed again.
+    """
+    c = ns.chunk_tokens
+    n = len(tokens) // c
+    if chunks is not None and len(chunks) >= n:
+        full = tuple(chunks[:n])
+    else:
+        full = tuple(chunk_keys(ns, list(tokens[: n * c])))
+    tail: tuple[ChunkKey, ...] = ()
+    if with_tail and c > block_tokens:
+        tail = tuple(tail_keys(ns, tokens, block_tokens, n, full))
+    return PrefixKeys(full, tail, c, block_tokens)
+
+
+def tail_keys(
+    ns: Namespace,
+    tokens: Sequence[int],
+    block_tokens: int,
+    region: int,
+    chunks: Sequence[ChunkKey],
+) -> list[ChunkKey]:
+    """Block keys of the whole blocks of chunk ``region`` that ``tokens`` hold,
+    at most ``blocks_per_chunk - 1`` (a whole chunk has a chunk key)."""
+    c = ns.chunk_tokens
+    seed = chunks[region - 1] if region > 0 else ns.digest()
+    per_chunk = c // block_tokens
+    end = min(len(tokens), region * c + (per_chunk - 1) * block_tokens)
+    return block_keys(seed, list(tokens[region * c : end]), block_tokens)

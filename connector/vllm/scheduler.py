@@ -1,0 +1,348 @@
+"""The scheduler side: how much of a request kvdepot holds, what to load and save.
+
+Nothing here waits on kvdepot for longer than ``lookup_timeout_s``: a new
+request's lookup has that deadline, and after a failure a breaker keeps
+later requests from calling at all for ``lookup_breaker_s`` (doubling while
+failures continue). Loads larger than ``sync_load_max_tokens`` are
+asynchronous: the request waits in ``WAITING_FOR_REMOTE_KVS`` while the
+batch keeps running, and the workers report it in ``get_finished``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvdepot.connector.client import KVDepotClient
+from kvdepot.connector.vllm.layout import KVLayout
+from kvdepot.connector.vllm.plan import (
+    KVDepotConnectorMetadata,
+    KVObject,
+    LoadPlan,
+    PrefixKeys,
+    SavePlan,
+    prefix_keys,
+    tail_keys,
+)
+from kvdepot.connector.vllm.settings import ConnectorSettings
+from kvdepot.connector.vllm.stats import Counters, RepeatedWarning
+from kvdepot.errors import KVDepotError
+from kvdepot.metadata.keys import ChunkKey, Namespace
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+# A prefill engine names the tokens it published in its response's
+# kv_transfer_params; a decode engine given them waits for those tokens.
+PD_TOKENS_PARAM = "kvdepot_tokens"
+_LOOKUP_REUSE_S = 2.0  # a request that could not be scheduled asks again
+
+
+class LookupBreaker:
+    """Lookups with a deadline that stop being sent while they keep failing."""
+
+    def __init__(self, client: KVDepotClient, cooldown_s: float, warn: RepeatedWarning) -> None:
+        self._client = client
+        self._cooldown = cooldown_s
+        self._warn = warn
+        self._lock = threading.Lock()
+        self._open_until = 0.0
+        self._failures = 0
+
+    def lookup(self, keys: PrefixKeys, counters: Counters) -> int | None:
+        """Leading hits of ``keys``, or None when kvdepot cannot answer now."""
+        now = time.monotonic()
+        with self._lock:
+            if now < self._open_until:
+                counters.add(lookups_skipped=1)
+                return None
+        try:
+            hits = self._client.lookup(keys.keys, key_tokens=keys.key_tokens)
+        except KVDepotError as exc:
+            counters.add(lookups=1, lookup_errors=1)
+            with self._lock:
+                self._failures += 1
+                backoff = self._cooldown * 2 ** min(self._failures - 1, 4)
+                self._open_until = time.monotonic() + backoff
+            self._warn.warn(
+                "lookup",
+                "kvdepot lookup failed (%s); new requests skip kvdepot for %.1f s",
+                exc,
+                backoff,
+            )
+            return None
+        counters.add(lookups=1)
+        with self._lock:
+            if self._failures:
+                logger.info("kvdepot lookups answer again")
+            self._failures = 0
+            self._open_until = 0.0
+        return hits
+
+    def lookup_more(self, keys: list[ChunkKey], tokens: int) -> int:
+        """The rest of a prompt's lookup (its hits are counted, not the call)."""
+        if not keys or time.monotonic() < self._open_until:
+            return 0
+        try:
+            return self._client.lookup(keys, key_tokens=[tokens] * len(keys), count="hits")
+        except KVDepotError:
+            return 0
+
+
+@dataclass
+class _Request:
+    request: Request
+    chunks: list[ChunkKey] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    saved_chunks: int = 0  # leading chunks published or known stored
+    saved_tail: int = 0  # tail blocks published after them
+    hit_tokens: int = 0  # tokens the last lookup found
+    looked_up: float = -1e9
+    wait_for_commit: bool = False
+    load: tuple[int, int, bool] | None = None  # (first token, end token, async)
+    skip_counted: bool = False
+
+
+class SchedulerSide:
+    """The connector's scheduler role."""
+
+    def __init__(
+        self,
+        settings: ConnectorSettings,
+        layout: KVLayout,
+        namespace: Namespace,
+        client: KVDepotClient,
+        *,
+        kv_role: str,
+        is_producer: bool,
+        is_consumer: bool,
+        counters: Counters,
+    ) -> None:
+        self.settings = settings
+        self.layout = layout
+        self.ns = namespace
+        self.is_producer = is_producer
+        self.is_consumer = is_consumer
+        self.save_decode = settings.saves_decode(kv_role)
+        self._counters = counters
+        self._warn = RepeatedWarning(logger)
+        self._breaker = LookupBreaker(client, settings.lookup_breaker_s, self._warn)
+        self._requests: dict[str, _Request] = {}
+        self._loads: list[LoadPlan] = []
+
+    # -------------------------------------------------------------- lookups
+    def _state(self, request: Request) -> _Request:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            state = _Request(request)
+            self._requests[request.request_id] = state
+        return state
+
+    def _keys(self, state: _Request, tokens: list[int]) -> PrefixKeys:
+        keys = prefix_keys(
+            self.ns, tokens, self.layout.block_size, with_tail=True, chunks=state.chunks
+        )
+        state.chunks = list(keys.chunks)
+        return keys
+
+    def _lookup(self, state: _Request, tokens: list[int]) -> int:
+        """Tokens of ``tokens`` kvdepot holds (leading chunks, then tail blocks)."""
+        keys = self._keys(state, tokens)
+        if not keys.chunks and not keys.tail:
+            return 0
+        hits = self._breaker.lookup(keys, self._counters)
+        if hits is None:
+            return 0
+        if hits < len(keys.chunks) and self.layout.blocks_per_chunk > 1:
+            # Chunk `hits` is missing, but blocks of it may be stored: the
+            # tail of an earlier, shorter sequence (the last turn of a chat).
+            more = tail_keys(self.ns, tokens, self.layout.block_size, hits, keys.chunks)
+            extra = self._breaker.lookup_more(more, self.layout.block_size)
+            return hits * self.ns.chunk_tokens + extra * self.layout.block_size
+        return keys.tokens_of(hits)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        state = self._state(request)
+        tokens = list(request.all_token_ids)
+        now = time.monotonic()
+        if now - state.looked_up > _LOOKUP_REUSE_S:
+            state.hit_tokens = self._lookup(state, tokens)
+            state.looked_up = now
+            state.wait_for_commit = False
+            announced = self._announced(request, len(tokens))
+            if announced > state.hit_tokens:
+                state.hit_tokens = announced
+                state.wait_for_commit = True
+        hit = state.hit_tokens
+        # What the lookup found is stored: never publish it again.
+        known_chunks = min(hit // self.ns.chunk_tokens, len(state.chunks))
+        if known_chunks > state.saved_chunks:
+            state.saved_chunks, state.saved_tail = known_chunks, 0
+        if known_chunks == state.saved_chunks:
+            tail = (hit - known_chunks * self.ns.chunk_tokens) // self.layout.block_size
+            state.saved_tail = max(state.saved_tail, tail)
+        if not self.is_consumer:
+            return 0, False
+        asynchronous = (
+            hit - num_computed_tokens > self.settings.sync_load_max_tokens
+            or state.wait_for_commit
+        )
+        if not asynchronous:
+            # Inside the step whole chunks are loaded, and one prompt token
+            # must be left for the engine to compute.
+            c = self.ns.chunk_tokens
+            hit = min(hit // c, (len(tokens) - 1) // c) * c
+        external = hit - num_computed_tokens
+        if external <= 0:
+            state.load = None
+            return 0, False
+        state.load = (num_computed_tokens, hit, asynchronous)
+        return external, asynchronous
+
+    def _announced(self, request: Request, num_tokens: int) -> int:
+        """Tokens a prefill engine said it published for this request."""
+        params = getattr(request, "kv_transfer_params", None)
+        if not self.settings.pd_wait or not isinstance(params, dict):
+            return 0
+        value = params.get(PD_TOKENS_PARAM)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            return 0
+        bs = self.layout.block_size
+        return min(value, num_tokens) // bs * bs
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        state = self._requests.get(request.request_id)
+        if state is None or num_external_tokens <= 0 or state.load is None:
+            return
+        first, _, asynchronous = state.load
+        state.load = None
+        # The scheduler may have trimmed the hit (to a block boundary, say).
+        end = first + num_external_tokens
+        block_ids = list(blocks.get_block_ids()[0])
+        state.block_ids = block_ids
+        plan = self._load_plan(state, first, end, block_ids, asynchronous)
+        if plan.objects:
+            self._loads.append(plan)
+            self._counters.add(**{"loads_async" if asynchronous else "loads_sync": 1})
+
+    def _load_plan(
+        self, state: _Request, first: int, end: int, block_ids: list[int], asynchronous: bool
+    ) -> LoadPlan:
+        c, bs, bpc = self.ns.chunk_tokens, self.layout.block_size, self.layout.blocks_per_chunk
+        tokens = list(state.request.all_token_ids)
+        objects: list[KVObject] = []
+        full = end // c
+        for i in range(first // c, full):
+            objects.append(KVObject(state.chunks[i], tuple(block_ids[i * bpc : (i + 1) * bpc])))
+        if end > full * c:
+            tail = tail_keys(self.ns, tokens[:end], bs, full, state.chunks)
+            for j, key in enumerate(tail):
+                b = full * bpc + j
+                if b >= first // bs:
+                    objects.append(KVObject(key, (block_ids[b],)))
+        skip = frozenset(block_ids[: first // bs])
+        return LoadPlan(state.request.request_id, tuple(objects), skip, asynchronous,
+                        state.wait_for_commit)
+
+    # ---------------------------------------------------------------- steps
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVDepotConnectorMetadata:
+        meta = KVDepotConnectorMetadata(loads=self._loads)
+        self._loads = []
+        scheduled: list[tuple[str, int]] = []
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is None:
+                continue
+            state.block_ids = list(new.block_ids[0])
+            scheduled.append((new.req_id, new.num_computed_tokens))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = list(new_ids[0]) if new_ids is not None else []
+            elif new_ids is not None:
+                state.block_ids.extend(new_ids[0])
+            scheduled.append((req_id, cached.num_computed_tokens[i]))
+        if self.is_producer:
+            for req_id, computed in scheduled:
+                state = self._requests[req_id]
+                if not state.skip_counted:
+                    meta.skipped += state.saved_chunks
+                    state.skip_counted = True
+                done = computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+                save = self._save_plan(state, done)
+                if save is not None:
+                    meta.saves.append(save)
+        return meta
+
+    def _save_plan(self, state: _Request, done: int) -> SavePlan | None:
+        """The objects of a request that are complete once this step is done."""
+        c, bs, bpc = self.ns.chunk_tokens, self.layout.block_size, self.layout.blocks_per_chunk
+        request = state.request
+        limit = len(request.all_token_ids) if self.save_decode else request.num_prompt_tokens
+        blocks = min(done, limit) // bs
+        blocks = min(blocks, len(state.block_ids))
+        chunks = blocks // bpc
+        objects: list[KVObject] = []
+        tokens: list[int] | None = None
+        if chunks > state.saved_chunks:
+            tokens = list(request.all_token_ids)
+            keys = prefix_keys(self.ns, tokens[: chunks * c], bs, with_tail=False,
+                               chunks=state.chunks)
+            state.chunks = list(keys.chunks) if len(keys.chunks) > len(state.chunks) else (
+                state.chunks
+            )
+            for j in range(state.saved_chunks, chunks):
+                ids = tuple(state.block_ids[j * bpc : (j + 1) * bpc])
+                objects.append(KVObject(state.chunks[j], ids))
+            state.saved_chunks, state.saved_tail = chunks, 0
+        tail = blocks - state.saved_chunks * bpc
+        if self.settings.save_tail and bpc > 1 and tail > state.saved_tail:
+            tokens = tokens if tokens is not None else list(request.all_token_ids)
+            region = state.saved_chunks
+            if len(state.chunks) < region:
+                state.chunks = list(
+                    prefix_keys(self.ns, tokens[: region * c], bs, with_tail=False).chunks
+                )
+            keys = tail_keys(self.ns, tokens[: blocks * bs], bs, region, state.chunks)
+            for j in range(state.saved_tail, min(tail, len(keys))):
+                objects.append(KVObject(keys[j], (state.block_ids[region * bpc + j],)))
+            state.saved_tail = tail
+        if not objects:
+            return None
+        return SavePlan(request.request_id, tuple(objects))
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        # Saves copy the blocks out inside the step that computed them, so
+        # nothing is held: the blocks may be freed now.
+        state = self._requests.pop(request.request_id, None)
+        if state is None or not self.is_producer:
+            return False, None
+        tokens = state.saved_chunks * self.ns.chunk_tokens + state.saved_tail * self.layout.block_size
+        tokens = min(tokens, request.num_prompt_tokens)
+        if tokens <= 0:
+            return False, None
+        return False, {PD_TOKENS_PARAM: tokens}
+
+    def reset_cache(self) -> bool:
+        # kvdepot's contents are the cluster's, not this engine's: forget
+        # only what this scheduler remembered of earlier lookups.
+        for state in self._requests.values():
+            state.looked_up = -1e9
+        return True

@@ -1,0 +1,147 @@
+"""The connector's settings: ``kv_connector_extra_config``, validated once."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvdepot.connector.codec import CodecSpec, check_codec_name
+from kvdepot.connector.transport import available_transports
+from kvdepot.errors import InvalidArgument
+from kvdepot.security import SecurityConfig, client_security
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorSettings:
+    """The connector's ``kv_connector_extra_config``.
+
+    Attributes:
+        metadata: Metadata service address(es), ``host:port[,host:port]``.
+        chunk_tokens: Tokens per chunk; a multiple of the engine's block size.
+        node_id: The store node on this host (local-first puts and reads).
+        transport: Data-plane transport: ``auto`` (the client's default: shm
+            on this host, nixl where RDMA devices exist, tcp otherwise),
+            ``tcp``, ``shm`` or ``nixl``.
+        model_id: Overrides the model path in the namespace (engines that load
+            the same weights from different paths can then share KV).
+        cache_salt: Extra namespace salt (tenant, LoRA, …).
+        force_recompute_on_load_error: Make vLLM recompute blocks whose load
+            failed instead of failing the request (the connector's contract:
+            a failed read is a miss).
+        kv_codec: How chunks store KV: ``none`` (the cache's bytes) or
+            ``fp8_e4m3`` (about half the bytes of bf16, dequantized on load;
+            lossy). Part of the namespace.
+        kv_codec_block: Values sharing one scale, for codecs with scales.
+        lookup_timeout_s: Deadline of the scheduler's lookup of a new
+            request. A lookup that misses it is a miss: the scheduler never
+            waits longer than this for kvdepot.
+        lookup_breaker_s: After a failed lookup, new requests skip kvdepot
+            (a miss, no call) for this long; each further failure doubles
+            it, up to 16 times; the first success closes the breaker.
+        load_timeout_s: Deadline of one request's load, from when the worker
+            starts it: a load not done by then is given up and its tokens
+            are recomputed.
+        sync_load_max_tokens: Loads of at most this many tokens run inside
+            the engine step, layer by layer beside the forward pass; larger
+            ones are asynchronous (the request waits while the batch runs).
+            0: every load is asynchronous.
+        io_timeout_s: Deadline of a stalled data-plane transfer.
+        rpc_timeout_s: Deadline of each metadata call of the workers (loads
+            and publishing, all off the engine's thread).
+        save_decode: Publish chunks completed while decoding, so the next
+            turn of a conversation hits its whole history. Default: on for
+            ``kv_both``, off for ``kv_producer``.
+        save_tail: Publish the whole engine blocks after a prompt's last
+            whole chunk, block by block, so the same prompt (the decode of a
+            disaggregated pair, a retry) loads all but its last partial block.
+        save_buffer_bytes: Staging memory for KV copied out of the engine
+            and not yet published. When it is full, new saves are dropped
+            (and counted), never waited for.
+        pd_wait: A consumer given a prefill's ``kv_transfer_params`` waits
+            (inside its asynchronous load, up to ``load_timeout_s``) for the
+            prefill's chunks to be committed instead of missing them.
+        auth_token_file: File with the token the connector presents to a
+            cluster that requires one (``KVDEPOT_AUTH_TOKEN`` in the engine's
+            environment works too); never the token itself in this config,
+            which vLLM logs.
+        tls_ca: CA that signed the daemons' certificates (gRPC over TLS).
+        tls_cert: Client certificate, for daemons that require one.
+        tls_key: Private key of ``tls_cert``.
+        tls_server_name: Name expected in the daemons' certificates.
+    """
+
+    metadata: str = "127.0.0.1:7700"
+    chunk_tokens: int = 256
+    node_id: str = ""
+    transport: str = "auto"
+    model_id: str = ""
+    cache_salt: str = ""
+    force_recompute_on_load_error: bool = True
+    kv_codec: str = "none"
+    kv_codec_block: int = 128
+    lookup_timeout_s: float = 0.05
+    lookup_breaker_s: float = 1.0
+    load_timeout_s: float = 5.0
+    sync_load_max_tokens: int = 0
+    io_timeout_s: float = 5.0
+    rpc_timeout_s: float = 2.0
+    save_decode: bool | None = None
+    save_tail: bool = True
+    save_buffer_bytes: int = 512 << 20
+    pd_wait: bool = True
+    auth_token_file: str = ""
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_server_name: str = ""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.chunk_tokens, bool) or not isinstance(self.chunk_tokens, int):
+            raise InvalidArgument("chunk_tokens must be an integer")
+        if self.chunk_tokens < 1:
+            raise InvalidArgument("chunk_tokens must be positive")
+        if self.transport not in available_transports():
+            raise InvalidArgument(
+                f"transport must be one of {', '.join(available_transports())}, "
+                f"got {self.transport!r}"
+            )
+        for name in ("lookup_timeout_s", "load_timeout_s", "io_timeout_s", "rpc_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or value <= 0:
+                raise InvalidArgument(f"{name} must be a positive number of seconds")
+        if not isinstance(self.lookup_breaker_s, int | float) or self.lookup_breaker_s < 0:
+            raise InvalidArgument("lookup_breaker_s must not be negative")
+        for name in ("sync_load_max_tokens", "save_buffer_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidArgument(f"{name} must be a non-negative integer")
+        check_codec_name(self.kv_codec)
+        self.codec_spec()  # validates the block size
+
+    def security(self, env: Mapping[str, str]) -> SecurityConfig:
+        """The client's token and TLS: these settings over ``KVDEPOT_*`` in ``env``."""
+        return client_security(env, self)
+
+    def codec_spec(self) -> CodecSpec:
+        return CodecSpec(self.kv_codec, self.kv_codec_block)
+
+    def saves_decode(self, kv_role: str) -> bool:
+        """Whether chunks completed while decoding are published."""
+        if self.save_decode is None:
+            return kv_role == "kv_both"
+        return bool(self.save_decode)
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any]) -> ConnectorSettings:
+        """Settings from ``kv_connector_extra_config``; unknown keys are an error."""
+        known = set(cls.__dataclass_fields__)
+        unknown = set(extra) - known
+        if unknown:
+            raise InvalidArgument(
+                f"unknown kv_connector_extra_config keys: {', '.join(sorted(unknown))}"
+            )
+        try:
+            return cls(**extra)
+        except TypeError as exc:
+            raise InvalidArgument(f"kv_connector_extra_config: {exc}") from None

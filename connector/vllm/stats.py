@@ -1,0 +1,117 @@
+"""The connector's counters and its logging inside vLLM."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+STAT_KEYS = (
+    "lookups",  # scheduler lookups sent to the metadata service
+    "lookup_errors",  # ... that failed or missed their deadline
+    "lookups_skipped",  # new requests not looked up: the breaker was open
+    "tokens_hit",  # tokens whose KV a load put into the engine
+    "chunks_loaded",  # objects loaded: whole chunks and tail blocks
+    "bytes_loaded",
+    "load_errors",  # objects planned for a load that did not arrive verified
+    "loads_async",  # requests loaded while the batch kept running
+    "loads_sync",  # requests loaded inside the step (small loads)
+    "loads_timed_out",  # asynchronous loads given up at their deadline
+    "chunks_saved",  # objects published
+    "bytes_saved",
+    "chunks_skipped",  # objects not sent: the cluster had them
+    "save_errors",
+    "saves_dropped",  # objects not staged: the staging buffer was full
+)
+
+# Cumulative counters of this process (tests and operators read them; vLLM's
+# own stats interface gets per-interval deltas).
+PROCESS_STATS: dict[str, int] = dict.fromkeys(STAT_KEYS, 0)
+_lock = threading.Lock()
+
+
+@dataclass
+class KVDepotConnectorStats(KVConnectorStats):
+    """Counters for vLLM's stats logger, summed across workers and intervals."""
+
+    def __post_init__(self) -> None:
+        for k in STAT_KEYS:
+            self.data.setdefault(k, 0)
+
+    def reset(self) -> None:
+        self.data = dict.fromkeys(STAT_KEYS, 0)
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for k, v in other.data.items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class Counters:
+    """One side's counters: the process totals and vLLM's current interval."""
+
+    def __init__(self) -> None:
+        self._interval = KVDepotConnectorStats()
+
+    def add(self, **deltas: int) -> None:
+        with _lock:
+            for k, v in deltas.items():
+                PROCESS_STATS[k] += v
+                self._interval.data[k] += v
+
+    def take(self) -> KVDepotConnectorStats | None:
+        """The counts since the last call, or None when nothing happened."""
+        with _lock:
+            if self._interval.is_empty():
+                return None
+            out, self._interval = self._interval, KVDepotConnectorStats()
+            return out
+
+
+def attach_to_vllm_logging() -> None:
+    """Send ``kvdepot.*`` records through vLLM's handlers (its format, time
+    and level), so the connector's and the client's lines land in vLLM's log."""
+    ours = logging.getLogger("kvdepot")
+    if ours.handlers:
+        return
+    theirs = logging.getLogger("vllm")
+    if not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level or logging.INFO)
+    ours.propagate = False
+
+
+class RepeatedWarning:
+    """A warning that repeats is logged once per ``interval_s``, with a count."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 10.0) -> None:
+        self._logger = logger
+        self._interval = interval_s
+        self._lock = threading.Lock()
+        self._last: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+
+    def warn(self, kind: str, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        with self._lock:
+            last = self._last.get(kind)
+            if last is not None and now - last < self._interval:
+                self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
+                return
+            self._last[kind] = now
+            more = self._suppressed.pop(kind, 0)
+        if more:
+            self._logger.warning(msg + " (and %d more times since the last report)", *args, more)
+        else:
+            self._logger.warning(msg, *args)

@@ -1,0 +1,230 @@
+"""Background transfers: asynchronous loads into staging, and publishing.
+
+Neither ever blocks the engine's thread. A load is fetched and verified into
+private staging buffers on a worker thread; the engine's thread copies a
+finished load into the request's blocks (so a load given up at its deadline
+can never write into blocks that were freed meanwhile). Saves are copied out
+of the cache inside the step, then published by a thread of their own; the
+staging memory they hold is bounded, and a save that does not fit is dropped
+and counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from kvdepot.connector.client import KVDepotClient
+from kvdepot.connector.vllm.loader import write_header
+from kvdepot.connector.vllm.objects import ObjectFormat, StagedGroup, stage
+from kvdepot.connector.vllm.plan import LoadPlan
+from kvdepot.connector.vllm.stats import Counters, RepeatedWarning
+from kvdepot.errors import KVDepotError
+
+logger = logging.getLogger(__name__)
+
+_POLL_FIRST_S = 0.005
+_POLL_MAX_S = 0.05
+
+
+@dataclass
+class FetchJob:
+    """One request's asynchronous load."""
+
+    plan: LoadPlan
+    groups: list[StagedGroup]
+    deadline: float
+    future: Future[int] | None = None
+    ok: int = 0  # leading objects fetched and verified
+    timed_out: bool = False
+    error: str = ""
+
+
+class Fetcher:
+    """Fetches loads on background threads, each within its deadline."""
+
+    def __init__(
+        self, client: KVDepotClient, fmt: ObjectFormat, warn: RepeatedWarning, threads: int = 2
+    ) -> None:
+        self._client = client
+        self._fmt = fmt
+        self._warn = warn
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvdepot-fetch")
+        self._jobs: list[FetchJob] = []
+
+    def submit(self, plan: LoadPlan, timeout_s: float) -> FetchJob:
+        job = FetchJob(plan, stage(self._fmt, plan.objects), time.monotonic() + timeout_s)
+        job.future = self._pool.submit(self._run, job)
+        self._jobs.append(job)
+        return job
+
+    def pending(self) -> int:
+        return len(self._jobs)
+
+    def poll(self) -> list[FetchJob]:
+        """Jobs that finished or ran out of time since the last call."""
+        now = time.monotonic()
+        out: list[FetchJob] = []
+        keep: list[FetchJob] = []
+        for job in self._jobs:
+            fut = job.future
+            assert fut is not None
+            if fut.done():
+                try:
+                    job.ok = fut.result()
+                except Exception as exc:  # never leave the request waiting
+                    job.ok, job.error = 0, repr(exc)
+                out.append(job)
+            elif now >= job.deadline:
+                # Abandoned: its thread may still write into the staging
+                # buffers, which nothing else uses.
+                fut.cancel()
+                job.ok, job.timed_out = 0, True
+                out.append(job)
+            else:
+                keep.append(job)
+        self._jobs = keep
+        return out
+
+    def _run(self, job: FetchJob) -> int:
+        plan = job.plan
+        keys = [o.key for o in plan.objects]
+        try:
+            if plan.wait_for_commit and not self._wait_committed(keys, job.deadline):
+                return 0
+            rows = [None] * len(keys)
+            for g in job.groups:
+                for pos, i in enumerate(g.index):
+                    rows[i] = g.rows[pos]
+            result = self._client.get_into(keys, rows, count="none")
+        except KVDepotError as exc:
+            self._warn.warn("load", "kvdepot load of %s failed: %s", plan.req_id, exc)
+            return 0
+        ok = 0
+        sizes = {i: g.geometry for g in job.groups for i in g.index}
+        for i, loaded in enumerate(result.loaded):
+            g = sizes[i]
+            if not loaded or result.sizes[i] != g.size:
+                break
+            row = rows[i]
+            assert row is not None
+            if not self._fmt.verify(row, g.blocks):
+                self._warn.warn("verify", "kvdepot: an object of %s fails its checks", plan.req_id)
+                break
+            ok += 1
+        return ok
+
+    def _wait_committed(self, keys: list, deadline: float) -> bool:
+        """Poll until every key is listed (the prefill is still publishing)."""
+        pause = _POLL_FIRST_S
+        while True:
+            try:
+                if self._client.lookup(keys, count="none") >= len(keys):
+                    return True
+            except KVDepotError:
+                pass
+            if time.monotonic() + pause >= deadline:
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL_MAX_S)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass
+class _Publish:
+    req_id: str
+    groups: list[StagedGroup]
+    nbytes: int
+    started: float = field(default_factory=time.monotonic)
+
+
+class Publisher:
+    """Publishes staged saves on a thread of its own, within a memory budget."""
+
+    def __init__(
+        self,
+        client: KVDepotClient,
+        fmt: ObjectFormat,
+        budget_bytes: int,
+        counters: Counters,
+        warn: RepeatedWarning,
+    ) -> None:
+        self._client = client
+        self._fmt = fmt
+        self._budget = budget_bytes
+        self._counters = counters
+        self._warn = warn
+        self._lock = threading.Lock()
+        self._held = 0
+        self._idle = threading.Condition(self._lock)
+        self._queue: queue.SimpleQueue[_Publish | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="kvdepot-publish", daemon=True)
+        self._thread.start()
+
+    def reserve(self, nbytes: int) -> bool:
+        """Take ``nbytes`` of staging, or refuse at once when they do not fit."""
+        with self._lock:
+            if self._held + nbytes > self._budget:
+                return False
+            self._held += nbytes
+            return True
+
+    def submit(self, req_id: str, groups: list[StagedGroup], nbytes: int) -> None:
+        self._queue.put(_Publish(req_id, groups, nbytes))
+
+    def release(self, nbytes: int) -> None:
+        with self._lock:
+            self._held -= nbytes
+            if self._held == 0:
+                self._idle.notify_all()
+
+    def held(self) -> int:
+        with self._lock:
+            return self._held
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until everything submitted was published (tests, shutdown)."""
+        with self._lock:
+            return self._idle.wait_for(lambda: self._held == 0, timeout_s)
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            try:
+                self._publish(item)
+            except Exception:  # the thread must outlive any one save
+                logger.exception("kvdepot publish crashed")
+            finally:
+                self.release(item.nbytes)
+
+    def _publish(self, item: _Publish) -> None:
+        for g in item.groups:
+            geo = g.geometry
+            write_header(g.rows, self._fmt.num_layers, geo.layer_bytes, geo.codec_header)
+            keys = [o.key for o in g.objects]
+            try:
+                r = self._client.put(keys, list(g.rows))
+            except KVDepotError as exc:
+                self._warn.warn("publish", "kvdepot publish of %s failed: %s", item.req_id, exc)
+                self._counters.add(save_errors=len(keys))
+                continue
+            self._counters.add(
+                chunks_saved=r.stored,
+                bytes_saved=r.bytes_sent,
+                chunks_skipped=r.skipped,
+                save_errors=r.failed,
+            )
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Publish what is queued (up to ``timeout_s``), then stop."""
+        self.wait_idle(timeout_s)
+        self._queue.put(None)
+        self._thread.join(timeout=1.0)

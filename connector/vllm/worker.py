@@ -1,0 +1,310 @@
+"""The worker side: moves KV between the engine's paged cache and kvdepot.
+
+Asynchronous loads are fetched on background threads (see
+:mod:`kvdepot.connector.vllm.transfer`) and copied into the request's
+blocks on the engine's thread when done; small loads may run inside the step,
+layer by layer beside the forward pass (:class:`LayerLoader`). Saves copy
+each layer's blocks into staging as the layer finishes and hand them to the
+publisher at the end of the step: the step never waits on the network.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from kvdepot.connector.client import KVDepotClient
+from kvdepot.connector.codec.base import KVCodec
+from kvdepot.connector.vllm.layout import KVLayout
+from kvdepot.connector.vllm.loader import LayerLoader, LoadJob, header_bytes
+from kvdepot.connector.vllm.objects import ObjectFormat, StagedGroup, stage, staged_bytes
+from kvdepot.connector.vllm.plan import KVDepotConnectorMetadata, LoadPlan
+from kvdepot.connector.vllm.settings import ConnectorSettings
+from kvdepot.connector.vllm.stats import Counters, RepeatedWarning
+from kvdepot.connector.vllm.transfer import Fetcher, FetchJob, Publisher
+from kvdepot.errors import Corrupt, KVDepotError
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerSide:
+    """The connector's worker role."""
+
+    def __init__(
+        self,
+        settings: ConnectorSettings,
+        layout: KVLayout,
+        codec: KVCodec,
+        client: KVDepotClient,
+        *,
+        is_producer: bool,
+        counters: Counters,
+    ) -> None:
+        self.settings = settings
+        self.layout = layout
+        self._codec = codec
+        self._client = client
+        self.is_producer = is_producer
+        self._counters = counters
+        self._warn = RepeatedWarning(logger)
+        self._kv: list[torch.Tensor] = []
+        self._layer_index: dict[str, int] = {}
+        self._block_dim = 0
+        self._fmt: ObjectFormat | None = None
+        self._fetcher: Fetcher | None = None
+        self._publisher: Publisher | None = None
+        self._load_errors: set[int] = set()
+        self._recved: set[str] = set()
+        # In-step loads (small ones): layer by layer beside the forward pass.
+        self._loader: LayerLoader | None = None
+        self._sync_job: LoadJob | None = None
+        self._sync_plans: list[LoadPlan] = []
+        self._scattered: set[int] = set()
+        # Saves of the current step, staged layer by layer.
+        self._staged: list[tuple[str, list[StagedGroup], int]] | None = None
+
+    # ------------------------------------------------------------ set-up
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._kv = list(kv_caches.values())
+        self._layer_index = {name: i for i, name in enumerate(kv_caches)}
+        if len(self._kv) != self.layout.num_layers:
+            raise KVDepotError(
+                f"engine has {len(self._kv)} KV layers, config says {self.layout.num_layers}"
+            )
+        first = self._kv[0]
+        # CPU and most backends: [num_blocks, ...]; flash-attn: [2, num_blocks, ...].
+        self._block_dim = 1 if first.dim() == 5 and first.shape[0] == 2 else 0
+        block_values = first.numel() // first.shape[self._block_dim]
+        # Raises InvalidArgument for a cache the codec cannot take (fp8 over fp8).
+        fmt = ObjectFormat(self._codec, block_values, first.dtype, len(self._kv))
+        chunk = fmt.geometry(self.layout.blocks_per_chunk)
+        self._fmt = fmt
+        self._loader = LayerLoader(
+            self._client, len(self._kv), chunk.layer_bytes, chunk.codec_header
+        )
+        self._fetcher = Fetcher(self._client, fmt, self._warn)
+        if self.is_producer:
+            self._publisher = Publisher(
+                self._client, fmt, self.settings.save_buffer_bytes, self._counters, self._warn
+            )
+        logger.info(
+            "kvdepot: %d KV layers of shape %s (%s), codec %s, %d bytes per chunk",
+            len(self._kv),
+            tuple(first.shape),
+            first.dtype,
+            self._codec.name,
+            chunk.size,
+        )
+
+    @property
+    def chunk_bytes(self) -> int:
+        assert self._fmt is not None
+        return self._fmt.geometry(self.layout.blocks_per_chunk).size
+
+    # ------------------------------------------------------------- loads
+    def start_load_kv(self, meta: KVDepotConnectorMetadata | None) -> None:
+        if meta is None or not meta.loads or self._fmt is None:
+            return
+        sync = [p for p in meta.loads if not p.asynchronous]
+        for plan in meta.loads:
+            if plan.asynchronous:
+                assert self._fetcher is not None
+                self._fetcher.submit(plan, self.settings.load_timeout_s)
+        if sync and self._loader is not None:
+            # Fetched layer by layer on a background thread; each attention
+            # layer waits only for its own layer (wait_for_layer_load).
+            self._sync_plans = sync
+            self._sync_job = self._loader.start([[o.key for o in p.objects] for p in sync])
+            self._scattered = set()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        job = self._sync_job
+        li = self._layer_index.get(layer_name)
+        if job is None or li is None or li in self._scattered:
+            return
+        ok = job.wait_layer(li, self.settings.load_timeout_s)
+        if ok is None:
+            self._warn.warn("layer", "kvdepot: layer %s did not arrive in time", layer_name)
+            job.error = job.error or "timeout"
+            return
+        self._scattered.add(li)
+        geo = self._chunk_geometry()
+        for plan, staging, n in zip(self._sync_plans, job.staging, ok, strict=True):
+            if n:
+                try:
+                    self._scatter_layer(li, geo, staging[:n], plan.objects[:n], plan.skip_blocks)
+                except Corrupt as exc:
+                    # Checksums matched but the codec rejects the bytes (a
+                    # writer bug): recompute everything this step loaded.
+                    self._warn.warn("decode", "kvdepot: layer %s does not decode: %s",
+                                    layer_name, exc)
+                    job.error = job.error or str(exc)
+
+    def _chunk_geometry(self):  # type: ignore[no-untyped-def]
+        assert self._fmt is not None
+        return self._fmt.geometry(self.layout.blocks_per_chunk)
+
+    def _finish_sync_load(self) -> None:
+        job, self._sync_job = self._sync_job, None
+        if job is None:
+            return
+        for li in range(len(self._kv)):
+            if li not in self._scattered:
+                # Its attention ran without the loaded KV (or the layer never
+                # came): nothing of this step's loads can be trusted.
+                job.wait_layer(li, self.settings.load_timeout_s)
+                job.ok = [0] * len(job.ok)
+        if job.error:
+            job.ok = [0] * len(job.ok)
+        for plan, loaded in zip(self._sync_plans, job.ok, strict=True):
+            self._account(plan, loaded)
+        self._sync_plans = []
+
+    def _account(self, plan: LoadPlan, loaded: int) -> None:
+        """Count a finished load; blocks from its first missing object are recomputed."""
+        assert self._fmt is not None
+        failed = {b for o in plan.objects[loaded:] for b in o.blocks} - plan.skip_blocks
+        self._load_errors |= failed
+        got = plan.objects[:loaded]
+        tokens = sum(1 for o in got for b in o.blocks if b not in plan.skip_blocks)
+        self._counters.add(
+            chunks_loaded=loaded,
+            bytes_loaded=sum(self._fmt.geometry(len(o.blocks)).size for o in got),
+            tokens_hit=tokens * self.layout.block_size,
+            load_errors=len(plan.objects) - loaded,
+        )
+        if loaded < len(plan.objects):
+            self._warn.warn(
+                "missing",
+                "kvdepot: %d of %d objects of %s missing, corrupt or late; recomputing them",
+                len(plan.objects) - loaded,
+                len(plan.objects),
+                plan.req_id,
+            )
+
+    def _finish_async(self, job: FetchJob) -> None:
+        ok = job.ok
+        if job.timed_out:
+            self._counters.add(loads_timed_out=1)
+            self._warn.warn("late", "kvdepot: load of %s missed its %.1f s deadline",
+                            job.plan.req_id, self.settings.load_timeout_s)
+        if ok:
+            try:
+                for li in range(len(self._kv)):
+                    for g in job.groups:
+                        # Objects are in prompt order; a group holds those of
+                        # one size, so its leading good ones are the ones < ok.
+                        n = sum(1 for i in g.index if i < ok)
+                        if n:
+                            self._scatter_layer(
+                                li, g.geometry, g.rows[:n], g.objects[:n], job.plan.skip_blocks
+                            )
+            except Corrupt as exc:
+                self._warn.warn("decode", "kvdepot: a load of %s does not decode: %s",
+                                job.plan.req_id, exc)
+                ok = 0
+        self._account(job.plan, ok)
+        self._recved.add(job.plan.req_id)
+
+    def _scatter_layer(self, li, geo, rows, objects, skip) -> None:  # type: ignore[no-untyped-def]
+        kv = self._kv[li]
+        flat = [b for o in objects for b in o.blocks]
+        keep = [i for i, b in enumerate(flat) if b not in skip]
+        if not keep:
+            return
+        start = geo.header + li * geo.layer_bytes
+        part = torch.from_numpy(np.ascontiguousarray(rows[:, start : start + geo.layer_bytes]))
+        # Decoded on the cache's device: a GPU engine copies the encoded bytes.
+        values = self._codec.decode(part.to(kv.device), geo.layer_values, kv.dtype)
+        blocks = values.reshape(len(flat), *self._block_shape(kv))
+        if len(keep) < len(flat):
+            blocks = blocks.index_select(0, torch.tensor(keep, dtype=torch.long, device=kv.device))
+        ids = torch.tensor([flat[i] for i in keep], dtype=torch.long, device=kv.device)
+        if self._block_dim == 0:
+            kv.index_copy_(0, ids, blocks.to(kv.device))
+        else:
+            kv.index_copy_(1, ids, blocks.transpose(0, 1).to(kv.device))
+
+    def _block_shape(self, kv: torch.Tensor) -> tuple[int, ...]:
+        if self._block_dim == 0:
+            return tuple(kv.shape[1:])
+        return (kv.shape[0], *kv.shape[2:])
+
+    # ------------------------------------------------------------- saves
+    def save_kv_layer(
+        self, meta: KVDepotConnectorMetadata | None, layer_name: str, kv_layer: torch.Tensor
+    ) -> None:
+        if not self.is_producer or meta is None or not meta.saves or self._fmt is None:
+            return
+        li = self._layer_index.get(layer_name)
+        if li is None:
+            return
+        if self._staged is None:
+            self._staged = self._stage_saves(meta)
+        for _, groups, _ in self._staged:
+            for g in groups:
+                geo = g.geometry
+                flat = torch.tensor(g.flat_blocks(), dtype=torch.long)
+                blocks = kv_layer.index_select(self._block_dim, flat.to(kv_layer.device))
+                if self._block_dim == 1:
+                    blocks = blocks.transpose(0, 1).contiguous()
+                # Encoded on the cache's device: a GPU engine copies the encoded bytes.
+                raw = self._codec.encode(blocks.reshape(len(g.objects), geo.layer_values)).cpu()
+                start = geo.header + li * geo.layer_bytes
+                g.rows[:, start : start + geo.layer_bytes] = raw.numpy()
+
+    def _stage_saves(self, meta: KVDepotConnectorMetadata) -> list[tuple[str, list[StagedGroup], int]]:
+        assert self._fmt is not None and self._publisher is not None
+        staged = []
+        for plan in meta.saves:
+            nbytes = staged_bytes(self._fmt, plan.objects)
+            if not self._publisher.reserve(nbytes):
+                self._counters.add(saves_dropped=len(plan.objects))
+                self._warn.warn("dropped", "kvdepot: staging full (%d bytes); a save is dropped",
+                                self.settings.save_buffer_bytes)
+                continue
+            staged.append((plan.req_id, stage(self._fmt, plan.objects), nbytes))
+        return staged
+
+    def wait_for_save(self, meta: KVDepotConnectorMetadata | None) -> None:
+        if meta is not None and meta.skipped and self.is_producer:
+            self._counters.add(chunks_skipped=meta.skipped)
+        staged, self._staged = self._staged, None
+        if not staged:
+            return
+        assert self._publisher is not None
+        for req_id, groups, nbytes in staged:
+            self._publisher.submit(req_id, groups, nbytes)
+
+    # -------------------------------------------------------- completions
+    def get_finished(self) -> set[str]:
+        """Requests whose asynchronous load ended (loaded, failed or late)."""
+        if self._fetcher is not None and self._fetcher.pending():
+            for job in self._fetcher.poll():
+                self._finish_async(job)
+        done, self._recved = self._recved, set()
+        return done
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        # Called once per step after the forward pass: every layer was used.
+        self._finish_sync_load()
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def wait_published(self, timeout_s: float) -> bool:
+        return self._publisher is None or self._publisher.wait_idle(timeout_s)
+
+    def shutdown(self) -> None:
+        deadline = time.monotonic() + 5.0
+        if self._publisher is not None:
+            self._publisher.close(max(0.0, deadline - time.monotonic()))
+        if self._fetcher is not None:
+            self._fetcher.close()
+        if self._loader is not None:
+            self._loader.close()
+
+
+__all__ = ["WorkerSide", "header_bytes"]
