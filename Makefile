@@ -45,19 +45,34 @@ demo: install
 up: install
 	$(BIN)/kvdepot up
 
-# Services the tests start themselves (redis-server on free loopback ports).
+# Services the tests start themselves (redis-server on free loopback ports), and
+# what the compose test (tests/deploy) needs: a Docker engine (the test starts
+# and stops its own dockerd, never touching iptables), docker-compose v1 and
+# debootstrap for its local base image. Debian's docker.io would start a
+# system dockerd with iptables on (FORWARD policy DROP breaks the network-
+# namespace tests): policy-rc.d keeps it from starting during the install.
 system-deps:
-	@command -v redis-server >/dev/null 2>&1 || { \
-		echo "installing redis-server"; \
-		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server >/dev/null; }
-	@# docker-compose (v1) validates deploy/docker-compose.yml without an engine.
-	@command -v docker-compose >/dev/null 2>&1 || { \
-		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-		$$SUDO apt-get install -y -qq docker-compose >/dev/null 2>&1 || \
-		echo "docker-compose unavailable: the compose file is checked as YAML only"; }
-	@# Debian starts a system redis on 6379; the tests use their own servers.
+	@SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	missing=""; \
+	command -v redis-server >/dev/null 2>&1 || missing="$$missing redis-server"; \
+	command -v dockerd >/dev/null 2>&1 || missing="$$missing docker.io"; \
+	command -v docker-compose >/dev/null 2>&1 || missing="$$missing docker-compose"; \
+	command -v debootstrap >/dev/null 2>&1 || missing="$$missing debootstrap"; \
+	if [ -n "$$missing" ]; then \
+		echo "installing$$missing"; \
+		nostart=""; \
+		if [ ! -e /usr/sbin/policy-rc.d ]; then \
+			printf '#!/bin/sh\nexit 101\n' | $$SUDO tee /usr/sbin/policy-rc.d >/dev/null && \
+			$$SUDO chmod 755 /usr/sbin/policy-rc.d && nostart=1; \
+		fi; \
+		$$SUDO apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing >/dev/null || \
+			echo "could not install$$missing: the tests that need them are skipped"; \
+		[ -z "$$nostart" ] || $$SUDO rm -f /usr/sbin/policy-rc.d; \
+	fi
+	@# Debian starts a system redis on 6379, and docker.io a system dockerd; the tests use their own.
 	@-service redis-server stop >/dev/null 2>&1 || true
+	@-service docker stop >/dev/null 2>&1 || true
 
 test: install $(VENV)/.installed-vllm $(VENV)/.installed-nixl system-deps
 	$(BIN)/python -m pytest -q -ra
