@@ -193,8 +193,7 @@ class SchedulerSide:
         if not self.is_consumer:
             return 0, False
         asynchronous = (
-            hit - num_computed_tokens > self.settings.sync_load_max_tokens
-            or state.wait_for_commit
+            hit - num_computed_tokens > self.settings.sync_load_max_tokens or state.wait_for_commit
         )
         if not asynchronous:
             # Inside the step whole chunks are loaded, and one prompt token
@@ -252,8 +251,9 @@ class SchedulerSide:
                 if b >= first // bs:
                     objects.append(KVObject(key, (block_ids[b],)))
         skip = frozenset(block_ids[: first // bs])
-        return LoadPlan(state.request.request_id, tuple(objects), skip, asynchronous,
-                        state.wait_for_commit)
+        return LoadPlan(
+            state.request.request_id, tuple(objects), skip, asynchronous, state.wait_for_commit
+        )
 
     # ---------------------------------------------------------------- steps
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVDepotConnectorMetadata:
@@ -301,10 +301,11 @@ class SchedulerSide:
         tokens: list[int] | None = None
         if chunks > state.saved_chunks:
             tokens = list(request.all_token_ids)
-            keys = prefix_keys(self.ns, tokens[: chunks * c], bs, with_tail=False,
-                               chunks=state.chunks)
-            state.chunks = list(keys.chunks) if len(keys.chunks) > len(state.chunks) else (
-                state.chunks
+            keys = prefix_keys(
+                self.ns, tokens[: chunks * c], bs, with_tail=False, chunks=state.chunks
+            )
+            state.chunks = (
+                list(keys.chunks) if len(keys.chunks) > len(state.chunks) else (state.chunks)
             )
             for j in range(state.saved_chunks, chunks):
                 ids = tuple(state.block_ids[j * bpc : (j + 1) * bpc])
@@ -318,9 +319,9 @@ class SchedulerSide:
                 state.chunks = list(
                     prefix_keys(self.ns, tokens[: region * c], bs, with_tail=False).chunks
                 )
-            keys = tail_keys(self.ns, tokens[: blocks * bs], bs, region, state.chunks)
-            for j in range(state.saved_tail, min(tail, len(keys))):
-                objects.append(KVObject(keys[j], (state.block_ids[region * bpc + j],)))
+            tkeys = tail_keys(self.ns, tokens[: blocks * bs], bs, region, state.chunks)
+            for j in range(state.saved_tail, min(tail, len(tkeys))):
+                objects.append(KVObject(tkeys[j], (state.block_ids[region * bpc + j],)))
             state.saved_tail = tail
         if not objects:
             return None
@@ -334,7 +335,9 @@ class SchedulerSide:
         state = self._requests.pop(request.request_id, None)
         if state is None or not self.is_producer:
             return False, None
-        tokens = state.saved_chunks * self.ns.chunk_tokens + state.saved_tail * self.layout.block_size
+        tokens = (
+            state.saved_chunks * self.ns.chunk_tokens + state.saved_tail * self.layout.block_size
+        )
         tokens = min(tokens, request.num_prompt_tokens)
         if tokens <= 0:
             return False, None

@@ -18,12 +18,15 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvdepot.connector.client import KVDepotClient
 from kvdepot.connector.vllm.loader import write_header
 from kvdepot.connector.vllm.objects import ObjectFormat, StagedGroup, stage
 from kvdepot.connector.vllm.plan import LoadPlan
 from kvdepot.connector.vllm.stats import Counters, RepeatedWarning
 from kvdepot.errors import KVDepotError
+from kvdepot.metadata.keys import ChunkKey
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +99,7 @@ class Fetcher:
         try:
             if plan.wait_for_commit and not self._wait_committed(keys, job.deadline):
                 return 0
-            rows = [None] * len(keys)
+            rows: list[np.ndarray | None] = [None] * len(keys)
             for g in job.groups:
                 for pos, i in enumerate(g.index):
                     rows[i] = g.rows[pos]
@@ -107,18 +110,18 @@ class Fetcher:
         ok = 0
         sizes = {i: g.geometry for g in job.groups for i in g.index}
         for i, loaded in enumerate(result.loaded):
-            g = sizes[i]
-            if not loaded or result.sizes[i] != g.size:
+            geo = sizes[i]
+            if not loaded or result.sizes[i] != geo.size:
                 break
             row = rows[i]
             assert row is not None
-            if not self._fmt.verify(row, g.blocks):
+            if not self._fmt.verify(row, geo.blocks):
                 self._warn.warn("verify", "kvdepot: an object of %s fails its checks", plan.req_id)
                 break
             ok += 1
         return ok
 
-    def _wait_committed(self, keys: list, deadline: float) -> bool:
+    def _wait_committed(self, keys: list[ChunkKey], deadline: float) -> bool:
         """Poll until every key is listed (the prefill is still publishing)."""
         pause = _POLL_FIRST_S
         while True:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -20,8 +21,14 @@ from kvdepot.connector.client import KVDepotClient
 from kvdepot.connector.codec.base import KVCodec
 from kvdepot.connector.vllm.layout import KVLayout
 from kvdepot.connector.vllm.loader import LayerLoader, LoadJob, header_bytes
-from kvdepot.connector.vllm.objects import ObjectFormat, StagedGroup, stage, staged_bytes
-from kvdepot.connector.vllm.plan import KVDepotConnectorMetadata, LoadPlan
+from kvdepot.connector.vllm.objects import (
+    Geometry,
+    ObjectFormat,
+    StagedGroup,
+    stage,
+    staged_bytes,
+)
+from kvdepot.connector.vllm.plan import KVDepotConnectorMetadata, KVObject, LoadPlan
 from kvdepot.connector.vllm.settings import ConnectorSettings
 from kvdepot.connector.vllm.stats import Counters, RepeatedWarning
 from kvdepot.connector.vllm.transfer import Fetcher, FetchJob, Publisher
@@ -139,11 +146,12 @@ class WorkerSide:
                 except Corrupt as exc:
                     # Checksums matched but the codec rejects the bytes (a
                     # writer bug): recompute everything this step loaded.
-                    self._warn.warn("decode", "kvdepot: layer %s does not decode: %s",
-                                    layer_name, exc)
+                    self._warn.warn(
+                        "decode", "kvdepot: layer %s does not decode: %s", layer_name, exc
+                    )
                     job.error = job.error or str(exc)
 
-    def _chunk_geometry(self):  # type: ignore[no-untyped-def]
+    def _chunk_geometry(self) -> Geometry:
         assert self._fmt is not None
         return self._fmt.geometry(self.layout.blocks_per_chunk)
 
@@ -189,8 +197,12 @@ class WorkerSide:
         ok = job.ok
         if job.timed_out:
             self._counters.add(loads_timed_out=1)
-            self._warn.warn("late", "kvdepot: load of %s missed its %.1f s deadline",
-                            job.plan.req_id, self.settings.load_timeout_s)
+            self._warn.warn(
+                "late",
+                "kvdepot: load of %s missed its %.1f s deadline",
+                job.plan.req_id,
+                self.settings.load_timeout_s,
+            )
         if ok:
             try:
                 for li in range(len(self._kv)):
@@ -203,13 +215,21 @@ class WorkerSide:
                                 li, g.geometry, g.rows[:n], g.objects[:n], job.plan.skip_blocks
                             )
             except Corrupt as exc:
-                self._warn.warn("decode", "kvdepot: a load of %s does not decode: %s",
-                                job.plan.req_id, exc)
+                self._warn.warn(
+                    "decode", "kvdepot: a load of %s does not decode: %s", job.plan.req_id, exc
+                )
                 ok = 0
         self._account(job.plan, ok)
         self._recved.add(job.plan.req_id)
 
-    def _scatter_layer(self, li, geo, rows, objects, skip) -> None:  # type: ignore[no-untyped-def]
+    def _scatter_layer(
+        self,
+        li: int,
+        geo: Geometry,
+        rows: np.ndarray,
+        objects: Sequence[KVObject],
+        skip: frozenset[int],
+    ) -> None:
         kv = self._kv[li]
         flat = [b for o in objects for b in o.blocks]
         keep = [i for i, b in enumerate(flat) if b not in skip]
@@ -256,15 +276,20 @@ class WorkerSide:
                 start = geo.header + li * geo.layer_bytes
                 g.rows[:, start : start + geo.layer_bytes] = raw.numpy()
 
-    def _stage_saves(self, meta: KVDepotConnectorMetadata) -> list[tuple[str, list[StagedGroup], int]]:
+    def _stage_saves(
+        self, meta: KVDepotConnectorMetadata
+    ) -> list[tuple[str, list[StagedGroup], int]]:
         assert self._fmt is not None and self._publisher is not None
         staged = []
         for plan in meta.saves:
             nbytes = staged_bytes(self._fmt, plan.objects)
             if not self._publisher.reserve(nbytes):
                 self._counters.add(saves_dropped=len(plan.objects))
-                self._warn.warn("dropped", "kvdepot: staging full (%d bytes); a save is dropped",
-                                self.settings.save_buffer_bytes)
+                self._warn.warn(
+                    "dropped",
+                    "kvdepot: staging full (%d bytes); a save is dropped",
+                    self.settings.save_buffer_bytes,
+                )
                 continue
             staged.append((plan.req_id, stage(self._fmt, plan.objects), nbytes))
         return staged
