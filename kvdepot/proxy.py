@@ -88,6 +88,19 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def decode_body(body: dict[str, Any], prefill_answer: bytes) -> dict[str, Any]:
+    """The request sent to the decode engine: the client's, plus the prefill's
+    ``kv_transfer_params`` (the tokens it published), so the decode engine's
+    connector waits for them to be committed instead of missing them."""
+    try:
+        params = json.loads(prefill_answer).get("kv_transfer_params")
+    except (ValueError, AttributeError):
+        return body
+    if not isinstance(params, dict):
+        return body
+    return {**body, "kv_transfer_params": params}
+
+
 class Proxy:
     """The aiohttp application and its upstream session."""
 
@@ -172,9 +185,10 @@ class Proxy:
                             return web.Response(
                                 status=r.status, text=text, content_type="application/json"
                             )
-                        await r.read()
+                        answer = await r.read()
                 finally:
                     self.prefill_pool.inflight[prefill] -= 1
+                body = decode_body(body, answer)
                 mapped = bool(self.config.decode_nodes)
                 decode = (await self._choose(self.decode_pool, keys, mapped)).url
                 self.decode_pool.inflight[decode] += 1

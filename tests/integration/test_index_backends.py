@@ -17,7 +17,15 @@ import pytest
 from kvdepot.errors import CapacityExceeded, Unavailable
 from kvdepot.metadata.index import IndexBackend, IndexConfig, create_backend
 from kvdepot.metadata.keys import ChunkKey
-from kvdepot.metadata.types import Action, InventoryItem, NodeInfo, TierUsage
+from kvdepot.metadata.types import (
+    COUNT_HITS,
+    COUNT_NONE,
+    Action,
+    InventoryItem,
+    LookupCounting,
+    NodeInfo,
+    TierUsage,
+)
 from tests.conftest import free_port
 
 BACKENDS = [
@@ -106,6 +114,26 @@ def test_put_then_lookup_counts_leading_hits(make_index: MakeIndex) -> None:
         assert [(n.info.node_id, n.chunks_indexed) for n in s.nodes] == [("a", 2)]
         assert 0 < s.nodes[0].lease_remaining_s <= 5
         assert s.nodes[0].info.tiers == node("a").tiers
+
+    run(make_index, body)
+
+
+def test_lookups_count_what_they_are_told(make_index: MakeIndex) -> None:
+    """A prompt's lookup counts once, in the tokens each key covers; the rest
+    of it counts its hits only; a load's own lookup counts nothing."""
+
+    async def body(index: IndexBackend) -> None:
+        await index.register_node(node("a"), [], now())
+        await index.put_start([key(1), key(2), key(3)], [10] * 3, "a", now())
+        await index.put_end("a", [key(1), key(2), key(3)], [10] * 3)
+        keys = [key(1), key(2), key(3), key(4)]
+        r = await index.lookup(keys, "", LookupCounting(256, (256, 256, 128, 128)))
+        assert r.hits == 3
+        await index.lookup([key(3)], "", LookupCounting(128, (), COUNT_HITS))
+        await index.lookup(keys, "", LookupCounting(256, (), COUNT_NONE))
+        s = await index.stats(now())
+        assert (s.lookups, s.hit_keys, s.miss_keys) == (1, 4, 1)
+        assert (s.hit_tokens, s.miss_tokens) == (256 + 256 + 128 + 128, 128)
 
     run(make_index, body)
 

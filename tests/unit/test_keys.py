@@ -12,7 +12,7 @@ import pytest
 import xxhash
 
 from kvdepot.errors import InvalidArgument
-from kvdepot.metadata.keys import Namespace, chunk_keys, encode_tokens, validate_key
+from kvdepot.metadata.keys import Namespace, block_keys, chunk_keys, encode_tokens, validate_key
 
 NS = Namespace(
     "meta-llama/Llama-3.1-8B",
@@ -124,3 +124,38 @@ def test_same_keys_in_other_processes_whatever_the_hash_seed() -> None:
         outs.add(out.stdout.strip())
     assert len(outs) == 1
     assert outs == {chunk_keys(Namespace("m", extra=("a", "b")), list(range(512)))[1].hex()}
+
+
+def test_block_keys_golden_and_formula() -> None:
+    chunks = chunk_keys(NS, list(range(10)))
+    tail = block_keys(chunks[-1], list(range(8, 10)), 1)
+    assert [k.hex() for k in tail] == [
+        "2ae07d8ef7c201f7d973704406829b4c",
+        "eebb5ac0194cea6fb6df5515506003ad",
+    ]
+    first = xxhash.xxh3_128_digest(b"\x01blk" + chunks[-1] + struct.pack("<I", 8))
+    assert tail[0] == first
+    assert tail[1] == xxhash.xxh3_128_digest(b"\x01blk" + first + struct.pack("<I", 9))
+    # Seeded by the namespace when no chunk precedes; a partial block is dropped.
+    assert [k.hex() for k in block_keys(NS.digest(), [0, 1, 2], 2)] == [
+        "0ea08f0b919fd098fe1301510d835afd"
+    ]
+
+
+def test_block_keys_cover_the_exact_prefix_and_never_equal_chunk_keys() -> None:
+    ns = Namespace("m", chunk_tokens=4)
+    tokens = list(range(100, 120))
+    chunks = chunk_keys(ns, tokens)
+    # Blocks of 4 tokens chained from the namespace: same tokens as chunk 0,
+    # yet a different key.
+    assert block_keys(ns.digest(), tokens[:4], 4)[0] != chunks[0]
+    a = block_keys(chunks[1], tokens[8:11], 1)
+    b = block_keys(chunks[1], [*tokens[8:10], 7], 1)
+    assert a[:2] == b[:2] and a[2] != b[2]
+    # Another prefix before the boundary changes every block key after it.
+    other = chunk_keys(ns, [1, *tokens[1:]])
+    assert block_keys(other[1], tokens[8:11], 1)[0] != a[0]
+    with pytest.raises(InvalidArgument):
+        block_keys(b"short", tokens, 1)
+    with pytest.raises(InvalidArgument):
+        block_keys(ns.digest(), tokens, 0)
