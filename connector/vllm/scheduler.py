@@ -107,6 +107,8 @@ class _Request:
     looked_up: float = -1e9
     wait_for_commit: bool = False
     load: tuple[int, int, bool] | None = None  # (first token, end token, async)
+    loading: frozenset[int] = frozenset()  # blocks of the load under way
+    load_failed: bool = False  # then the request recomputes: no second try
     skip_counted: bool = False
 
 
@@ -172,6 +174,10 @@ class SchedulerSide:
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         state = self._state(request)
+        if state.load_failed:
+            # Asked again after its load failed (vLLM resets the request): a
+            # second try would likely fail the same way, so it recomputes.
+            return 0, False
         tokens = list(request.all_token_ids)
         now = time.monotonic()
         if now - state.looked_up > _LOOKUP_REUSE_S:
@@ -231,6 +237,10 @@ class SchedulerSide:
         block_ids = list(blocks.get_block_ids()[0])
         state.block_ids = block_ids
         plan = self._load_plan(state, first, end, block_ids, asynchronous)
+        if asynchronous:
+            # A synchronous load's failed blocks are simply recomputed in its
+            # step; an asynchronous one's failure makes vLLM ask again.
+            state.loading = frozenset(b for o in plan.objects for b in o.blocks)
         if plan.objects:
             self._loads.append(plan)
             self._counters.add(**{"loads_async" if asynchronous else "loads_sync": 1})
@@ -326,6 +336,18 @@ class SchedulerSide:
         if not objects:
             return None
         return SavePlan(request.request_id, tuple(objects))
+
+    def update_connector_output(
+        self, finished_recving: set[str], failed: set[str], invalid_blocks: set[int]
+    ) -> None:
+        """Note which loads failed, from the workers' report of a step."""
+        for req_id in (*finished_recving, *failed):
+            state = self._requests.get(req_id)
+            if state is None or not state.loading:
+                continue
+            if req_id in failed or state.loading & invalid_blocks:
+                state.load_failed = True
+            state.loading = frozenset()
 
     def request_finished(
         self, request: Request, block_ids: list[int]

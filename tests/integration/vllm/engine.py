@@ -98,6 +98,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         max_tokens=spec.get("max_tokens", 8),
         logprobs=spec.get("logprobs"),
         detokenize=False,
+        ignore_eos=bool(spec.get("ignore_eos", False)),
     )
     if spec.get("plant_random"):
         _plant_random(llm, kv, spec["prompts"])

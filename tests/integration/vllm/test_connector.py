@@ -319,3 +319,41 @@ def test_fp8_chunks_halve_the_bytes_and_stay_close_to_a_plain_run(
     assert max(deltas) <= 1.5 and sum(deltas) / len(deltas) <= 0.6, deltas
     # Not a no-op: quantization moved the logprobs.
     assert max(deltas) > 0
+
+
+def test_tail_blocks_and_decoded_chunks_hit_on_the_next_request(
+    model: str, workdir: Path, cluster: LocalCluster
+) -> None:
+    """With 256-token chunks of 128-token blocks: a prompt's tail block and the
+    chunks and blocks completed while decoding are published, so the same
+    prompt loads all its whole blocks and a chat's next turn its whole history."""
+    long_prompt = rng.integers(1, 1000, 700).tolist()  # 2 chunks + 1 tail block
+    first_turn = rng.integers(1, 1000, 300).tolist()  # 1 chunk; 350 tokens decoded
+    meta = cluster.metadata_address
+
+    def run(name: str, prompts: list[list[int]], kvcfg: dict[str, Any] | None) -> dict[str, Any]:
+        s = {**spec(model, prompts, kvcfg), "max_tokens": 350, "ignore_eos": True}
+        return run_engine(workdir, s, name)
+
+    plain = run("tail-plain", [long_prompt, first_turn], None)["outputs"]
+    both = kv("kv_both", meta, "store-0", chunk_tokens=256)
+    first = run("tail-first", [long_prompt, first_turn], both)
+    assert [o["tokens"] for o in first["outputs"]] == [o["tokens"] for o in plain]
+    # long: chunks 0, 1 and the tail block 512-640 at prefill, chunks 2, 3
+    # while decoding (1049 tokens computed); first turn: chunk 0, then the
+    # block 256-384, chunk 1 and the block 512-640 while decoding (649).
+    assert first["connector"]["chunks_saved"] == 5 + 4, first["connector"]
+    second_turn = first_turn + plain[1]["tokens"] + rng.integers(1, 1000, 100).tolist()
+    # A fresh engine on the other node.
+    again = run(
+        "tail-again", [long_prompt, second_turn], kv("kv_both", meta, "store-1", chunk_tokens=256)
+    )
+    c = again["connector"]
+    # Everything but the last partial block of each: 640 of 700 tokens, and
+    # 640 of the 650 of the first turn's history (its whole blocks).
+    assert c["tokens_hit"] == 640 + 640, c
+    assert c["chunks_loaded"] == 3 + 3 and c["load_errors"] == 0, c
+    reference = run("tail-plain-2", [second_turn], None)["outputs"][0]
+    assert again["outputs"][0]["tokens"] == plain[0]["tokens"]
+    assert again["outputs"][1]["tokens"] == reference["tokens"]
+    assert again["outputs"][1]["logprobs"] == reference["logprobs"]
