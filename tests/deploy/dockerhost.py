@@ -72,6 +72,21 @@ class Engine:
             )
         return r.stdout
 
+    def docker_input(self, data: str, *args: str, timeout: float = 120) -> str:
+        """``docker ARGS`` with ``data`` on its stdin; its stdout."""
+        r = subprocess.run(
+            [docker_client(), *args],
+            env=self.env,
+            input=data,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        if r.returncode != 0:
+            raise RuntimeError(f"docker {args[0]} failed ({r.returncode}): {r.stderr[-3000:]}")
+        return r.stdout
+
 
 def _pid_alive(pid: int) -> bool:
     try:
@@ -215,6 +230,8 @@ def base_image(eng: Engine, timeout_s: float = 600) -> str:
     tag = f"kvdepot-test/debian:bookworm-{base_key()}"
     if eng.docker("images", "-q", tag).strip():
         return tag
+    for stale in CACHE.glob("kvd-rootfs-*"):  # left by a run that was killed
+        _remove_rootfs(stale)
     rootfs = Path(tempfile.mkdtemp(prefix="kvd-rootfs-", dir=CACHE))
     try:
         subprocess.run(
@@ -264,8 +281,24 @@ def base_image(eng: Engine, timeout_s: float = 600) -> str:
         out = (exc.stderr or b"").decode(errors="replace")[-2000:]
         raise RuntimeError(f"{exc.cmd[0]} failed ({exc.returncode}): {out}") from None
     finally:
-        shutil.rmtree(rootfs, ignore_errors=True)
+        _remove_rootfs(rootfs)
     return tag
+
+
+def _remove_rootfs(rootfs: Path) -> None:
+    """Unmount what debootstrap mounted inside (if it was cut short), then delete."""
+    mounts = [
+        line.split()[1]
+        for line in Path("/proc/mounts").read_text().splitlines()
+        if line.split()[1].startswith(str(rootfs) + "/")
+    ]
+    for mount in sorted(mounts, key=len, reverse=True):
+        subprocess.run(["umount", "-l", mount], capture_output=True, timeout=30, check=False)
+    if not any(
+        line.split()[1].startswith(str(rootfs) + "/")
+        for line in Path("/proc/mounts").read_text().splitlines()
+    ):
+        shutil.rmtree(rootfs, ignore_errors=True)
 
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
