@@ -192,6 +192,8 @@ def engine(startup_timeout_s: float = 60) -> Iterator[Engine]:
         finally:
             with contextlib.suppress(Exception):
                 clean(eng)
+                # Images replaced by newer builds (the build cache stays).
+                eng.docker("image", "prune", "-f", timeout=300)
             _stop_pid(proc.pid)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
