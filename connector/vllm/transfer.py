@@ -15,7 +15,7 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -67,6 +67,14 @@ class Fetcher:
 
     def pending(self) -> int:
         return len(self._jobs)
+
+    def wait_any(self, timeout_s: float) -> None:
+        """Block up to ``timeout_s`` until a job finishes (an idle engine
+        step calls this instead of spinning while its loads are in flight)."""
+        futures = [j.future for j in self._jobs if j.future is not None]
+        if futures:
+            deadline = min(j.deadline for j in self._jobs)
+            wait(futures, max(0.0, min(timeout_s, deadline - time.monotonic())), FIRST_COMPLETED)
 
     def poll(self) -> list[FetchJob]:
         """Jobs that finished or ran out of time since the last call."""

@@ -36,6 +36,8 @@ from kvdepot.errors import Corrupt, KVDepotError
 
 logger = logging.getLogger(__name__)
 
+_IDLE_WAIT_S = 0.005
+
 
 class WorkerSide:
     """The connector's worker role."""
@@ -70,6 +72,7 @@ class WorkerSide:
         self._sync_job: LoadJob | None = None
         self._sync_plans: list[LoadPlan] = []
         self._scattered: set[int] = set()
+        self._forward_ran = False  # this step ran attention layers
         # Saves of the current step, staged layer by layer.
         self._staged: list[tuple[str, list[StagedGroup], int]] | None = None
 
@@ -128,6 +131,7 @@ class WorkerSide:
             self._scattered = set()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
+        self._forward_ran = True
         job = self._sync_job
         li = self._layer_index.get(layer_name)
         if job is None or li is None or li in self._scattered:
@@ -307,7 +311,12 @@ class WorkerSide:
     # -------------------------------------------------------- completions
     def get_finished(self) -> set[str]:
         """Requests whose asynchronous load ended (loaded, failed or late)."""
+        forward, self._forward_ran = self._forward_ran, False
         if self._fetcher is not None and self._fetcher.pending():
+            if not forward:
+                # Nothing but loads in flight: vLLM's loop would spin on
+                # empty steps, taking a core from the transfers themselves.
+                self._fetcher.wait_any(_IDLE_WAIT_S)
             for job in self._fetcher.poll():
                 self._finish_async(job)
         done, self._recved = self._recved, set()

@@ -357,3 +357,24 @@ def test_tail_blocks_and_decoded_chunks_hit_on_the_next_request(
     assert again["outputs"][0]["tokens"] == plain[0]["tokens"]
     assert again["outputs"][1]["tokens"] == reference["tokens"]
     assert again["outputs"][1]["logprobs"] == reference["logprobs"]
+
+
+def test_a_bad_setting_stops_the_engine_at_start_naming_it(model: str, workdir: Path) -> None:
+    bad = kv("kv_both", "127.0.0.1:1", chunk_tokens=200)  # not whole 128-token blocks
+    spec_path = workdir / "bad.json"
+    spec_path.write_text(json.dumps(spec(model, [PROMPT_A], bad)))
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.integration.vllm.engine", str(spec_path)],
+        cwd=ROOT,
+        env=engine_env(workdir / "engine-tmp"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode != 0
+    assert "chunk_tokens (200) must be a multiple of the engine's block size (128)" in proc.stderr
+    # Refused when the engine resolves its KV cache layout: before any
+    # warm-up or compile ran.
+    assert "KVDEPOT RESULT" not in proc.stdout
+    assert "Compiling" not in proc.stderr and "warming up" not in proc.stderr.lower()

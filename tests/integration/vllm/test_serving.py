@@ -89,7 +89,13 @@ def complete(
     return list(out["choices"][0]["token_ids"]), time.perf_counter() - t0
 
 
-def normal_latency(server: dict[str, Any], n: int = 3) -> float:
+# Two shared cores: a request's latency varies by a few hundred ms with
+# whatever else runs. The stalls these tests guard against cost seconds (the
+# load deadline or an RPC timeout), so the bound allows that much noise.
+NOISE_S = 1.0
+
+
+def normal_latency(server: dict[str, Any], n: int = 5) -> float:
     """Median latency of requests that miss kvdepot, with everything healthy."""
     return statistics.median(complete(server, prompt(700))[1] for _ in range(n))
 
@@ -136,7 +142,7 @@ def test_a_frozen_store_costs_only_the_requests_whose_kv_it_holds(server: dict[s
         # Requests that need nothing of the frozen store, while that load waits.
         free = [complete(server, prompt(700))[1] for _ in range(3)]
         tokens, took = stuck.result(timeout=120)
-    assert statistics.median(free) <= 2 * normal, (free, normal)
+    assert statistics.median(free) <= 2 * normal + NOISE_S, (free, normal)
     # Recomputed after the load deadline, with the same answer.
     assert tokens == want
     assert took >= LOAD_TIMEOUT_S * 0.9, took
@@ -158,7 +164,7 @@ def test_a_frozen_metadata_service_costs_a_miss_not_seconds(server: dict[str, An
         free = [complete(server, prompt(700))[1] for _ in range(4)]
         tokens, _ = complete(server, cached)
     # Each new request costs at most the lookup deadline, not the RPC timeout.
-    assert statistics.median(free) <= 2 * normal, (free, normal)
+    assert statistics.median(free) <= 2 * normal + NOISE_S, (free, normal)
     assert tokens == want
     # Thawed: once the breaker closes, the cached prompt loads again.
     time.sleep(2.5)
