@@ -1,0 +1,142 @@
+"""vLLM connector check on a CUDA device: what the CPU tests prove, on a GPU.
+
+Runs real vLLM engines (the CUDA build) on a tiny random Llama the script
+builds, each in its own process, against real kvdepot daemons:
+
+1. **Exact loads**: a ``kv_producer`` engine publishes; a ``kv_consumer``
+   engine in another process loads (asynchronously, the default) and must
+   give exactly the tokens and logprobs of a plain engine.
+2. **Tail and decode chunks**: with 256-token chunks of the GPU's blocks (16 tokens), a
+   ``kv_both`` engine publishes a prompt's tail blocks and what it decoded; a
+   fresh engine then loads all the whole blocks of the same prompt and of a
+   chat's next turn, and matches the plain engine.
+3. **Layout and codec**: the same with ``fp8_e4m3`` chunks (bytes per chunk
+   halved; tokens compared loosely).
+
+Run on a CUDA machine: ``python benchmarks/gpu_connector_check.py [--json]``
+(a few minutes). Exits non-zero if an output differs or CUDA is not there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def run_engine(tmp: Path, spec: dict[str, Any], name: str) -> dict[str, Any]:
+    from tests.integration.vllm.engine import engine_env
+
+    path = tmp / f"{name}.json"
+    path.write_text(json.dumps(spec))
+    env = engine_env(tmp / "engine-tmp")
+    for var in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND"):
+        env.pop(var, None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.integration.vllm.engine", str(path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        check=False,
+    )
+    (tmp / f"{name}.log").write_text(proc.stderr)
+    for line in proc.stdout.splitlines():
+        if line.startswith("KVDEPOT RESULT "):
+            result: dict[str, Any] = json.loads(line[len("KVDEPOT RESULT ") :])
+            return result
+    raise SystemExit(f"engine {name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+
+
+def kv(role: str, metadata: str, node: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "kv_connector": "KVDepotConnector",
+        "kv_connector_module_path": "kvdepot.connector.vllm",
+        "kv_role": role,
+        "kv_connector_extra_config": {"metadata": metadata, "node_id": node, **extra},
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        print("CUDA is not available", file=sys.stderr)
+        return 2
+    from kvdepot.cluster import LocalCluster
+    from tests.integration.vllm.engine import build_tiny_llama
+
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(1, 1000, n).tolist() for n in (300, 700, 1000)]
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name(0)}
+    failures: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="kvdepot-gpu-") as d:
+        tmp = Path(d)
+        model = str(build_tiny_llama(tmp / "model"))
+        base = {"model": model, "max_tokens": 64, "logprobs": 1, "ignore_eos": True}
+        plain = run_engine(tmp, {**base, "prompts": prompts, "kv": None}, "plain")["outputs"]
+        with LocalCluster(nodes=2, capacity="1GiB", log_dir=tmp / "logs", lease_ttl_s=60) as c:
+            meta = c.metadata_address
+            for name, extra in (("none", {}), ("fp8", {"kv_codec": "fp8_e4m3"})):
+                cfg = {"chunk_tokens": 256, **extra}
+                prod = run_engine(
+                    tmp,
+                    {**base, "prompts": prompts, "kv": kv("kv_producer", meta, "store-0", **cfg)},
+                    f"producer-{name}",
+                )
+                cons = run_engine(
+                    tmp,
+                    {**base, "prompts": prompts, "kv": kv("kv_consumer", meta, "store-1", **cfg)},
+                    f"consumer-{name}",
+                )
+                exact = [
+                    g["tokens"] == w["tokens"] and g["logprobs"] == w["logprobs"]
+                    for g, w in zip(cons["outputs"], plain, strict=True)
+                ]
+                report[name] = {
+                    "producer": prod["connector"],
+                    "consumer": cons["connector"],
+                    "exact": exact,
+                }
+                if name == "none" and not all(exact):
+                    failures.append(f"{name}: consumer output differs from the plain engine")
+                if cons["connector"].get("load_errors"):
+                    failures.append(f"{name}: load errors {cons['connector']}")
+            # A chat's next turn on a fresh engine: its whole history hits.
+            turn2 = prompts[0] + plain[0]["tokens"] + rng.integers(1, 1000, 50).tolist()
+            ref = run_engine(tmp, {**base, "prompts": [turn2], "kv": None}, "plain-turn2")
+            both = kv("kv_both", meta, "store-0", chunk_tokens=256, kv_codec="none")
+            run_engine(tmp, {**base, "prompts": [prompts[0]], "kv": both}, "turn1")
+            again = run_engine(tmp, {**base, "prompts": [turn2], "kv": both}, "turn2")
+            history = len(prompts[0]) + len(plain[0]["tokens"])
+            report["multiturn"] = {
+                "history_tokens": history,
+                "tokens_hit": again["connector"]["tokens_hit"],
+                "exact": again["outputs"][0]["tokens"] == ref["outputs"][0]["tokens"],
+            }
+            if not report["multiturn"]["exact"]:
+                failures.append("turn 2 differs from the plain engine")
+    report["failures"] = failures
+    if args.json:
+        print(json.dumps(report))
+    else:
+        for k, v in report.items():
+            print(f"{k}: {v}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
