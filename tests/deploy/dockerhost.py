@@ -140,6 +140,8 @@ def engine(startup_timeout_s: float = 60) -> Iterator[Engine]:
                     raise RuntimeError(f"another run holds {CACHE / 'lock'}") from None
                 time.sleep(2)
         _stale_dockerd(CACHE / "dockerd.pid")
+        for stale in Path(tempfile.gettempdir()).glob("kvd-docker-*"):
+            remove_tree(stale)  # the run folders of earlier engines
         # Exec root and socket: short paths (unix sockets are limited to 108 bytes).
         run = Path(tempfile.mkdtemp(prefix="kvd-docker-"))
         sock = run / "docker.sock"
@@ -197,7 +199,7 @@ def engine(startup_timeout_s: float = 60) -> Iterator[Engine]:
             _stop_pid(proc.pid)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
-            shutil.rmtree(run, ignore_errors=True)
+            remove_tree(run)
 
 
 def clean(eng: Engine) -> None:
@@ -287,20 +289,25 @@ def base_image(eng: Engine, timeout_s: float = 600) -> str:
     return tag
 
 
-def _remove_rootfs(rootfs: Path) -> None:
-    """Unmount what debootstrap mounted inside (if it was cut short), then delete."""
-    mounts = [
+def _mounts_under(path: Path) -> list[str]:
+    prefix = str(path) + "/"
+    return [
         line.split()[1]
         for line in Path("/proc/mounts").read_text().splitlines()
-        if line.split()[1].startswith(str(rootfs) + "/")
+        if line.split()[1].startswith(prefix)
     ]
-    for mount in sorted(mounts, key=len, reverse=True):
+
+
+def remove_tree(path: Path) -> None:
+    """Unmount what is mounted inside ``path`` (debootstrap's /proc if it was cut
+    short, dockerd's network namespaces), then delete it; never across a mount."""
+    for mount in sorted(_mounts_under(path), key=len, reverse=True):
         subprocess.run(["umount", "-l", mount], capture_output=True, timeout=30, check=False)
-    if not any(
-        line.split()[1].startswith(str(rootfs) + "/")
-        for line in Path("/proc/mounts").read_text().splitlines()
-    ):
-        shutil.rmtree(rootfs, ignore_errors=True)
+    if not _mounts_under(path):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+_remove_rootfs = remove_tree
 
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"

@@ -41,6 +41,7 @@ CHUNK = 128
 PROMPT = np.random.default_rng(1234).integers(1, 1000, 300).tolist()  # 2 full chunks
 ENGINES = ["cpu-prefill", "cpu-decode", "cpu-proxy"]
 HOST_WHEELS = Path("/opt/wheels")
+WHEELS_PORT = 47861
 
 
 @contextlib.contextmanager
@@ -50,7 +51,12 @@ def wheel_server() -> Iterator[str]:
         yield ""
         return
     handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(HOST_WHEELS))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    # A fixed port where it is free: the URL is a build argument, and a new one
+    # would rebuild the 3.5 GB layer each run.
+    try:
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", WHEELS_PORT), handler)
+    except OSError:
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
