@@ -355,6 +355,18 @@ class Project:
             )
         return r
 
+    def up(self, *profile: str, timeout_s: float = 180) -> None:
+        """``up -d``, again if it gave up on a dependency's health check (a busy host)."""
+        for attempt in range(3):
+            try:
+                r = self.compose(*profile, "up", "-d", "--no-build", timeout=timeout_s, check=False)
+            except subprocess.TimeoutExpired:
+                continue
+            if r.returncode == 0:
+                return
+            print(f"docker-compose up, attempt {attempt + 1}: {r.stderr[-500:]}")
+            time.sleep(5)
+
     def container(self, service: str) -> str:
         cid = self.compose("ps", "-q", service).stdout.strip()
         if not cid:

@@ -107,7 +107,7 @@ def cluster(
     project = Project(docker_engine, f"kvdt{os.getpid()}", env, Path(tmp))
     try:
         started = time.monotonic()
-        project.compose("up", "-d", "--no-build", timeout=UP_TIMEOUT_S, check=False)
+        project.up(timeout_s=UP_TIMEOUT_S)
         project.wait_healthy(SERVICES, UP_TIMEOUT_S)
         print(f"compose cluster healthy in {time.monotonic() - started:.0f} s")
         yield Cluster(project, token, ports, subnet)

@@ -110,7 +110,7 @@ def cpu_project(
         project.compose("--profile", "cpu", "build", "cpu-prefill", timeout=3000)
         print(f"vLLM CPU image built in {time.monotonic() - started:.0f} s")
     try:
-        project.compose("--profile", "cpu", "up", "-d", "--no-build", timeout=900, check=False)
+        project.up("--profile", "cpu", timeout_s=900)
         project.wait_healthy(
             ["metadata-0", "metadata-1", "store-0", "store-1", "store-2", *ENGINES], 900
         )
