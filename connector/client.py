@@ -143,9 +143,7 @@ class KVDepotClient:
                 one ``config.transport`` names (``auto`` picks per store).
         """
         self.config = config
-        self._metadata = MetadataConnection(
-            config.metadata, config.rpc_timeout_s, config.security
-        )
+        self._metadata = MetadataConnection(config.metadata, config.rpc_timeout_s, config.security)
         self._transport = transport or create_transport(
             config.transport,
             connect_timeout_s=config.connect_timeout_s,

@@ -44,9 +44,7 @@ class MetadataConnection:
         security: Token and TLS settings of the channels.
     """
 
-    def __init__(
-        self, spec: str, timeout_s: float, security: SecurityConfig | None = None
-    ) -> None:
+    def __init__(self, spec: str, timeout_s: float, security: SecurityConfig | None = None) -> None:
         self.endpoints = parse_endpoints(spec)
         self._timeout_s = timeout_s
         options = [("grpc.max_receive_message_length", 64 << 20)]

@@ -168,3 +168,19 @@ def block_keys(
         prev = xxhash.xxh3_128_digest(_BLOCK_TAG + prev + data[i * step : (i + 1) * step])
         keys.append(ChunkKey(prev))
     return keys
+
+
+_RANK_TAG = b"\x02rank"
+
+
+def shard_key(namespace: Namespace, key: ChunkKey) -> ChunkKey:
+    """The key of one tensor-parallel rank's shard of the chunk or block ``key``.
+
+    The chain (chunk and block keys) is computed once, in rank 0's namespace,
+    by the engine's scheduler; each rank stores and loads its own shard under
+    this key, so ranks never read each other's KV. Rank 0's shard key is the
+    chain key itself.
+    """
+    if namespace.tp_rank == 0:
+        return key
+    return ChunkKey(xxhash.xxh3_128_digest(_RANK_TAG + namespace.digest() + key))

@@ -92,6 +92,15 @@ def check_config(vllm_config: Any) -> tuple[ConnectorSettings, KVLayout]:
     return settings, layout_from_config(vllm_config, settings)
 
 
+def _tp_rank() -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    try:
+        return int(get_tensor_model_parallel_rank())
+    except (AssertionError, RuntimeError):
+        return 0
+
+
 class KVDepotConnector(KVConnectorBase_V1):
     """vLLM V1 KV connector publishing to and loading from kvdepot."""
 
@@ -144,6 +153,7 @@ class KVDepotConnector(KVConnectorBase_V1):
                 self.layout,
                 create_codec(s.codec_spec()),
                 self._client,
+                namespace=namespace_for(vllm_config, s, self.layout, _tp_rank()),
                 is_producer=self.is_producer,
                 counters=self._counters,
             )

@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from kvdepot.connector.client import KVDepotClient
@@ -30,7 +31,7 @@ from kvdepot.connector.vllm.plan import (
 from kvdepot.connector.vllm.settings import ConnectorSettings
 from kvdepot.connector.vllm.stats import Counters, RepeatedWarning
 from kvdepot.errors import KVDepotError
-from kvdepot.metadata.keys import ChunkKey, Namespace
+from kvdepot.metadata.keys import ChunkKey, Namespace, shard_key
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -56,8 +57,14 @@ class LookupBreaker:
         self._open_until = 0.0
         self._failures = 0
 
-    def lookup(self, keys: PrefixKeys, counters: Counters) -> int | None:
-        """Leading hits of ``keys``, or None when kvdepot cannot answer now."""
+    def lookup(
+        self, keys: PrefixKeys, counters: Counters, shards: Sequence[Namespace] = ()
+    ) -> int | None:
+        """Leading hits of ``keys``, or None when kvdepot cannot answer now.
+
+        With ``shards`` (the namespaces of tensor-parallel ranks after rank 0),
+        a key hits only when every rank's shard of it is stored.
+        """
         now = time.monotonic()
         with self._lock:
             if now < self._open_until:
@@ -65,6 +72,12 @@ class LookupBreaker:
                 return None
         try:
             hits = self._client.lookup(keys.keys, key_tokens=keys.key_tokens)
+            for ns in shards:
+                if hits == 0:
+                    break
+                # The prompt was counted once, by rank 0's lookup.
+                rank_keys = [shard_key(ns, k) for k in keys.keys[:hits]]
+                hits = min(hits, self._client.lookup(rank_keys, count="none"))
         except KVDepotError as exc:
             counters.add(lookups=1, lookup_errors=1)
             with self._lock:
@@ -86,12 +99,20 @@ class LookupBreaker:
             self._open_until = 0.0
         return hits
 
-    def lookup_more(self, keys: list[ChunkKey], tokens: int) -> int:
+    def lookup_more(
+        self, keys: list[ChunkKey], tokens: int, shards: Sequence[Namespace] = ()
+    ) -> int:
         """The rest of a prompt's lookup (its hits are counted, not the call)."""
         if not keys or time.monotonic() < self._open_until:
             return 0
         try:
-            return self._client.lookup(keys, key_tokens=[tokens] * len(keys), count="hits")
+            hits = self._client.lookup(keys, key_tokens=[tokens] * len(keys), count="hits")
+            for ns in shards:
+                if hits == 0:
+                    break
+                rank_keys = [shard_key(ns, k) for k in keys[:hits]]
+                hits = min(hits, self._client.lookup(rank_keys, count="none"))
+            return hits
         except KVDepotError:
             return 0
 
@@ -138,6 +159,8 @@ class SchedulerSide:
         self._breaker = LookupBreaker(client, settings.lookup_breaker_s, self._warn)
         self._requests: dict[str, _Request] = {}
         self._loads: list[LoadPlan] = []
+        # Every rank stores its own shard: a hit needs all of them.
+        self._shards = [replace(namespace, tp_rank=r) for r in range(1, namespace.tp_size)]
 
     # -------------------------------------------------------------- lookups
     def _state(self, request: Request) -> _Request:
@@ -159,14 +182,14 @@ class SchedulerSide:
         keys = self._keys(state, tokens)
         if not keys.chunks and not keys.tail:
             return 0
-        hits = self._breaker.lookup(keys, self._counters)
+        hits = self._breaker.lookup(keys, self._counters, self._shards)
         if hits is None:
             return 0
         if hits < len(keys.chunks) and self.layout.blocks_per_chunk > 1:
             # Chunk `hits` is missing, but blocks of it may be stored: the
             # tail of an earlier, shorter sequence (the last turn of a chat).
             more = tail_keys(self.ns, tokens, self.layout.block_size, hits, keys.chunks)
-            extra = self._breaker.lookup_more(more, self.layout.block_size)
+            extra = self._breaker.lookup_more(more, self.layout.block_size, self._shards)
             return hits * self.ns.chunk_tokens + extra * self.layout.block_size
         return keys.tokens_of(hits)
 

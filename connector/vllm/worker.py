@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -33,6 +34,7 @@ from kvdepot.connector.vllm.settings import ConnectorSettings
 from kvdepot.connector.vllm.stats import Counters, RepeatedWarning
 from kvdepot.connector.vllm.transfer import Fetcher, FetchJob, Publisher
 from kvdepot.errors import Corrupt, KVDepotError
+from kvdepot.metadata.keys import Namespace, shard_key
 
 logger = logging.getLogger(__name__)
 
@@ -49,10 +51,12 @@ class WorkerSide:
         codec: KVCodec,
         client: KVDepotClient,
         *,
+        namespace: Namespace,
         is_producer: bool,
         counters: Counters,
     ) -> None:
         self.settings = settings
+        self.ns = namespace
         self.layout = layout
         self._codec = codec
         self._client = client
@@ -114,12 +118,19 @@ class WorkerSide:
         assert self._fmt is not None
         return self._fmt.geometry(self.layout.blocks_per_chunk).size
 
+    def _shard(self, objects: tuple[KVObject, ...]) -> tuple[KVObject, ...]:
+        """The plan's objects under this rank's shard keys (rank 0: unchanged)."""
+        if self.ns.tp_rank == 0:
+            return objects
+        return tuple(KVObject(shard_key(self.ns, o.key), o.blocks) for o in objects)
+
     # ------------------------------------------------------------- loads
     def start_load_kv(self, meta: KVDepotConnectorMetadata | None) -> None:
         if meta is None or not meta.loads or self._fmt is None:
             return
-        sync = [p for p in meta.loads if not p.asynchronous]
-        for plan in meta.loads:
+        loads = [replace(p, objects=self._shard(p.objects)) for p in meta.loads]
+        sync = [p for p in loads if not p.asynchronous]
+        for plan in loads:
             if plan.asynchronous:
                 assert self._fetcher is not None
                 self._fetcher.submit(plan, self.settings.load_timeout_s)
@@ -295,7 +306,7 @@ class WorkerSide:
                     self.settings.save_buffer_bytes,
                 )
                 continue
-            staged.append((plan.req_id, stage(self._fmt, plan.objects), nbytes))
+            staged.append((plan.req_id, stage(self._fmt, self._shard(plan.objects)), nbytes))
         return staged
 
     def wait_for_save(self, meta: KVDepotConnectorMetadata | None) -> None:

@@ -12,7 +12,14 @@ import pytest
 import xxhash
 
 from kvdepot.errors import InvalidArgument
-from kvdepot.metadata.keys import Namespace, block_keys, chunk_keys, encode_tokens, validate_key
+from kvdepot.metadata.keys import (
+    Namespace,
+    block_keys,
+    chunk_keys,
+    encode_tokens,
+    shard_key,
+    validate_key,
+)
 
 NS = Namespace(
     "meta-llama/Llama-3.1-8B",
@@ -159,3 +166,24 @@ def test_block_keys_cover_the_exact_prefix_and_never_equal_chunk_keys() -> None:
         block_keys(b"short", tokens, 1)
     with pytest.raises(InvalidArgument):
         block_keys(ns.digest(), tokens, 0)
+
+
+def test_each_tensor_parallel_rank_has_its_own_shard_keys() -> None:
+    rank0 = Namespace("m", tp_size=2, tp_rank=0, chunk_tokens=4)
+    rank1 = Namespace("m", tp_size=2, tp_rank=1, chunk_tokens=4)
+    keys = chunk_keys(rank0, list(range(8)))
+    assert [shard_key(rank0, k) for k in keys] == keys
+    shards = [shard_key(rank1, k) for k in keys]
+    assert len(set(shards) | set(keys)) == 4
+    assert shards[0] == xxhash.xxh3_128_digest(b"\x02rank" + rank1.digest() + keys[0])
+    golden = Namespace(
+        "meta-llama/Llama-3.1-8B",
+        kv_dtype="bfloat16",
+        kv_layout="cuda:flash:NHD",
+        tp_size=2,
+        tp_rank=0,
+        chunk_tokens=4,
+        extra=("lora:none",),
+    )
+    first = chunk_keys(golden, list(range(10)))[0]
+    assert shard_key(NS, first).hex() == "3e6bb5c61d2a13354621cdddea4d3630"
