@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -31,40 +30,6 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
-
-def run_engine(tmp: Path, spec: dict[str, Any], name: str) -> dict[str, Any]:
-    from tests.integration.vllm.engine import engine_env
-
-    path = tmp / f"{name}.json"
-    path.write_text(json.dumps(spec))
-    env = engine_env(tmp / "engine-tmp")
-    for var in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND"):
-        env.pop(var, None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.integration.vllm.engine", str(path)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-        check=False,
-    )
-    (tmp / f"{name}.log").write_text(proc.stderr)
-    for line in proc.stdout.splitlines():
-        if line.startswith("KVDEPOT RESULT "):
-            result: dict[str, Any] = json.loads(line[len("KVDEPOT RESULT ") :])
-            return result
-    raise SystemExit(f"engine {name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-
-
-def kv(role: str, metadata: str, node: str, **extra: Any) -> dict[str, Any]:
-    return {
-        "kv_connector": "KVDepotConnector",
-        "kv_connector_module_path": "kvdepot.connector.vllm",
-        "kv_role": role,
-        "kv_connector_extra_config": {"metadata": metadata, "node_id": node, **extra},
-    }
 
 
 def main() -> int:
@@ -78,6 +43,7 @@ def main() -> int:
         return 2
     from kvdepot.cluster import LocalCluster
     from tests.integration.vllm.engine import build_tiny_llama
+    from tests.integration.vllm.test_connector import kv, run_engine
 
     rng = np.random.default_rng(5)
     prompts = [rng.integers(1, 1000, n).tolist() for n in (300, 700, 1000)]

@@ -83,8 +83,8 @@ def kv_error(model: str, metadata: str, prompts: list[list[int]], block: int) ->
     from kvdepot.connector.client import ClientConfig, KVDepotClient
     from kvdepot.connector.codec import create_codec
     from kvdepot.connector.vllm.layout import layout_from_config, namespace_for
-    from kvdepot.connector.vllm.settings import ConnectorSettings
     from kvdepot.connector.vllm.loader import header_bytes
+    from kvdepot.connector.vllm.settings import ConnectorSettings
     from kvdepot.metadata.keys import chunk_keys
 
     cfg = EngineArgs(

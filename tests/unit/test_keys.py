@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import struct
 import subprocess
@@ -176,14 +177,6 @@ def test_each_tensor_parallel_rank_has_its_own_shard_keys() -> None:
     shards = [shard_key(rank1, k) for k in keys]
     assert len(set(shards) | set(keys)) == 4
     assert shards[0] == xxhash.xxh3_128_digest(b"\x02rank" + rank1.digest() + keys[0])
-    golden = Namespace(
-        "meta-llama/Llama-3.1-8B",
-        kv_dtype="bfloat16",
-        kv_layout="cuda:flash:NHD",
-        tp_size=2,
-        tp_rank=0,
-        chunk_tokens=4,
-        extra=("lora:none",),
-    )
+    golden = dataclasses.replace(NS, tp_rank=0)
     first = chunk_keys(golden, list(range(10)))[0]
     assert shard_key(NS, first).hex() == "3e6bb5c61d2a13354621cdddea4d3630"

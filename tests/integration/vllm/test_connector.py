@@ -48,7 +48,10 @@ def model(workdir: Path) -> str:
     return str(build_tiny_llama(workdir / "tiny-llama"))
 
 
-def run_engine(workdir: Path, spec: dict[str, Any], name: str) -> dict[str, Any]:
+def start_engine(
+    workdir: Path, spec: dict[str, Any], name: str
+) -> subprocess.CompletedProcess[str]:
+    """Run one engine process over ``spec``; its stderr is kept as ``name``.log."""
     spec_path = workdir / f"{name}.json"
     spec_path.write_text(json.dumps(spec))
     proc = subprocess.run(
@@ -61,6 +64,11 @@ def run_engine(workdir: Path, spec: dict[str, Any], name: str) -> dict[str, Any]
         check=False,
     )
     (workdir / f"{name}.log").write_text(proc.stderr)
+    return proc
+
+
+def run_engine(workdir: Path, spec: dict[str, Any], name: str) -> dict[str, Any]:
+    proc = start_engine(workdir, spec, name)
     for line in proc.stdout.splitlines():
         if line.startswith("KVDEPOT RESULT "):
             result: dict[str, Any] = json.loads(line[len("KVDEPOT RESULT ") :])
@@ -361,17 +369,7 @@ def test_tail_blocks_and_decoded_chunks_hit_on_the_next_request(
 
 def test_a_bad_setting_stops_the_engine_at_start_naming_it(model: str, workdir: Path) -> None:
     bad = kv("kv_both", "127.0.0.1:1", chunk_tokens=200)  # not whole 128-token blocks
-    spec_path = workdir / "bad.json"
-    spec_path.write_text(json.dumps(spec(model, [PROMPT_A], bad)))
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.integration.vllm.engine", str(spec_path)],
-        cwd=ROOT,
-        env=engine_env(workdir / "engine-tmp"),
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
+    proc = start_engine(workdir, spec(model, [PROMPT_A], bad), "bad-setting")
     assert proc.returncode != 0
     assert "chunk_tokens (200) must be a multiple of the engine's block size (128)" in proc.stderr
     # Refused when the engine resolves its KV cache layout: before any
