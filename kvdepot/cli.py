@@ -123,6 +123,7 @@ def cmd_store(args: argparse.Namespace) -> int:
             "arena_path": args.arena_path,
             "max_chunk_bytes": args.max_chunk,
             "shm": False if args.no_shm else None,
+            "force_node_id": True if args.force_node_id else None,
             "verify_shm_commits": True if args.verify_shm_commits else None,
             "nixl": args.nixl,
             "metrics_port": args.metrics_port,
@@ -474,6 +475,11 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("store", help="run a store daemon")
     s.add_argument("--config", help="TOML/JSON file with a [store] table")
     s.add_argument("--node-id", help="node name (default derived from the address)")
+    s.add_argument(
+        "--force-node-id",
+        action="store_true",
+        help="take --node-id over even while another live store holds it (default: refuse)",
+    )
     s.add_argument("--host", help="bind address (default 127.0.0.1)")
     s.add_argument("--port", type=int, help="data-plane port (default 7800; 0 picks one)")
     s.add_argument("--grpc-port", type=int, help="gRPC stats port (default 0: pick one)")

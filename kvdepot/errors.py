@@ -58,6 +58,23 @@ class PermissionDenied(KVDepotError):
     grpc_code = grpc.StatusCode.PERMISSION_DENIED
 
 
+class NodeIdTaken(KVDepotError):
+    """Another live store instance holds this node id: a duplicate ``--node-id``.
+
+    Retrying does not help while that instance heartbeats; stop it, wait for
+    its lease to run out, or take the id over on purpose (``--force-node-id``).
+    """
+
+    grpc_code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class StaleRegistration(KVDepotError):
+    """A heartbeat of a registration that has been replaced (its epoch is not the
+    node's any more): another instance of the node id registered since."""
+
+    grpc_code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 _BY_CODE: dict[grpc.StatusCode, type[KVDepotError]] = {
     cls.grpc_code: cls
     for cls in (
@@ -68,6 +85,7 @@ _BY_CODE: dict[grpc.StatusCode, type[KVDepotError]] = {
         Corrupt,
         Unauthenticated,
         PermissionDenied,
+        NodeIdTaken,
     )
 }
 _BY_CODE[grpc.StatusCode.DEADLINE_EXCEEDED] = Unavailable

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import grpc
 
-from kvdepot.errors import InvalidArgument, KVDepotError
+from kvdepot.errors import InvalidArgument, KVDepotError, NodeIdTaken, StaleRegistration
 from kvdepot.health import HealthState
 from kvdepot.metadata.config import MetadataConfig
 from kvdepot.metadata.events import EventsConfig, KVEventPublisher
@@ -173,6 +173,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
             node_id = self._node_id(request.node_id)
             check_address(request.address, "address")
             check_address(request.grpc_address, "grpc_address", required=False)
+            instance = check_text(request.instance_id, "instance_id", required=False)
             check_tier_stats(request.tiers)
             keys = self._keys([c.key for c in request.inventory], inventory=True)
             check_sizes([c.size for c in request.inventory], len(keys))
@@ -183,14 +184,20 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
             info = NodeInfo(
                 node_id, request.address, request.grpc_address, tiers_from_proto(request.tiers)
             )
-            await self._index.register_node(info, inventory, time.monotonic())
+            epoch = await self._index.register_node(
+                info, inventory, time.monotonic(), instance, request.force
+            )
             if self._events is not None:
                 self._events.registered(node_id, [(i.key, i.tier) for i in inventory])
+        except NodeIdTaken as exc:
+            logger.warning("refused the registration of a store at %s: %s", request.address, exc)
+            await self._guard(context, exc)
         except KVDepotError as exc:
             await self._guard(context, exc)
         return metadata_pb2.RegisterNodeResponse(
             lease_ttl_ms=int(self._config.lease_ttl_s * 1000),
             heartbeat_interval_ms=int(self._config.heartbeat_interval_s * 1000),
+            epoch=epoch,
         )
 
     async def Heartbeat(
@@ -205,8 +212,11 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
                 check_transfer(t)
                 transfer = TransferRate(t.bytes_in_per_s, t.bytes_out_per_s, t.window_s)
             known = await self._index.heartbeat(
-                node_id, tiers_from_proto(request.tiers), time.monotonic(), transfer
+                node_id, tiers_from_proto(request.tiers), time.monotonic(), transfer, request.epoch
             )
+        except StaleRegistration as exc:
+            logger.warning("refused a heartbeat: %s", exc)
+            await self._guard(context, exc)
         except KVDepotError as exc:
             await self._guard(context, exc)
         if not known:
@@ -292,9 +302,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
             keys = self._keys(request.keys)
             client = self._node_id(request.client_node_id, required=False)
             if request.key_tokens and len(request.key_tokens) != len(keys):
-                raise InvalidArgument(
-                    f"{len(request.key_tokens)} key_tokens for {len(keys)} keys"
-                )
+                raise InvalidArgument(f"{len(request.key_tokens)} key_tokens for {len(keys)} keys")
             if not 0 <= int(request.count) <= COUNT_NONE:
                 raise InvalidArgument(f"unknown lookup count mode {int(request.count)}")
             counting = LookupCounting(
@@ -401,7 +409,9 @@ class MetadataServer:
         self.health = HealthState(
             server, [metadata_pb2.DESCRIPTOR.services_by_name["Metadata"].full_name], "metadata"
         )
-        self.port = add_port(server, f"{self.config.host}:{self.config.port}", self.security)
+        self.port = add_port(
+            server, f"{self.config.host}:{self.config.port}", self.security, "metadata gRPC"
+        )
         if self.port == 0:
             raise InvalidArgument(f"cannot bind {self.config.host}:{self.config.port}")
         await server.start()

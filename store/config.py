@@ -46,6 +46,12 @@ class StoreConfig:
             recorded as sent: every reader verifies it, so a wrong one is a
             miss, never wrong data, and a put saves one pass over memory.
         register_retry_s: Delay between attempts to reach the metadata service.
+        force_node_id: Take ``node_id`` over at start even while another live
+            store instance holds it (its heartbeats are refused from then on
+            and it stops). Off (the default), such a registration is refused
+            and this store exits with status 1: two stores under one id would
+            corrupt the index. A store restarted on its own SSD directory
+            takes its id back without this (it is the same instance).
         metrics_port: Port of the Prometheus ``/metrics`` HTTP endpoint, bound
             on ``host``; ``None`` (the default) serves none, 0 picks a free port.
         cpu_watermarks: ``HIGH:LOW`` fractions of the DRAM tier: above HIGH its
@@ -97,6 +103,7 @@ class StoreConfig:
     max_connections: int = 1024
     verify_shm_commits: bool = False
     register_retry_s: float = 0.5
+    force_node_id: bool = False
     metrics_port: int | None = None
     cpu_watermarks: str = "0.95:0.85"
     pin_memory: str = "auto"
@@ -133,6 +140,10 @@ class StoreConfig:
             raise InvalidArgument("timeouts must be positive")
         if self.register_retry_s <= 0:
             raise InvalidArgument("register_retry_s must be positive")
+        if not isinstance(self.force_node_id, bool):
+            raise InvalidArgument(
+                f"force_node_id must be true or false, got {self.force_node_id!r}"
+            )
         if self.min_rate_bytes <= 0 or self.max_connections <= 0:
             raise InvalidArgument("min_rate_bytes and max_connections must be positive")
         self._check_tiers()

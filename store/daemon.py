@@ -19,7 +19,7 @@ from collections.abc import Callable
 import grpc
 
 from kvdepot.connector.metadata import parse_endpoints
-from kvdepot.errors import InvalidArgument, Unavailable
+from kvdepot.errors import InvalidArgument, NodeIdTaken, Unavailable
 from kvdepot.health import HealthState
 from kvdepot.metadata.keys import ChunkKey
 from kvdepot.metrics import MetricsServer, StoreCollector, on_loop
@@ -29,6 +29,7 @@ from kvdepot.store.chunks import ChunkStore
 from kvdepot.store.config import StoreConfig
 from kvdepot.store.dataplane import DataPlaneServer
 from kvdepot.store.host import default_arena_path, rdma_devices, reap_stale_arenas
+from kvdepot.store.identity import instance_identity
 from kvdepot.store.nixl_agent import StoreNixlAgent, nixl_available
 from kvdepot.store.protocol import AttachFlags, ProtocolLimits
 from kvdepot.store.throughput import ThroughputMeter
@@ -95,6 +96,8 @@ class StoreDaemon:
             on_moved=self._on_moved,
         )
         try:
+            # After the SSD tier locked its directory: one live process per id file.
+            self.instance_id = instance_identity(config.ssd_dir)
             self.nixl = self._start_nixl(config)
         except BaseException:
             self.chunks.close()
@@ -123,6 +126,12 @@ class StoreDaemon:
         self._current = 0
         self._tasks: list[asyncio.Task[None]] = []
         self._heartbeat_s = 1.0
+        # The epoch of this instance's registration (0 before the first);
+        # heartbeats carry it, so that a replaced registration is never renewed.
+        self.epoch = 0
+        # Taking the node id over from a live instance is asked at start only:
+        # never again once registered, so two forcing stores cannot flap.
+        self._force = config.force_node_id
         self._lease_s = 5.0  # until the metadata service tells its lease
         self.registered = asyncio.Event()
         self._meter = ThroughputMeter(RATE_WINDOW_S)
@@ -190,7 +199,12 @@ class StoreDaemon:
             f"store {self.node_id}",
         )
         self.health = health
-        grpc_port = add_port(server, f"{self.config.host}:{self.config.grpc_port}", self.security)
+        grpc_port = add_port(
+            server,
+            f"{self.config.host}:{self.config.grpc_port}",
+            self.security,
+            f"store {self.node_id} gRPC",
+        )
         if grpc_port == 0:
             raise InvalidArgument(f"cannot bind {self.config.host}:{self.config.grpc_port}")
         await server.start()
@@ -248,6 +262,15 @@ class StoreDaemon:
             }
         )
 
+    async def wait(self) -> None:
+        """Serve until cancelled, or raise why this store cannot go on serving.
+
+        Raises:
+            NodeIdTaken: The metadata service refused the node id: another
+                live store instance holds it.
+        """
+        await self._tasks[0]  # the lease: it ends only by raising
+
     async def stop(self) -> None:
         if self.metrics is not None:
             await asyncio.to_thread(self.metrics.close)
@@ -255,6 +278,9 @@ class StoreDaemon:
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
+            if task.done() and not task.cancelled():
+                task.exception()  # what ended it was raised by wait() already
+                continue
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         if self._server is not None:
@@ -298,17 +324,27 @@ class StoreDaemon:
                 grpc_address=self.grpc_address,
                 tiers=self._tiers(),
                 inventory=inventory,
+                instance_id=self.instance_id,
+                force=self._force,
             ),
             timeout=10,
         )
+        self._force = False
+        self.epoch = reply.epoch
         self._heartbeat_s = max(0.05, reply.heartbeat_interval_ms / 1000)
         if reply.lease_ttl_ms:
             self._lease_s = reply.lease_ttl_ms / 1000
         logger.info(
-            "registered with metadata %s (%d chunks)",
+            "registered with metadata %s (%d chunks, epoch %d)",
             self._endpoints[self._current],
             len(inventory),
-            extra={"event": "registered", "node": self.node_id, "chunks": len(inventory)},
+            self.epoch,
+            extra={
+                "event": "registered",
+                "node": self.node_id,
+                "chunks": len(inventory),
+                "epoch": self.epoch,
+            },
         )
         self.registered.set()
 
@@ -337,7 +373,10 @@ class StoreDaemon:
                 else:
                     reply = await stub.Heartbeat(
                         metadata_pb2.HeartbeatRequest(
-                            node_id=self.node_id, tiers=self._tiers(), transfer=self._transfer()
+                            node_id=self.node_id,
+                            tiers=self._tiers(),
+                            transfer=self._transfer(),
+                            epoch=self.epoch,
                         ),
                         timeout=max(1.0, self._heartbeat_s * 2),
                     )
@@ -347,6 +386,25 @@ class StoreDaemon:
                 if exc.code() == grpc.StatusCode.NOT_FOUND:
                     # Our lease expired or the index was lost: re-announce.
                     logger.warning("metadata forgot this node; registering again")
+                    registered = False
+                    continue
+                if exc.code() == grpc.StatusCode.ALREADY_EXISTS and not registered:
+                    # Another live instance owns the node id: serving under it
+                    # would corrupt the index. Fatal (see wait()).
+                    raise NodeIdTaken(
+                        f"metadata {self._endpoints[self._current]} refused store "
+                        f"{self.node_id}: {exc.details()}"
+                    ) from None
+                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and registered:
+                    # Our registration was replaced (the id was taken over):
+                    # this instance no longer owns it. Registering again is
+                    # refused while the other instance lives, which stops us.
+                    logger.error(
+                        "metadata %s refused this store's heartbeat: %s",
+                        self._endpoints[self._current],
+                        exc.details(),
+                        extra={"event": "heartbeat_refused", "node": self.node_id},
+                    )
                     registered = False
                     continue
                 if not warned:
@@ -531,15 +589,17 @@ async def run_store(
     announce: Callable[[str], None] | None = None,
     security: SecurityConfig | None = None,
 ) -> None:
-    """Run a store daemon until cancelled."""
+    """Run a store daemon until cancelled.
+
+    Raises:
+        NodeIdTaken: Its node id is held by another live store instance.
+    """
     daemon = StoreDaemon(config, security)
-    await daemon.start()
     try:
+        # Inside: a start that fails (a port in use) still frees the arena.
+        await daemon.start()
         if announce is not None:
             announce(daemon.ready_line())
-        started = time.monotonic()
-        while True:
-            await asyncio.sleep(3600)
-            logger.debug("up for %.0f s", time.monotonic() - started)
+        await daemon.wait()
     finally:
         await daemon.stop()

@@ -6,7 +6,7 @@ import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvdepot.errors import InvalidArgument
+from kvdepot.errors import InvalidArgument, NodeIdTaken, StaleRegistration
 from kvdepot.metadata.keys import ChunkKey
 from kvdepot.metadata.types import (
     Allocation,
@@ -44,6 +44,30 @@ class IndexConfig:
             raise InvalidArgument("lease and allocation TTLs must be positive")
 
 
+def node_id_taken(node_id: NodeId, address: str, remaining_s: float) -> NodeIdTaken:
+    """The refusal of a registration of a node id another live instance holds."""
+    return NodeIdTaken(
+        f"node id {node_id!r} is held by another live store instance at {address} "
+        f"(its lease runs out in {remaining_s:.1f} s unless it heartbeats); stop that "
+        "store or pick another --node-id, or take the id over with --force-node-id"
+    )
+
+
+def stale_registration(node_id: NodeId, epoch: int, current: int | None) -> StaleRegistration:
+    """The refusal of a heartbeat of a replaced registration."""
+    now = f"epoch {current}" if current else "another epoch"
+    return StaleRegistration(
+        f"node {node_id!r} was registered again by another store instance ({now}); "
+        f"heartbeats of epoch {epoch} no longer renew its lease"
+    )
+
+
+def next_epoch(last: int, now_ms: int) -> int:
+    """An epoch above ``last`` and the wall clock in ms, so that one never repeats
+    even across a restart of the index."""
+    return max(last + 1, now_ms)
+
+
 class IndexBackend(abc.ABC):
     """Where the metadata service keeps nodes, chunks and pending allocations.
 
@@ -54,9 +78,33 @@ class IndexBackend(abc.ABC):
 
     @abc.abstractmethod
     async def register_node(
-        self, node: NodeInfo, inventory: Sequence[InventoryItem], now: float
-    ) -> None:
-        """Add or replace a node, replacing its replicas with ``inventory``."""
+        self,
+        node: NodeInfo,
+        inventory: Sequence[InventoryItem],
+        now: float,
+        instance: str = "",
+        force: bool = False,
+    ) -> int:
+        """Add or replace a node, replacing its replicas with ``inventory``.
+
+        Args:
+            node: The node; its id is owned by the store instance that holds
+                a live lease on it.
+            inventory: Every chunk the node holds.
+            now: Monotonic time in seconds.
+            instance: The registering store instance's identity. A node id
+                whose lease is live under another instance is refused; the
+                same instance (a store restarted on its own SSD directory)
+                takes it back at once.
+            force: Take the id over from a live instance anyway.
+
+        Returns:
+            The registration's epoch (positive, never reused for the node id),
+            which its heartbeats carry.
+
+        Raises:
+            NodeIdTaken: Another instance holds a live lease on the node id.
+        """
 
     @abc.abstractmethod
     async def heartbeat(
@@ -65,11 +113,17 @@ class IndexBackend(abc.ABC):
         tiers: Sequence[TierUsage],
         now: float,
         transfer: TransferRate | None = None,
+        epoch: int = 0,
     ) -> bool:
         """Renew a lease; False if the node is unknown (it must register again).
 
         ``tiers`` (when not empty) and ``transfer`` (when given) replace what
-        the node reported before.
+        the node reported before. ``epoch`` (0: not checked) is the one
+        :meth:`register_node` answered the heartbeating instance.
+
+        Raises:
+            StaleRegistration: The node is registered under another epoch (its
+                id was registered again since): the lease is not renewed.
         """
 
     @abc.abstractmethod
@@ -105,9 +159,7 @@ class IndexBackend(abc.ABC):
         """
 
     @abc.abstractmethod
-    async def put_end(
-        self, node_id: NodeId, keys: Sequence[ChunkKey], sizes: Sequence[int]
-    ) -> int:
+    async def put_end(self, node_id: NodeId, keys: Sequence[ChunkKey], sizes: Sequence[int]) -> int:
         """Commit chunks written to ``node_id``; returns how many were committed."""
 
     @abc.abstractmethod

@@ -7,11 +7,18 @@ changing state, so each call is atomic without a lock.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from kvdepot.errors import CapacityExceeded, Unavailable
-from kvdepot.metadata.index.base import IndexBackend, IndexConfig
+from kvdepot.metadata.index.base import (
+    IndexBackend,
+    IndexConfig,
+    next_epoch,
+    node_id_taken,
+    stale_registration,
+)
 from kvdepot.metadata.keys import ChunkKey
 from kvdepot.metadata.placement import choose_node
 from kvdepot.metadata.replica_tiers import ReplicaTierIndex
@@ -40,6 +47,8 @@ class _Node:
     info: NodeInfo
     expires_at: float
     keys: set[ChunkKey] = field(default_factory=set)
+    instance: str = ""  # the store instance that owns the id
+    epoch: int = 0  # of its registration
 
 
 @dataclass(slots=True)
@@ -91,25 +100,51 @@ class MemoryIndex(IndexBackend, ReplicaTierIndex):
         # Bumped with every emptying of the replica cache: chunks' cached
         # answers of an older generation may name an old address.
         self._generation = 0
+        self._epoch = 0  # the last registration's
 
     def _forget_replicas(self) -> None:
         self._replica_cache.clear()
         self._generation += 1
 
     async def register_node(
-        self, node: NodeInfo, inventory: Sequence[InventoryItem], now: float
-    ) -> None:
+        self,
+        node: NodeInfo,
+        inventory: Sequence[InventoryItem],
+        now: float,
+        instance: str = "",
+        force: bool = False,
+    ) -> int:
+        held = self._nodes.get(node.node_id)
+        if held is not None and held.expires_at > now and held.instance != instance:
+            if not force:
+                raise node_id_taken(node.node_id, held.info.address, held.expires_at - now)
+            logger.warning(
+                "node %s taken over (forced) from the instance at %s",
+                node.node_id,
+                held.info.address,
+            )
         old = self._nodes.pop(node.node_id, None)
         self._forget_replicas()
         if old is not None:
             self._drop_replicas(node.node_id, old.keys)
-        entry = _Node(info=node, expires_at=now + self._config.lease_ttl_s)
+        self._epoch = next_epoch(self._epoch, int(time.time() * 1000))
+        entry = _Node(
+            info=node,
+            expires_at=now + self._config.lease_ttl_s,
+            instance=instance,
+            epoch=self._epoch,
+        )
         self._nodes[node.node_id] = entry
         for item in inventory:
             self._add_replica(entry, item.key, item.size, item.tier)
         logger.info(
-            "node %s registered at %s with %d chunks", node.node_id, node.address, len(inventory)
+            "node %s registered at %s with %d chunks (epoch %d)",
+            node.node_id,
+            node.address,
+            len(inventory),
+            entry.epoch,
         )
+        return entry.epoch
 
     async def heartbeat(
         self,
@@ -117,10 +152,13 @@ class MemoryIndex(IndexBackend, ReplicaTierIndex):
         tiers: Sequence[TierUsage],
         now: float,
         transfer: TransferRate | None = None,
+        epoch: int = 0,
     ) -> bool:
         entry = self._nodes.get(node_id)
         if entry is None:
             return False
+        if epoch and epoch != entry.epoch:
+            raise stale_registration(node_id, epoch, entry.epoch)
         entry.expires_at = now + self._config.lease_ttl_s
         if tiers:
             entry.info = replace(entry.info, tiers=tuple(tiers))
@@ -201,9 +239,7 @@ class MemoryIndex(IndexBackend, ReplicaTierIndex):
             out.append(Allocation(Action.WRITE, Replica(node.node_id, node.address, "cpu")))
         return out
 
-    async def put_end(
-        self, node_id: NodeId, keys: Sequence[ChunkKey], sizes: Sequence[int]
-    ) -> int:
+    async def put_end(self, node_id: NodeId, keys: Sequence[ChunkKey], sizes: Sequence[int]) -> int:
         entry = self._nodes.get(node_id)
         committed = 0
         for key, size in zip(keys, sizes, strict=True):
@@ -281,9 +317,7 @@ class MemoryIndex(IndexBackend, ReplicaTierIndex):
             entry = self._nodes.pop(nid)
             self._forget_replicas()
             self._drop_replicas(nid, entry.keys)
-            logger.warning(
-                "node %s lease expired: dropped with %d chunks", nid, len(entry.keys)
-            )
+            logger.warning("node %s lease expired: dropped with %d chunks", nid, len(entry.keys))
         stale = [k for k, p in self._pending.items() if p.expires_at <= now]
         for key in stale:
             del self._pending[key]

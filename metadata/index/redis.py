@@ -12,7 +12,8 @@ Cluster hash tag, so that what one script touches is on one slot)::
     P:p:{<key hex>}       string  pending allocation "<batch>:<deadline ms>:<node>"; the batch
                                   is a uuid, with "-<request id hex>" when the put sent one
     P:n:{<node>}          hash    the node's lease (PX lease TTL): epoch, address, grpc, tiers,
-                                  xfer (recent transfer rates)
+                                  xfer (recent transfer rates), inst (the store instance
+                                  that owns the id while the lease lives)
     P:n:{<node>}:epoch    string  the node's last registration epoch (never reused)
     P:n:{<node>}:keys     set     chunk keys the current epoch registered or committed
     P:n:{<node>}:gc       set     chunk keys of ended epochs, still to be cleaned up
@@ -67,7 +68,12 @@ from redis.asyncio.cluster import ClusterNode
 
 from kvdepot.errors import CapacityExceeded, InvalidArgument, KVDepotError, Unavailable
 from kvdepot.metadata.index import redis_lua as lua
-from kvdepot.metadata.index.base import IndexBackend, IndexConfig
+from kvdepot.metadata.index.base import (
+    IndexBackend,
+    IndexConfig,
+    node_id_taken,
+    stale_registration,
+)
 from kvdepot.metadata.keys import ChunkKey
 from kvdepot.metadata.placement import choose_node
 from kvdepot.metadata.replica_tiers import ReplicaTierIndex
@@ -488,11 +494,33 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
     # -- nodes ----------------------------------------------------------------
     @_guarded
     async def register_node(
-        self, node: NodeInfo, inventory: Sequence[InventoryItem], now: float
-    ) -> None:
+        self,
+        node: NodeInfo,
+        inventory: Sequence[InventoryItem],
+        now: float,
+        instance: str = "",
+        force: bool = False,
+    ) -> int:
         raw = [bytes(item.key) for item in inventory]
-        args = [self._lease_ms, node.address, node.grpc_address, _tiers_json(node.tiers), *raw]
-        epoch = int(await self._one(lua.REGISTER.cmd(self._node_keys(node.node_id), args)))
+        args = [
+            self._lease_ms,
+            node.address,
+            node.grpc_address,
+            _tiers_json(node.tiers),
+            instance,
+            "1" if force else "0",
+            *raw,
+        ]
+        reply = await self._one(lua.REGISTER.cmd(self._node_keys(node.node_id), args))
+        if int(reply[0]) == 0:
+            raise node_id_taken(node.node_id, reply[1].decode(), max(0, int(reply[2])) / 1000)
+        if int(reply[0]) == 2:
+            logger.warning(
+                "node %s taken over (forced) from the instance at %s",
+                node.node_id,
+                reply[2].decode(),
+            )
+        epoch = int(reply[1])
         calls = self._vec(
             lua.ADD,
             [[self._chunk(item.key)] for item in inventory],
@@ -511,6 +539,7 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
             len(inventory),
             epoch,
         )
+        return epoch
 
     @_guarded
     async def heartbeat(
@@ -519,6 +548,7 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
         tiers: Sequence[TierUsage],
         now: float,
         transfer: TransferRate | None = None,
+        epoch: int = 0,
     ) -> bool:
         # A lease that ran out is not revived even if no reaper ran yet: one
         # may already be deleting that epoch's chunks, so the node registers
@@ -527,13 +557,16 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
             self._lease_ms,
             _tiers_json(tiers) if tiers else "",
             _transfer_json(transfer) if transfer is not None else "",
+            epoch,
         ]
-        epoch = int(await self._one(lua.HEARTBEAT.cmd([self._node(node_id)], args)) or 0)
-        if not epoch:
+        current = int(await self._one(lua.HEARTBEAT.cmd([self._node(node_id)], args)) or 0)
+        if current < 0:
+            raise stale_registration(node_id, epoch, -current)
+        if not current:
             return False
         # Re-assert the registry entry: on a cluster it may sit on a shard
         # that lost its data while this node's own shard did not.
-        await self._one(lua.NODES_SET.cmd([self._k_nodes], [node_id, epoch]))
+        await self._one(lua.NODES_SET.cmd([self._k_nodes], [node_id, current]))
         return True
 
     @_guarded

@@ -49,39 +49,56 @@ end
 
 # -- node scripts: KEYS are one node's lease, epoch, keys, gc (one slot) --------
 
-# ARGV: lease ms, address, grpc address, tiers json, chunk keys... Returns the
-# new epoch: above every earlier one, and above the clock in ms, so that even
-# after a partial index loss reset the counter it never repeats an old epoch.
-# The old key set is retired (the caller cleans it up), so the key set always
-# covers every chunk field the current epoch wrote.
+# ARGV: lease ms, address, grpc address, tiers json, instance, force ('1' or
+# '0'), chunk keys... A live lease of another instance refuses the
+# registration (unless forced): {0, its address, its lease's PTTL}, nothing
+# changed. Else {1, new epoch} ({2, new epoch, old address} where a live lease
+# of another instance was taken over). The new epoch is above every earlier
+# one, and above the clock in ms, so that even after a partial index loss reset
+# the counter it never repeats an old epoch. The old key set is retired (the
+# caller cleans it up), so the key set always covers every chunk field the
+# current epoch wrote.
 REGISTER = Script(
     _NOW
     + _RETIRE
     + """
+local held = redis.call('HMGET', KEYS[1], 'inst', 'address')
+local took = nil
+if held[2] and (held[1] or '') ~= ARGV[5] then
+  if ARGV[6] ~= '1' then return {0, held[2], redis.call('PTTL', KEYS[1])} end
+  took = held[2]
+end
 local e = tonumber(redis.call('GET', KEYS[2]) or '0') + 1
 if e < now then e = now end
 local es = string.format('%d', e)
 redis.call('SET', KEYS[2], es)
 retire()
-for i = 5, #ARGV, 4000 do
+for i = 7, #ARGV, 4000 do
   redis.call('SADD', KEYS[3], unpack(ARGV, i, math.min(i + 3999, #ARGV)))
 end
 redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], 'epoch', es, 'address', ARGV[2], 'grpc', ARGV[3], 'tiers', ARGV[4])
+redis.call('HSET', KEYS[1], 'epoch', es, 'address', ARGV[2], 'grpc', ARGV[3], 'tiers', ARGV[4],
+  'inst', ARGV[5])
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
-return es
+if took then return {2, es, took} end
+return {1, es}
 """
 )
 
 # KEYS: lease. ARGV: lease ms, tiers json ('' keeps them), transfer rates json
-# ('' keeps them). The epoch, or 0 if the lease is gone (it is never revived:
-# the node must register again).
+# ('' keeps them), the heartbeating registration's epoch ('' or '0': not
+# checked). The epoch, 0 if the lease is gone (it is never revived: the node
+# must register again), or minus the lease's epoch where that is not the one
+# given (another instance registered since; the lease is not renewed).
 HEARTBEAT = Script(
     """
-if redis.call('PEXPIRE', KEYS[1], ARGV[1]) == 0 then return 0 end
+local e = redis.call('HGET', KEYS[1], 'epoch')
+if not e then return 0 end
+if ARGV[4] and ARGV[4] ~= '' and ARGV[4] ~= '0' and ARGV[4] ~= e then return -tonumber(e) end
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
 if ARGV[2] ~= '' then redis.call('HSET', KEYS[1], 'tiers', ARGV[2]) end
 if ARGV[3] and ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'xfer', ARGV[3]) end
-return redis.call('HGET', KEYS[1], 'epoch')
+return e
 """
 )
 

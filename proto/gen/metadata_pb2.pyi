@@ -10,36 +10,44 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RegisterNodeRequest(_message.Message):
-    __slots__ = ("node_id", "address", "grpc_address", "tiers", "inventory")
+    __slots__ = ("node_id", "address", "grpc_address", "tiers", "inventory", "instance_id", "force")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     INVENTORY_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     grpc_address: str
     tiers: _containers.RepeatedCompositeFieldContainer[_common_pb2.TierStats]
     inventory: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChunkRef]
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., grpc_address: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierStats, _Mapping]]] = ..., inventory: _Optional[_Iterable[_Union[_common_pb2.ChunkRef, _Mapping]]] = ...) -> None: ...
+    instance_id: str
+    force: bool
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., grpc_address: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierStats, _Mapping]]] = ..., inventory: _Optional[_Iterable[_Union[_common_pb2.ChunkRef, _Mapping]]] = ..., instance_id: _Optional[str] = ..., force: bool = ...) -> None: ...
 
 class RegisterNodeResponse(_message.Message):
-    __slots__ = ("lease_ttl_ms", "heartbeat_interval_ms")
+    __slots__ = ("lease_ttl_ms", "heartbeat_interval_ms", "epoch")
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     lease_ttl_ms: int
     heartbeat_interval_ms: int
-    def __init__(self, lease_ttl_ms: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
+    epoch: int
+    def __init__(self, lease_ttl_ms: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "tiers", "transfer")
+    __slots__ = ("node_id", "tiers", "transfer", "epoch")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     tiers: _containers.RepeatedCompositeFieldContainer[_common_pb2.TierStats]
     transfer: _common_pb2.TransferRate
-    def __init__(self, node_id: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierStats, _Mapping]]] = ..., transfer: _Optional[_Union[_common_pb2.TransferRate, _Mapping]] = ...) -> None: ...
+    epoch: int
+    def __init__(self, node_id: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierStats, _Mapping]]] = ..., transfer: _Optional[_Union[_common_pb2.TransferRate, _Mapping]] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("lease_ttl_ms",)
