@@ -170,6 +170,10 @@ class KVDepotClient:
         self._transport.close()
         self._metadata.close()
 
+    def connect(self, timeout_s: float) -> bool:
+        """Open the metadata channel now (up to ``timeout_s``); whether it is up."""
+        return self._metadata.wait_ready(timeout_s)
+
     def _call(self, method: str, request: Any) -> Any:
         return self._metadata.call(method, request)
 

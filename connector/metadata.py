@@ -90,6 +90,17 @@ class MetadataConnection:
         assert last is not None
         raise from_grpc(last, f"metadata {method} ({', '.join(self.endpoints)})") from None
 
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Connect the current replica's channel now, waiting up to ``timeout_s``,
+        so the first calls of a short deadline do not pay for the connection."""
+        with self._lock:
+            channel = self._channels[self._current]
+        try:
+            grpc.channel_ready_future(channel).result(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            return False
+        return True
+
     def close(self) -> None:
         for channel in self._channels:
             channel.close()

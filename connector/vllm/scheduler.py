@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 # kv_transfer_params; a decode engine given them waits for those tokens.
 PD_TOKENS_PARAM = "kvdepot_tokens"
 _LOOKUP_REUSE_S = 2.0  # a request that could not be scheduled asks again
+_CONNECT_S = 5.0
 
 
 class LookupBreaker:
@@ -159,6 +160,10 @@ class SchedulerSide:
         self._breaker = LookupBreaker(client, settings.lookup_breaker_s, self._warn)
         self._requests: dict[str, _Request] = {}
         self._loads: list[LoadPlan] = []
+        # Connected at engine start, so the first lookups' short deadline is
+        # not spent on the connection; a service down now is a miss later.
+        if not client.connect(_CONNECT_S):
+            logger.warning("kvdepot metadata %s not reachable at start", settings.metadata)
         # Every rank stores its own shard: a hit needs all of them.
         self._shards = [replace(namespace, tp_rank=r) for r in range(1, namespace.tp_size)]
 

@@ -85,6 +85,10 @@ def kv(role: str, metadata: str, node_id: str = "", **extra: Any) -> dict[str, A
             "metadata": metadata,
             "chunk_tokens": CHUNK,
             "node_id": node_id,
+            # These tests count exact hits: a lookup that misses the default
+            # 50 ms deadline on a busy 2-core machine would be a miss
+            # (test_serving.py tests the default deadline).
+            "lookup_timeout_s": 1.0,
             **extra,
         },
     }

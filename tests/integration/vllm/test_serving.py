@@ -56,6 +56,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
         cluster.metadata_address,
         "store-0",
         chunk_tokens=256,
+        lookup_timeout_s=0.05,  # the default
         load_timeout_s=LOAD_TIMEOUT_S,
         io_timeout_s=LOAD_TIMEOUT_S,
         rpc_timeout_s=LOAD_TIMEOUT_S,
