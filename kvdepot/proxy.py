@@ -12,6 +12,7 @@ or with ``routing="kv-aware"`` by the metadata service's ``Route`` query
 from __future__ import annotations
 
 import asyncio
+import errno
 import itertools
 import json
 import logging
@@ -19,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvdepot.errors import InvalidArgument
+from kvdepot.errors import InvalidArgument, Unavailable
 from kvdepot.metadata.keys import ChunkKey, Namespace
 from kvdepot.router import ROUTING_MODES, Choice, EnginePool, KVRouter, prompt_keys
 from kvdepot.security import SecurityConfig
@@ -225,14 +226,23 @@ class Proxy:
 async def serve(
     config: ProxyConfig, announce: Any = None, security: SecurityConfig | None = None
 ) -> None:
-    """Serve until cancelled (``security``: of the proxy's calls to the metadata service)."""
+    """Serve until cancelled (``security``: of the proxy's calls to the metadata service).
+
+    Raises:
+        Unavailable: The port is in use (one line naming it).
+    """
     from aiohttp import web
 
     proxy = Proxy(config, security)
     runner = web.AppRunner(proxy.app())
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        why = f"port {config.port} is already in use" if exc.errno == errno.EADDRINUSE else exc
+        raise Unavailable(f"cannot listen on {config.host}:{config.port} (proxy): {why}") from None
     sockets: Sequence[Any] = getattr(site._server, "sockets", ()) or ()
     port = sockets[0].getsockname()[1] if sockets else config.port
     logger.info(

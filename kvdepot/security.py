@@ -32,8 +32,10 @@ configured once is secured everywhere. Without a token and TLS they are plain
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import socket
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,7 +52,7 @@ from kvdepot.auth import (
     peer_host,
     tenant_key,
 )
-from kvdepot.errors import InvalidArgument
+from kvdepot.errors import InvalidArgument, Unavailable
 from kvdepot.request_guard import MalformedRequestGuard
 
 logger = logging.getLogger(__name__)
@@ -529,11 +531,23 @@ def aio_server(
         interceptors.append(_AuthInterceptor(security.authenticator(), RefusalLog(service)))
     # After the token check: bytes that do not parse are INVALID_ARGUMENT, not UNKNOWN.
     interceptors.append(MalformedRequestGuard())
-    return grpc.aio.server(interceptors=interceptors, options=list(options))
+    # Without SO_REUSEPORT a second daemon on a port in use fails to bind
+    # instead of silently sharing the port (gRPC turns it on by default).
+    opts = list(options)
+    if not any(name == "grpc.so_reuseport" for name, _ in opts):
+        opts.append(("grpc.so_reuseport", 0))
+    return grpc.aio.server(interceptors=interceptors, options=opts)
 
 
-def add_port(server: grpc.aio.Server, address: str, security: SecurityConfig | None) -> int:
+def add_port(
+    server: grpc.aio.Server, address: str, security: SecurityConfig | None, what: str = ""
+) -> int:
     """Bind ``address`` (TLS when a certificate is configured); the port bound, 0 on failure.
+
+    ``what`` names the listener in errors, e.g. ``"metadata gRPC"``.
+
+    Raises:
+        Unavailable: The port is in use (one line naming it).
 
     Warns when a daemon without a token listens beyond loopback: anyone who
     reaches the port could then read and write the cache.
@@ -548,6 +562,44 @@ def add_port(server: grpc.aio.Server, address: str, security: SecurityConfig | N
             "write the cache (set KVDEPOT_AUTH_TOKEN or --auth-token-file)",
             host,
         )
-    if security.tls_cert:
-        return server.add_secure_port(address, security.server_credentials())
-    return server.add_insecure_port(address)
+    check_port_free(address, what)
+    try:
+        if security.tls_cert:
+            return server.add_secure_port(address, security.server_credentials())
+        return server.add_insecure_port(address)
+    except RuntimeError as exc:  # "Failed to bind to address …"
+        label = f" ({what})" if what else ""
+        raise Unavailable(f"cannot listen on {address}{label}: {exc}") from None
+
+
+def check_port_free(address: str, what: str = "") -> None:
+    """Raise a one-line error if nothing can listen on ``address`` (``host:port``).
+
+    gRPC's own bind failure is a RuntimeError after C-core log lines; this
+    tries the port first, as gRPC binds it (``SO_REUSEADDR``, no
+    ``SO_REUSEPORT``), and says which port is taken. Port 0 always passes.
+
+    Raises:
+        Unavailable: The port is in use, or the address cannot be bound.
+    """
+    host, _, port_text = address.rpartition(":")
+    host = host.strip("[]")
+    if not port_text.isdigit() or int(port_text) == 0:
+        return
+    port = int(port_text)
+    label = f" ({what})" if what else ""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError:
+        return  # gRPC reports an address it cannot resolve
+    for family, kind, proto, _, addr in infos:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(addr)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise Unavailable(
+                        f"cannot listen on {host}:{port}{label}: port {port} is already in use"
+                    ) from None
+                raise Unavailable(f"cannot listen on {host}:{port}{label}: {exc}") from None
