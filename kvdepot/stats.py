@@ -39,6 +39,9 @@ def stats_to_dict(s: metadata_pb2.ClusterStats) -> dict[str, Any]:
                 "node_id": n.node_id,
                 "address": n.address,
                 "grpc_address": n.grpc_address,
+                # What the node holds (its tiers' report) next to what the
+                # index names it for: a gap shows chunks lookups cannot reach.
+                "chunks_held": sum(t.chunks for t in n.tiers),
                 "chunks_indexed": n.chunks_indexed,
                 "lease_remaining_s": round(n.lease_remaining_s, 3),
                 "tiers": [_tier(t) for t in n.tiers],
@@ -90,6 +93,7 @@ def render_table(d: dict[str, Any]) -> str:
             "used",
             "use%",
             "chunks",
+            "indexed",
             "hits",
             "misses",
             "evict",
@@ -115,8 +119,10 @@ def render_table(d: dict[str, Any]) -> str:
             ]
         ):
             cap = t["capacity_bytes"]
-            # Transfer rates are the node's, shown on its first tier's row.
+            # Transfer rates and the chunks the index names the node for are
+            # the node's, shown on its first tier's row.
             xfer = n.get("transfer") if i == 0 else None
+            indexed = str(n.get("chunks_indexed", "")) if i == 0 else ""
             rows.append(
                 (
                     n["node_id"],
@@ -126,6 +132,7 @@ def render_table(d: dict[str, Any]) -> str:
                     human_bytes(t["used_bytes"]),
                     f"{100 * t['used_bytes'] / cap:.0f}%" if cap else "-",
                     str(t["chunks"]),
+                    indexed,
                     str(t["hits"]),
                     str(t["misses"]),
                     str(t["evictions"]),

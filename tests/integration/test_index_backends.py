@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from kvdepot.errors import CapacityExceeded, Unavailable
+from kvdepot.errors import CapacityExceeded, NodeIdTaken, StaleRegistration, Unavailable
 from kvdepot.metadata.index import IndexBackend, IndexConfig, create_backend
 from kvdepot.metadata.keys import ChunkKey
 from kvdepot.metadata.types import (
@@ -517,3 +517,53 @@ def test_a_put_start_retried_on_another_replica_gets_the_same_allocation(
             await b.close()
 
     asyncio.run(go())
+
+
+def test_a_node_id_is_owned_by_the_instance_holding_its_lease(make_index: MakeIndex) -> None:
+    async def body(index: IndexBackend) -> None:
+        inventory = [InventoryItem(key(i), 5) for i in range(3)]
+        e1 = await index.register_node(node("a"), inventory, now(), "inst-1")
+        assert e1 > 0
+        # Another instance is refused while the lease lives; nothing changes.
+        with pytest.raises(NodeIdTaken, match=r"'a'.*held by another live store instance"):
+            await index.register_node(node("a"), [], now(), "inst-2")
+        assert (await index.lookup([key(0), key(1), key(2)], "", 0)).hits == 3
+        assert await index.heartbeat("a", [], now(), epoch=e1)
+        # The same instance (a restart on its SSD directory) takes it back at once.
+        e2 = await index.register_node(node("a"), inventory[:2], now(), "inst-1")
+        assert e2 > e1
+        # A heartbeat of the replaced registration is refused and renews nothing.
+        with pytest.raises(StaleRegistration, match=f"'a'.*epoch {e1}"):
+            await index.heartbeat("a", [], now(), epoch=e1)
+        assert await index.heartbeat("a", [], now(), epoch=e2)
+        # Forced, another instance takes the id over; the old one is stale.
+        e3 = await index.register_node(node("a"), [], now(), "inst-2", force=True)
+        assert e3 > e2
+        with pytest.raises(StaleRegistration):
+            await index.heartbeat("a", [], now(), epoch=e2)
+        assert (await index.lookup([key(0)], "", 0)).hits == 0
+        s = await index.stats(now())
+        assert [(n.info.node_id, n.chunks_indexed) for n in s.nodes] == [("a", 0)]
+        # Once the lease has run out, any instance may register the id.
+        await asyncio.sleep(0.9)
+        assert await index.expire(now()) == (1, 0)
+        e4 = await index.register_node(node("a"), inventory, now(), "inst-3")
+        assert e4 > e3
+        assert (await index.lookup([key(0), key(1), key(2)], "", 0)).hits == 3
+        assert await index.heartbeat("a", [], now(), epoch=e4)
+
+    run(make_index, body, lease_ttl_s=0.6)
+
+
+def test_an_expired_lease_is_taken_over_before_any_reaper_ran(make_index: MakeIndex) -> None:
+    async def body(index: IndexBackend) -> None:
+        old = await index.register_node(node("a"), [InventoryItem(key(1), 5)], now(), "inst-1")
+        await asyncio.sleep(0.9)
+        new = await index.register_node(node("a"), [InventoryItem(key(2), 5)], now(), "inst-2")
+        with pytest.raises(StaleRegistration):
+            await index.heartbeat("a", [], now(), epoch=old)
+        assert await index.heartbeat("a", [], now(), epoch=new)
+        assert (await index.lookup([key(1)], "", 0)).hits == 0
+        assert (await index.lookup([key(2)], "", 0)).hits == 1
+
+    run(make_index, body, lease_ttl_s=0.6)

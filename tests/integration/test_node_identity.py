@@ -11,6 +11,7 @@ with the memory index and with a Redis index.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -93,6 +94,23 @@ def nodes(metadata: str) -> dict[str, tuple[str, int]]:
         return {n.node_id: (n.grpc_address, n.chunks_indexed) for n in c.stats().nodes}
 
 
+def cli_stats(metadata: str, *extra: str) -> str:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvdepot.cli", "stats", "--metadata", metadata, *extra],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return out.stdout
+
+
+def held_and_indexed(metadata: str) -> dict[str, tuple[int, int]]:
+    """``kvdepot stats --json``: node id -> (chunks held, chunks indexed)."""
+    data = json.loads(cli_stats(metadata, "--json"))
+    return {n["node_id"]: (n["chunks_held"], n["chunks_indexed"]) for n in data["nodes"]}
+
+
 def store_cmd(c: LocalCluster, node_id: str, *extra: str) -> list[str]:
     return [
         sys.executable, "-m", "kvdepot.cli", "--log-level", "WARNING",
@@ -146,6 +164,10 @@ def test_a_duplicate_node_id_is_refused_and_the_cluster_stays_whole(
     more = publish(md, 1000, 2)
     assert pulled(md, more) == 2
     assert nodes(md) == {"store-0": (first, 6)}
+    # `kvdepot stats` shows both counts per node, so a mismatch would show.
+    wait_for(lambda: held_and_indexed(md) == {"store-0": (6, 6)}, 10, "held == indexed")
+    table = cli_stats(md).splitlines()
+    assert "indexed" in table[0].split()
 
 
 def test_a_forced_takeover_stops_the_old_instance(
