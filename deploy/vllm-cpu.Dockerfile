@@ -37,6 +37,7 @@ RUN pip install 'setuptools>=68' wheel \
 COPY deploy/tiny_model.py deploy/vllm-cpu-serve.sh deploy/entrypoint.sh /opt/kvdepot/bin/
 RUN chmod 755 /opt/kvdepot/bin/*.sh \
  && python3 /opt/kvdepot/bin/tiny_model.py /opt/models/tiny-llama \
+ && chmod -R a+rX /opt/models \
  && echo 'vllm:x:10001:10001:vllm:/var/lib/vllm:/usr/sbin/nologin' >> /etc/passwd \
  && echo 'vllm:x:10001:' >> /etc/group \
  && mkdir -p /var/lib/vllm && chown 10001:10001 /var/lib/vllm
