@@ -67,6 +67,11 @@ class NodeIdTaken(KVDepotError):
 
     grpc_code = grpc.StatusCode.ALREADY_EXISTS
 
+    def __init__(self, message: str, lease_remaining_s: float = 0.0) -> None:
+        super().__init__(message)
+        self.lease_remaining_s = lease_remaining_s
+        """How long the holder's lease lasts unless it heartbeats again."""
+
 
 class StaleRegistration(KVDepotError):
     """A heartbeat of a registration that has been replaced (its epoch is not the

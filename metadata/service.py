@@ -21,6 +21,7 @@ from kvdepot.metadata.replica_tiers import record_moves
 from kvdepot.metadata.routing import Candidate, RoutingWeights, best, score_candidates
 from kvdepot.metadata.types import (
     COUNT_NONE,
+    LEASE_REMAINING_KEY,
     Action,
     IndexStats,
     InventoryItem,
@@ -191,6 +192,9 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
                 self._events.registered(node_id, [(i.key, i.tier) for i in inventory])
         except NodeIdTaken as exc:
             logger.warning("refused the registration of a store at %s: %s", request.address, exc)
+            # Tells the refused store whether the holder is renewing its lease.
+            remaining_ms = str(int(exc.lease_remaining_s * 1000))
+            context.set_trailing_metadata(((LEASE_REMAINING_KEY, remaining_ms),))
             await self._guard(context, exc)
         except KVDepotError as exc:
             await self._guard(context, exc)

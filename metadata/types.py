@@ -9,6 +9,10 @@ from kvdepot.metadata.keys import ChunkKey
 
 NodeId = str
 
+LEASE_REMAINING_KEY = "kvdepot-lease-remaining-ms"
+"""Trailing metadata of a RegisterNode refused for a node id another live
+instance holds: the milliseconds left of that instance's lease."""
+
 # Lower is faster; lookups order replicas by this after locality.
 TIER_RANK = {"gpu": 0, "cpu": 1, "ssd": 2}
 

@@ -22,6 +22,7 @@ from kvdepot.connector.metadata import parse_endpoints
 from kvdepot.errors import InvalidArgument, NodeIdTaken, Unavailable
 from kvdepot.health import HealthState
 from kvdepot.metadata.keys import ChunkKey
+from kvdepot.metadata.types import LEASE_REMAINING_KEY
 from kvdepot.metrics import MetricsServer, StoreCollector, on_loop
 from kvdepot.proto.gen import common_pb2, metadata_pb2, metadata_pb2_grpc, store_pb2, store_pb2_grpc
 from kvdepot.security import NO_SECURITY, SecurityConfig, add_port, aio_channel, aio_server
@@ -48,6 +49,19 @@ SAMPLE_S = 1.0
 REMOVED_SUMMARY_S = 10.0
 # Keys per ReportMoved call.
 MOVED_BATCH = 4096
+# A node id held by an instance that no longer heartbeats (a store restarted
+# without its SSD directory) is waited for, until its lease runs out; a lease
+# whose end moved later by more than this was renewed: the holder is alive.
+RENEWED_SLACK_S = 0.5
+
+
+def _lease_remaining(exc: grpc.aio.AioRpcError) -> float | None:
+    """Seconds left of the holder's lease, from a refused RegisterNode."""
+    for key, value in exc.trailing_metadata() or ():
+        if key == LEASE_REMAINING_KEY:
+            with contextlib.suppress(ValueError):
+                return max(0.0, int(value) / 1000)
+    return None
 
 
 class StoreServicer(store_pb2_grpc.StoreServicer):
@@ -363,6 +377,9 @@ class StoreDaemon:
         registered = False
         warned = False
         last_ok = time.monotonic()
+        # The end of another instance's lease on our node id, while we wait for it.
+        held_until: float | None = None
+        waited_from = 0.0
         while True:
             stub = self._stub()
             try:
@@ -370,6 +387,7 @@ class StoreDaemon:
                     await self._register(stub)
                     registered = True
                     warned = False
+                    held_until = None
                 else:
                     reply = await stub.Heartbeat(
                         metadata_pb2.HeartbeatRequest(
@@ -389,12 +407,31 @@ class StoreDaemon:
                     registered = False
                     continue
                 if exc.code() == grpc.StatusCode.ALREADY_EXISTS and not registered:
-                    # Another live instance owns the node id: serving under it
-                    # would corrupt the index. Fatal (see wait()).
-                    raise NodeIdTaken(
-                        f"metadata {self._endpoints[self._current]} refused store "
-                        f"{self.node_id}: {exc.details()}"
-                    ) from None
+                    # Another instance holds the node id. Serving under it
+                    # would corrupt the index: fatal (see wait()), unless its
+                    # lease is running out unrenewed (it crashed or stopped).
+                    now = time.monotonic()
+                    remaining = _lease_remaining(exc)
+                    if remaining is not None and held_until is None:
+                        held_until, waited_from = now + remaining, now
+                        logger.info(
+                            "node id %s is held by another instance; waiting up to %.1f s "
+                            "for its lease to run out",
+                            self.node_id,
+                            remaining,
+                        )
+                    if (
+                        remaining is None
+                        or held_until is None
+                        or now + remaining > held_until + RENEWED_SLACK_S
+                        or now - waited_from > remaining + self._lease_s + 10
+                    ):
+                        raise NodeIdTaken(
+                            f"metadata {self._endpoints[self._current]} refused store "
+                            f"{self.node_id}: {exc.details()}"
+                        ) from None
+                    await asyncio.sleep(min(self.config.register_retry_s, remaining + 0.05))
+                    continue
                 if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and registered:
                     # Our registration was replaced (the id was taken over):
                     # this instance no longer owns it. Registering again is

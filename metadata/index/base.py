@@ -49,7 +49,8 @@ def node_id_taken(node_id: NodeId, address: str, remaining_s: float) -> NodeIdTa
     return NodeIdTaken(
         f"node id {node_id!r} is held by another live store instance at {address} "
         f"(its lease runs out in {remaining_s:.1f} s unless it heartbeats); stop that "
-        "store or pick another --node-id, or take the id over with --force-node-id"
+        "store or pick another --node-id, or take the id over with --force-node-id",
+        remaining_s,
     )
 
 
