@@ -351,10 +351,11 @@ def test_tail_blocks_and_decoded_chunks_hit_on_the_next_request(
     both = kv("kv_both", meta, "store-0", chunk_tokens=256)
     first = run("tail-first", [long_prompt, first_turn], both)
     assert [o["tokens"] for o in first["outputs"]] == [o["tokens"] for o in plain]
-    # long: chunks 0, 1 and the tail block 512-640 at prefill, chunks 2, 3
-    # while decoding (1049 tokens computed); first turn: chunk 0, then the
-    # block 256-384, chunk 1 and the block 512-640 while decoding (649).
-    assert first["connector"]["chunks_saved"] == 5 + 4, first["connector"]
+    # long: chunks 0, 1 and the tail block 512-640 at prefill, then while
+    # decoding (1049 tokens computed) chunk 2, the block 768-896 and chunk 3;
+    # first turn: chunk 0, then the block 256-384, chunk 1 and the block
+    # 512-640 while decoding (649).
+    assert first["connector"]["chunks_saved"] == 6 + 4, first["connector"]
     second_turn = first_turn + plain[1]["tokens"] + rng.integers(1, 1000, 100).tolist()
     # A fresh engine on the other node.
     again = run(
