@@ -101,6 +101,8 @@ def cluster(
         "STORE_SHM_SIZE": SHM,
         "STORE_SSD_CAPACITY": str(SSD),
         "HEALTH_INTERVAL": "3s",
+        # A busy 2-core host takes seconds to start a Python process.
+        "HEALTH_TIMEOUT": "30s",
         "LOG_FORMAT": "text",
         "KVDEPOT_TOKEN_FILE": str(token_file),
     }

@@ -99,6 +99,8 @@ def cpu_project(
         "STORE_SHM_SIZE": "80m",
         "STORE_SSD_CAPACITY": "256MiB",
         "HEALTH_INTERVAL": "5s",
+        # A busy 2-core host takes seconds to start a Python process.
+        "HEALTH_TIMEOUT": "30s",
         "LOG_FORMAT": "text",
         # PyTorch's CPU index is not reachable here: the torch wheel comes from WHEELS.
         "TORCH_INDEX": os.environ.get("KVDEPOT_TEST_TORCH_INDEX", "https://pypi.org/simple"),
