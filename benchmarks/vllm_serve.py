@@ -171,7 +171,7 @@ def build_model(path: Path, layers: int, hidden: int) -> Path:
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
     vocab.update({f"t{i}": i for i in range(3, VOCAB)})
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # type: ignore[assignment]
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
     )
