@@ -15,6 +15,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import grpc
 
@@ -57,7 +58,9 @@ RENEWED_SLACK_S = 0.5
 
 def _lease_remaining(exc: grpc.aio.AioRpcError) -> float | None:
     """Seconds left of the holder's lease, from a refused RegisterNode."""
-    for key, value in exc.trailing_metadata() or ():
+    # grpc.aio's Metadata iterates (key, value) pairs, whatever the stubs say.
+    trailing: Any = exc.trailing_metadata() or ()
+    for key, value in trailing:
         if key == LEASE_REMAINING_KEY:
             with contextlib.suppress(ValueError):
                 return max(0.0, int(value) / 1000)
