@@ -112,10 +112,13 @@ def cpu_project(
         project.compose("--profile", "cpu", "build", "cpu-prefill", timeout=3000)
         print(f"vLLM CPU image built in {time.monotonic() - started:.0f} s")
     try:
+        core = ["metadata-0", "metadata-1", "store-0", "store-1", "store-2"]
         project.up("--profile", "cpu", timeout_s=900)
-        project.wait_healthy(
-            ["metadata-0", "metadata-1", "store-0", "store-1", "store-2", *ENGINES], 900
-        )
+        project.wait_healthy([*core, "cpu-prefill", "cpu-decode"], 1200)
+        # The proxy is created once the engines are healthy: docker-compose may
+        # have given up on them before (vLLM loads for minutes on a busy host).
+        project.up("--profile", "cpu", timeout_s=300)
+        project.wait_healthy([*core, *ENGINES], 300)
         yield project, proxy_port
     finally:
         project.down()
