@@ -78,3 +78,20 @@ def test_proxy_on_a_port_in_use(held_port: int) -> None:
         "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2",
     )  # fmt: skip
     assert_port_refused(out, held_port, "proxy")
+
+
+def test_up_on_a_metadata_port_in_use(held_port: int) -> None:
+    cmd = [sys.executable, "-m", "kvdepot.cli", "up", "--nodes", "1"]
+    out = subprocess.run(
+        [*cmd, "--metadata-port", str(held_port), "--capacity", "16MiB"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1, (out.returncode, out.stderr)
+    assert "Traceback" not in out.stderr
+    # The metadata daemon's line, then up's own.
+    lines = out.stderr.strip().splitlines()
+    assert lines[0].startswith("kvdepot: error: cannot listen on "), lines
+    assert f"port {held_port} is already in use" in lines[0], lines
+    assert lines[1:] == ["kvdepot: error: metadata exited with status 1"], lines
