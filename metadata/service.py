@@ -46,6 +46,9 @@ from kvdepot.security import NO_SECURITY, SecurityConfig, add_port, aio_server
 
 logger = logging.getLogger(__name__)
 
+_REFUSAL_LOG_S = 10.0
+"""One log line per refused store (node id and address) this often at most."""
+
 _ACTIONS = {
     Action.WRITE: metadata_pb2.Allocation.WRITE,
     Action.SKIP_EXISTS: metadata_pb2.Allocation.SKIP_EXISTS,
@@ -136,6 +139,19 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
         self._index = index
         self._events = events
         self._config = config
+        # (node id, address) -> when its refused registration was last logged:
+        # a store waiting out a lease retries twice a second.
+        self._refusals_logged: dict[tuple[str, str], float] = {}
+
+    def _log_refusal(self, node_id: str, address: str, exc: NodeIdTaken) -> None:
+        now = time.monotonic()
+        key = (node_id, address)
+        if now - self._refusals_logged.get(key, -_REFUSAL_LOG_S) < _REFUSAL_LOG_S:
+            return
+        if len(self._refusals_logged) > 1024:
+            self._refusals_logged.clear()
+        self._refusals_logged[key] = now
+        logger.warning("refused the registration of a store at %s: %s", address, exc)
 
     # -- validation -------------------------------------------------------
     def _keys(self, keys: Sequence[bytes], *, inventory: bool = False) -> list[ChunkKey]:
@@ -191,7 +207,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
             if self._events is not None:
                 self._events.registered(node_id, [(i.key, i.tier) for i in inventory])
         except NodeIdTaken as exc:
-            logger.warning("refused the registration of a store at %s: %s", request.address, exc)
+            self._log_refusal(request.node_id, request.address, exc)
             # Tells the refused store whether the holder is renewing its lease.
             remaining_ms = str(int(exc.lease_remaining_s * 1000))
             context.set_trailing_metadata(((LEASE_REMAINING_KEY, remaining_ms),))
