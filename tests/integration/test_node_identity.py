@@ -278,3 +278,35 @@ def test_a_restart_on_its_ssd_directory_takes_the_id_back_at_once(
         assert again.proc.poll() is None
     finally:
         c.stop()
+
+
+def test_the_refusals_are_clear_grpc_errors(one_store: LocalCluster) -> None:
+    import grpc
+
+    from kvdepot.proto.gen import metadata_pb2, metadata_pb2_grpc
+
+    def register(instance: str) -> metadata_pb2.RegisterNodeRequest:
+        return metadata_pb2.RegisterNodeRequest(
+            node_id="probe", address="127.0.0.1:1", instance_id=instance
+        )
+
+    with grpc.insecure_channel(one_store.metadata_address) as ch:
+        stub = metadata_pb2_grpc.MetadataStub(ch)
+        epoch = stub.RegisterNode(register("inst-a"), timeout=10).epoch
+        assert epoch > 0
+        with pytest.raises(grpc.RpcError) as info:
+            stub.RegisterNode(register("inst-b"), timeout=10)
+        assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert "node id 'probe' is held by another live store instance" in info.value.details()
+        trailing = dict(info.value.trailing_metadata() or ())
+        assert 0 < int(trailing["kvdepot-lease-remaining-ms"]) <= 20_000
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Heartbeat(metadata_pb2.HeartbeatRequest(node_id="probe", epoch=epoch + 1))
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "'probe' was registered again" in info.value.details()
+        assert stub.Heartbeat(
+            metadata_pb2.HeartbeatRequest(node_id="probe", epoch=epoch), timeout=10
+        ).lease_ttl_ms
+        # The same instance takes its id back at once, under a new epoch.
+        again = stub.RegisterNode(register("inst-a"), timeout=10).epoch
+        assert again > epoch
