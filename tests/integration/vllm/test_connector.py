@@ -367,9 +367,17 @@ def test_tail_blocks_and_decoded_chunks_hit_on_the_next_request(
     assert c["tokens_hit"] == 640 + 640, c
     assert c["chunks_loaded"] == 3 + 3 and c["load_errors"] == 0, c
     reference = run("tail-plain-2", [second_turn], None)["outputs"][0]
-    assert again["outputs"][0]["tokens"] == plain[0]["tokens"]
+    assert same(again["outputs"][0], plain[0])  # prefill KV, loaded: exact
     assert again["outputs"][1]["tokens"] == reference["tokens"]
-    assert again["outputs"][1]["logprobs"] == reference["logprobs"]
+    # The history's KV was computed while decoding, one token per step,
+    # where the reference computes it in one prefill: the kernels round
+    # differently in bf16 (vLLM's own prefix cache reuses decode KV the same
+    # way). Measured here: equal tokens, logprobs within 0.002.
+    drift = [
+        abs(a - b)
+        for a, b in zip(again["outputs"][1]["logprobs"], reference["logprobs"], strict=True)
+    ]
+    assert max(drift) < 0.02, max(drift)
 
 
 def test_a_bad_setting_stops_the_engine_at_start_naming_it(model: str, workdir: Path) -> None:
