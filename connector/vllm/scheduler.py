@@ -50,22 +50,25 @@ _CONNECT_S = 5.0
 class LookupBreaker:
     """Lookups with a deadline that stop being sent while they keep failing."""
 
-    def __init__(self, client: KVDepotClient, cooldown_s: float, warn: RepeatedWarning) -> None:
+    def __init__(
+        self,
+        client: KVDepotClient,
+        cooldown_s: float,
+        warn: RepeatedWarning,
+        shards: Sequence[Namespace] = (),
+    ) -> None:
         self._client = client
+        # The namespaces of tensor-parallel ranks after rank 0: a key hits
+        # only when every rank's shard of it is stored.
+        self._shards = tuple(shards)
         self._cooldown = cooldown_s
         self._warn = warn
         self._lock = threading.Lock()
         self._open_until = 0.0
         self._failures = 0
 
-    def lookup(
-        self, keys: PrefixKeys, counters: Counters, shards: Sequence[Namespace] = ()
-    ) -> int | None:
-        """Leading hits of ``keys``, or None when kvdepot cannot answer now.
-
-        With ``shards`` (the namespaces of tensor-parallel ranks after rank 0),
-        a key hits only when every rank's shard of it is stored.
-        """
+    def lookup(self, keys: PrefixKeys, counters: Counters) -> int | None:
+        """Leading hits of ``keys``, or None when kvdepot cannot answer now."""
         now = time.monotonic()
         with self._lock:
             if now < self._open_until:
@@ -73,12 +76,7 @@ class LookupBreaker:
                 return None
         try:
             hits = self._client.lookup(keys.keys, key_tokens=keys.key_tokens)
-            for ns in shards:
-                if hits == 0:
-                    break
-                # The prompt was counted once, by rank 0's lookup.
-                rank_keys = [shard_key(ns, k) for k in keys.keys[:hits]]
-                hits = min(hits, self._client.lookup(rank_keys, count="none"))
+            hits = self._every_shard(keys.keys, hits)
         except KVDepotError as exc:
             counters.add(lookups=1, lookup_errors=1)
             with self._lock:
@@ -100,22 +98,25 @@ class LookupBreaker:
             self._open_until = 0.0
         return hits
 
-    def lookup_more(
-        self, keys: list[ChunkKey], tokens: int, shards: Sequence[Namespace] = ()
-    ) -> int:
+    def lookup_more(self, keys: list[ChunkKey], tokens: int) -> int:
         """The rest of a prompt's lookup (its hits are counted, not the call)."""
         if not keys or time.monotonic() < self._open_until:
             return 0
         try:
             hits = self._client.lookup(keys, key_tokens=[tokens] * len(keys), count="hits")
-            for ns in shards:
-                if hits == 0:
-                    break
-                rank_keys = [shard_key(ns, k) for k in keys[:hits]]
-                hits = min(hits, self._client.lookup(rank_keys, count="none"))
-            return hits
+            return self._every_shard(keys, hits)
         except KVDepotError:
             return 0
+
+    def _every_shard(self, keys: Sequence[ChunkKey], hits: int) -> int:
+        """The leading ``hits`` of rank 0's keys that every other rank holds too."""
+        for ns in self._shards:
+            if hits == 0:
+                break
+            # The prompt was counted once, by rank 0's lookup.
+            rank_keys = [shard_key(ns, k) for k in keys[:hits]]
+            hits = min(hits, self._client.lookup(rank_keys, count="none"))
+        return hits
 
 
 @dataclass
@@ -157,15 +158,14 @@ class SchedulerSide:
         self.save_decode = settings.saves_decode(kv_role)
         self._counters = counters
         self._warn = RepeatedWarning(logger)
-        self._breaker = LookupBreaker(client, settings.lookup_breaker_s, self._warn)
+        shards = [replace(namespace, tp_rank=r) for r in range(1, namespace.tp_size)]
+        self._breaker = LookupBreaker(client, settings.lookup_breaker_s, self._warn, shards)
         self._requests: dict[str, _Request] = {}
         self._loads: list[LoadPlan] = []
         # Connected at engine start, so the first lookups' short deadline is
         # not spent on the connection; a service down now is a miss later.
         if not client.connect(_CONNECT_S):
             logger.warning("kvdepot metadata %s not reachable at start", settings.metadata)
-        # Every rank stores its own shard: a hit needs all of them.
-        self._shards = [replace(namespace, tp_rank=r) for r in range(1, namespace.tp_size)]
 
     # -------------------------------------------------------------- lookups
     def _state(self, request: Request) -> _Request:
@@ -187,14 +187,14 @@ class SchedulerSide:
         keys = self._keys(state, tokens)
         if not keys.chunks and not keys.tail:
             return 0
-        hits = self._breaker.lookup(keys, self._counters, self._shards)
+        hits = self._breaker.lookup(keys, self._counters)
         if hits is None:
             return 0
         if hits < len(keys.chunks) and self.layout.blocks_per_chunk > 1:
             # Chunk `hits` is missing, but blocks of it may be stored: the
             # tail of an earlier, shorter sequence (the last turn of a chat).
             more = tail_keys(self.ns, tokens, self.layout.block_size, hits, keys.chunks)
-            extra = self._breaker.lookup_more(more, self.layout.block_size, self._shards)
+            extra = self._breaker.lookup_more(more, self.layout.block_size)
             return hits * self.ns.chunk_tokens + extra * self.layout.block_size
         return keys.tokens_of(hits)
 
@@ -327,9 +327,22 @@ class SchedulerSide:
                     meta.saves.append(save)
         return meta
 
+    def _extend_chunks(self, state: _Request, tokens: list[int], n: int) -> None:
+        """Make sure the request's chunk keys cover its first ``n`` chunks."""
+        if len(state.chunks) < n:
+            c = self.ns.chunk_tokens
+            keys = prefix_keys(
+                self.ns,
+                tokens[: n * c],
+                self.layout.block_size,
+                with_tail=False,
+                chunks=state.chunks,
+            )
+            state.chunks = list(keys.chunks)
+
     def _save_plan(self, state: _Request, done: int) -> SavePlan | None:
         """The objects of a request that are complete once this step is done."""
-        c, bs, bpc = self.ns.chunk_tokens, self.layout.block_size, self.layout.blocks_per_chunk
+        bs, bpc = self.layout.block_size, self.layout.blocks_per_chunk
         request = state.request
         limit = len(request.all_token_ids) if self.save_decode else request.num_prompt_tokens
         blocks = min(done, limit) // bs
@@ -339,12 +352,7 @@ class SchedulerSide:
         tokens: list[int] | None = None
         if chunks > state.saved_chunks:
             tokens = list(request.all_token_ids)
-            keys = prefix_keys(
-                self.ns, tokens[: chunks * c], bs, with_tail=False, chunks=state.chunks
-            )
-            state.chunks = (
-                list(keys.chunks) if len(keys.chunks) > len(state.chunks) else (state.chunks)
-            )
+            self._extend_chunks(state, tokens, chunks)
             for j in range(state.saved_chunks, chunks):
                 ids = tuple(state.block_ids[j * bpc : (j + 1) * bpc])
                 objects.append(KVObject(state.chunks[j], ids))
@@ -353,10 +361,7 @@ class SchedulerSide:
         if self.settings.save_tail and bpc > 1 and tail > state.saved_tail:
             tokens = tokens if tokens is not None else list(request.all_token_ids)
             region = state.saved_chunks
-            if len(state.chunks) < region:
-                state.chunks = list(
-                    prefix_keys(self.ns, tokens[: region * c], bs, with_tail=False).chunks
-                )
+            self._extend_chunks(state, tokens, region)
             tkeys = tail_keys(self.ns, tokens[: blocks * bs], bs, region, state.chunks)
             for j in range(state.saved_tail, min(tail, len(tkeys))):
                 objects.append(KVObject(tkeys[j], (state.block_ids[region * bpc + j],)))

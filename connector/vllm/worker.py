@@ -21,7 +21,7 @@ import torch
 from kvdepot.connector.client import KVDepotClient
 from kvdepot.connector.codec.base import KVCodec
 from kvdepot.connector.vllm.layout import KVLayout
-from kvdepot.connector.vllm.loader import LayerLoader, LoadJob, header_bytes
+from kvdepot.connector.vllm.loader import LayerLoader, LoadJob
 from kvdepot.connector.vllm.objects import (
     Geometry,
     ObjectFormat,
@@ -112,11 +112,6 @@ class WorkerSide:
             self._codec.name,
             chunk.size,
         )
-
-    @property
-    def chunk_bytes(self) -> int:
-        assert self._fmt is not None
-        return self._fmt.geometry(self.layout.blocks_per_chunk).size
 
     def _shard(self, objects: tuple[KVObject, ...]) -> tuple[KVObject, ...]:
         """The plan's objects under this rank's shard keys (rank 0: unchanged)."""
@@ -352,4 +347,4 @@ class WorkerSide:
             self._loader.close()
 
 
-__all__ = ["WorkerSide", "header_bytes"]
+__all__ = ["WorkerSide"]
