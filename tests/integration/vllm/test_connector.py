@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -233,6 +234,8 @@ def test_corrupt_chunk_and_dead_store_are_recomputed(
     finally:
         c.stop()
         arena.unlink(missing_ok=True)
+        # corrupt_second_chunk_of's engine folder lies beside the arena.
+        shutil.rmtree(arena.parent / f"{arena.name}.tmp", ignore_errors=True)
 
 
 def corrupt_second_chunk_of(arena: Path, model: str, metadata: str) -> None:
