@@ -59,7 +59,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -130,27 +130,17 @@ QUICK = Plan(
     pd_probe_lengths=(700, 1001),
 )
 
-FULL = Plan(
+# The full run: a model large enough that prefill dominates, more rounds.
+FULL = replace(
+    QUICK,
     layers=8,
     hidden=1024,
     rounds=2,
     restart_pairs=2,
-    random_prompts=8,
-    random_input=512,
-    random_output=32,
-    concurrency=4,
-    prefix_prompts=6,
-    prefix_len=1024,
-    suffix_len=128,
-    num_prefixes=2,
-    prefix_output=4,
-    conversations=2,
     turns=4,
     first_turn=400,
     question=80,
     answer=64,
-    pd_prompts=6,
-    pd_input=1024,
     pd_output=64,
     pd_rate=0.125,
     pd_probe_lengths=(700, 1001, 1500),
