@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvdepot.config import Port, positive, setting, validate
 from kvdepot.errors import InvalidArgument, Unavailable
 from kvdepot.metadata.keys import ChunkKey, Namespace
 from kvdepot.router import ROUTING_MODES, Choice, EnginePool, KVRouter, prompt_keys
@@ -50,8 +51,8 @@ class ProxyConfig:
     prefill: tuple[str, ...]
     decode: tuple[str, ...]
     host: str = "127.0.0.1"
-    port: int = 8000
-    timeout_s: float = 600.0
+    port: int = setting(8000, Port())
+    timeout_s: float = setting(600.0, positive())
     routing: str = "round-robin"
     prefill_nodes: tuple[tuple[str, str], ...] = ()
     decode_nodes: tuple[tuple[str, str], ...] = ()
@@ -59,13 +60,12 @@ class ProxyConfig:
     namespace: Namespace | None = None
 
     def __post_init__(self) -> None:
+        validate(self)
         if not self.prefill or not self.decode:
             raise InvalidArgument("the proxy needs at least one prefill and one decode engine")
         for url in (*self.prefill, *self.decode):
             if not url.startswith(("http://", "https://")):
                 raise InvalidArgument(f"engine URL {url!r} must start with http:// or https://")
-        if not 0 <= self.port < 65536:
-            raise InvalidArgument(f"bad port {self.port}")
         if self.routing not in ROUTING_MODES:
             raise InvalidArgument(f"routing must be one of {', '.join(ROUTING_MODES)}")
         if self.routing == "kv-aware":

@@ -52,6 +52,7 @@ from kvdepot.auth import (
     peer_host,
     tenant_key,
 )
+from kvdepot.config import InvalidSetting, load_config, validate
 from kvdepot.errors import InvalidArgument, Unavailable
 from kvdepot.request_guard import MalformedRequestGuard
 
@@ -69,6 +70,22 @@ def _read(path: str, what: str) -> bytes:
         return Path(path).read_bytes()
     except OSError as exc:
         raise InvalidArgument(f"cannot read {what} {path}: {exc.strerror}") from None
+
+
+def _check_private(path: str) -> None:
+    """Refuse a token file that users other than its owner may read, as ssh
+    refuses such a private key: whoever reads it holds the cluster."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return  # reading it says why
+    if mode & 0o077:
+        raise InvalidSetting(
+            "auth_token_file",
+            f"the token file is open to group or others (mode {mode & 0o777:04o}): "
+            f"run chmod 600 {path}",
+            path,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +125,7 @@ class SecurityConfig:
     tls_server_name: str = ""
 
     def __post_init__(self) -> None:
+        validate(self)
         if self.auth_token and self.auth_token_file:
             raise InvalidArgument(
                 "set the auth token either in the environment or in a token file, not both"
@@ -126,6 +144,7 @@ class SecurityConfig:
     def tokens(self) -> TokenSet:
         """The tokens: from the token file, read anew on each call (a daemon reads it at start)."""
         if self.auth_token_file:
+            _check_private(self.auth_token_file)
             text = _read(self.auth_token_file, "token file").decode("utf-8", "replace")
             return parse_token_file(text, f"token file {self.auth_token_file}")
         if self.auth_token:
@@ -213,6 +232,7 @@ def load_security(
     env: Mapping[str, str] | None,
     file: str | Path | None = None,
     overrides: Mapping[str, Any] | None = None,
+    flags: Mapping[str, str] | None = None,
 ) -> SecurityConfig:
     """Build a :class:`SecurityConfig` at an entry point: flags > environment > file.
 
@@ -221,12 +241,11 @@ def load_security(
         file: A ``--config`` file; its ``[security]`` table is read.
         overrides: Values from flags (``None``: not given). There is no
             flag for the token itself, only for a token file.
+        flags: The flag of each setting in ``overrides``, to name it in errors.
 
     Raises:
         InvalidArgument: Bad values or unreadable files.
     """
-    from kvdepot.config import load_config
-
     env = env or {}
     given = {k: v for k, v in (overrides or {}).items() if v is not None}
     # A token and a token file exclude each other; the higher layer wins.
@@ -237,7 +256,13 @@ def load_security(
     elif env.get(ENV_PREFIX + "AUTH_TOKEN_FILE") and not env.get(ENV_PREFIX + "AUTH_TOKEN"):
         given["auth_token"] = ""
     return load_config(
-        SecurityConfig, prefix=ENV_PREFIX, env=env, file=file, section="security", overrides=given
+        SecurityConfig,
+        prefix=ENV_PREFIX,
+        env=env,
+        file=file,
+        section="security",
+        overrides=given,
+        flags=flags,
     )
 
 
@@ -603,3 +628,83 @@ def check_port_free(address: str, what: str = "") -> None:
                         f"cannot listen on {host}:{port}{label}: port {port} is already in use"
                     ) from None
                 raise Unavailable(f"cannot listen on {host}:{port}{label}: {exc}") from None
+
+
+# -- explaining a refused connection --------------------------------------------------
+def explain_refusal(target: str, security: SecurityConfig | None, timeout_s: float = 2.0) -> str:
+    """Why a daemon at ``target`` closes this process's connections, or ``""``.
+
+    gRPC reports a TLS mismatch as ``Socket closed`` or a raw handshake
+    error. This dials ``target`` once with Python's TLS, as the process's
+    settings would, and says which side refused and why: one speaks TLS and
+    the other plaintext, the daemon wants a client certificate, or one side
+    does not know the CA of the other's certificate.
+    """
+    import ssl
+
+    security = security or NO_SECURITY
+    host, _, port = target.rpartition(":")
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    if security.tls_ca:
+        ctx.load_verify_locations(security.tls_ca)
+    else:
+        ctx.verify_mode = ssl.CERT_NONE  # the system's roots: gRPC says enough
+    ctx.set_alpn_protocols(["h2"])
+    try:
+        if security.tls_cert:
+            ctx.load_cert_chain(security.tls_cert, security.tls_key)
+        raw = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s)
+    except (OSError, ValueError):
+        return ""
+    with raw:
+        try:
+            tls = ctx.wrap_socket(raw, server_hostname=security.tls_server_name or None)
+        except ssl.SSLCertVerificationError:
+            return (
+                f"this client does not trust {target}'s certificate: it is not signed by "
+                f"the CA in --tls-ca {security.tls_ca}"
+            )
+        except OSError:  # ssl.SSLError included: no TLS server answered
+            if security.tls_enabled:
+                return (
+                    f"{target} speaks plaintext gRPC and this client TLS: start the daemon "
+                    "with --tls-cert and --tls-key, or drop --tls/--tls-ca here"
+                )
+            return ""
+        with tls:
+            if not security.tls_enabled:
+                return (
+                    f"{target} speaks TLS and this client plaintext: pass --tls-ca "
+                    "(the CA of the daemon's certificate) or --tls"
+                )
+            refused = _alert_after_handshake(tls, bool(security.tls_cert))
+    return f"{target} refused this client: {refused}" if refused else ""
+
+
+def _alert_after_handshake(tls: Any, sent_certificate: bool) -> str:
+    """What the daemon did with our certificate. With TLS 1.3 it checks a
+    client certificate after the handshake and, refusing it, closes the
+    connection (with an alert, or without a word, as gRPC's does)."""
+    import ssl
+
+    tls.settimeout(1.0)
+    try:
+        # An HTTP/2 preface: a daemon that accepted us answers with a SETTINGS frame.
+        tls.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes(9))
+        if tls.recv(1):
+            return ""
+        reason = ""
+    except ssl.SSLError as exc:
+        reason = str(exc.reason or exc).upper()
+    except OSError:
+        return ""
+    if not sent_certificate or "CERTIFICATE_REQUIRED" in reason:
+        return (
+            "it closed the connection after the handshake: it requires a client "
+            "certificate (pass --tls-cert and --tls-key)"
+        )
+    return (
+        "it closed the connection after the handshake: it does not accept this client's "
+        "certificate (not signed by the CA it trusts, its --tls-ca)"
+    )

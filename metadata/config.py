@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvdepot.errors import InvalidArgument
+from kvdepot.config import InvalidSetting, Number, Port, positive, setting, validate
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,37 +32,27 @@ class MetadataConfig:
     """
 
     host: str = "127.0.0.1"
-    port: int = 7700
+    port: int = setting(7700, Port())
     index: str = "memory://"
-    lease_ttl_s: float = 5.0
-    heartbeat_interval_s: float = 1.0
-    allocation_ttl_s: float = 30.0
-    reap_interval_s: float = 0.5
-    max_keys_per_request: int = 65536
+    lease_ttl_s: float = setting(5.0, positive())
+    heartbeat_interval_s: float = setting(1.0, positive())
+    allocation_ttl_s: float = setting(30.0, positive())
+    reap_interval_s: float = setting(0.5, positive())
+    max_keys_per_request: int = setting(65536, Number(low=1))
     kv_events: str = ""
     kv_events_replay: str = ""
-    kv_events_block_size: int = 256
-    route_link_bytes_per_s: float = 12.5e9
-    route_prefill_tokens_per_s: float = 10_000.0
-    route_load_penalty_s: float = 0.05
-    metrics_port: int | None = None
+    kv_events_block_size: int = setting(256, Number(low=1))
+    route_link_bytes_per_s: float = setting(12.5e9, positive())
+    route_prefill_tokens_per_s: float = setting(10_000.0, positive())
+    route_load_penalty_s: float = setting(0.05, Number(low=0))
+    metrics_port: int | None = setting(None, Port())
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port < 65536:
-            raise InvalidArgument(f"bad port {self.port}")
-        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
-            raise InvalidArgument(f"bad metrics_port {self.metrics_port}")
-        if self.lease_ttl_s <= 0 or self.heartbeat_interval_s <= 0:
-            raise InvalidArgument("lease_ttl_s and heartbeat_interval_s must be positive")
+        validate(self)
         if self.heartbeat_interval_s * 2 > self.lease_ttl_s:
-            raise InvalidArgument("lease_ttl_s must be at least twice heartbeat_interval_s")
-        if self.allocation_ttl_s <= 0 or self.reap_interval_s <= 0:
-            raise InvalidArgument("allocation_ttl_s and reap_interval_s must be positive")
-        if self.max_keys_per_request < 1:
-            raise InvalidArgument("max_keys_per_request must be positive")
-        if self.kv_events_block_size < 1:
-            raise InvalidArgument("kv_events_block_size must be positive")
-        if min(self.route_link_bytes_per_s, self.route_prefill_tokens_per_s) <= 0:
-            raise InvalidArgument("route link speed and prefill rate must be positive")
-        if self.route_load_penalty_s < 0:
-            raise InvalidArgument("route_load_penalty_s must not be negative")
+            raise InvalidSetting(
+                ("lease_ttl_s", "heartbeat_interval_s"),
+                f"must be at least twice heartbeat_interval_s ({self.heartbeat_interval_s:g}) "
+                "so that one late heartbeat does not drop a store",
+                self.lease_ttl_s,
+            )

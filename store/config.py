@@ -4,7 +4,48 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvdepot.errors import InvalidArgument
+from kvdepot.config import (
+    Choice,
+    Directory,
+    FilePath,
+    InvalidSetting,
+    Number,
+    Parsed,
+    Port,
+    positive,
+    setting,
+    validate,
+)
+
+FSYNC_POLICIES = ("always", "segment", "never")
+"""When the SSD tier syncs its files (see ``kvdepot.store.tiers.ssd``)."""
+
+
+# The parsers live with the code that uses the values; imported on use, as
+# those modules import this one.
+def _metadata_endpoints(spec: str) -> None:
+    from kvdepot.connector.metadata import parse_endpoints
+
+    parse_endpoints(spec)
+
+
+def _watermarks(text: str) -> None:
+    from kvdepot.store.tiers.base import TierLimits
+
+    TierLimits.parse(text)
+
+
+def _node_id(text: str) -> None:
+    # The metadata service's own rule: a store it would refuse never starts.
+    from kvdepot.metadata.validation import check_text
+
+    check_text(text, "a node id", required=False)
+
+
+def _eviction_policy(name: str) -> None:
+    from kvdepot.store.tiers.policy import create_policy
+
+    create_policy(name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -12,7 +53,8 @@ class StoreConfig:
     """Configuration of one store daemon.
 
     Attributes:
-        node_id: Name of this node in the cluster; empty derives one from the
+        node_id: Name of this node in the cluster (at most 256 printable
+            characters, no spaces); empty derives one from the
             advertised data-plane address.
         host: Address the data plane and gRPC listeners bind.
         port: Data-plane TCP port; 0 picks a free one.
@@ -64,8 +106,11 @@ class StoreConfig:
         gpu_watermarks: ``HIGH:LOW`` of the GPU tier (it demotes to DRAM).
         ssd_dir: Directory of the SSD tier; empty (the default) has none. A
             store restarted on the same directory serves its chunks again.
+            The store creates the directory itself but not its parent: a
+            missing parent is refused as a mistyped path.
         ssd_capacity_bytes: Most bytes of the SSD tier's files; 0 takes 90%
-            of the space free on ``ssd_dir``'s file system at start.
+            of the space free on ``ssd_dir``'s file system at start (the
+            store logs the size it took, and stats show it).
         ssd_watermarks: ``HIGH:LOW`` of the SSD tier (it drops its coldest).
         ssd_segment_bytes: Size of the SSD tier's segment files; 0 picks
             ``min(64 MiB, ssd capacity / 8)``.
@@ -85,92 +130,49 @@ class StoreConfig:
             dropped instead of demoted.
     """
 
-    node_id: str = ""
+    node_id: str = setting("", Parsed(_node_id))
     host: str = "127.0.0.1"
-    port: int = 7800
-    grpc_port: int = 0
+    port: int = setting(7800, Port())
+    grpc_port: int = setting(0, Port())
     advertise_host: str = ""
-    metadata: str = "127.0.0.1:7700"
-    capacity_bytes: int = 1 << 30
-    arena_path: str = ""
+    metadata: str = setting("127.0.0.1:7700", Parsed(_metadata_endpoints))
+    capacity_bytes: int = setting(1 << 30, Number(low=4096))
+    arena_path: str = setting("", FilePath())
     shm: bool = True
-    nixl: str = "auto"
-    max_chunk_bytes: int = 0
-    idle_timeout_s: float = 60.0
-    io_timeout_s: float = 30.0
-    min_rate_bytes: int = 1 << 20
-    hold_timeout_s: float = 60.0
-    max_connections: int = 1024
+    nixl: str = setting("auto", Choice(("auto", "on", "off")))
+    max_chunk_bytes: int = setting(0, Number(low=0))
+    idle_timeout_s: float = setting(60.0, positive())
+    io_timeout_s: float = setting(30.0, positive())
+    min_rate_bytes: int = setting(1 << 20, Number(low=1))
+    hold_timeout_s: float = setting(60.0, positive())
+    max_connections: int = setting(1024, Number(low=1))
     verify_shm_commits: bool = False
-    register_retry_s: float = 0.5
+    register_retry_s: float = setting(0.5, positive())
     force_node_id: bool = False
-    metrics_port: int | None = None
-    cpu_watermarks: str = "0.95:0.85"
-    pin_memory: str = "auto"
-    gpu_capacity_bytes: int = 0
+    metrics_port: int | None = setting(None, Port())
+    cpu_watermarks: str = setting("0.95:0.85", Parsed(_watermarks))
+    pin_memory: str = setting("auto", Choice(("auto", "on", "off")))
+    gpu_capacity_bytes: int = setting(0, Number(low=0))
     gpu_device: str = "cuda"
-    gpu_watermarks: str = "0.95:0.85"
-    ssd_dir: str = ""
-    ssd_capacity_bytes: int = 0
-    ssd_watermarks: str = "0.95:0.9"
-    ssd_segment_bytes: int = 0
-    ssd_fsync: str = "segment"
-    ssd_io_threads: int = 4
+    gpu_watermarks: str = setting("0.95:0.85", Parsed(_watermarks))
+    ssd_dir: str = setting("", Directory())
+    ssd_capacity_bytes: int = setting(0, Number(low=0))
+    ssd_watermarks: str = setting("0.95:0.9", Parsed(_watermarks))
+    ssd_segment_bytes: int = setting(0, Number(low=0))
+    ssd_fsync: str = setting("segment", Choice(FSYNC_POLICIES))
+    ssd_io_threads: int = setting(4, Number(low=1, high=256))
     ssd_verify_on_open: bool = True
-    ssd_compact_ratio: float = 0.5
-    eviction_policy: str = "lru"
-    promote_hits: int = 1
-    gpu_promote_hits: int = 2
-    demotion_buffer_bytes: int = 256 << 20
+    ssd_compact_ratio: float = setting(0.5, Number(low=0, high=1, high_open=True))
+    eviction_policy: str = setting("lru", Parsed(_eviction_policy))
+    promote_hits: int = setting(1, Number(low=0))
+    gpu_promote_hits: int = setting(2, Number(low=0))
+    demotion_buffer_bytes: int = setting(256 << 20, Number(low=0))
 
     def __post_init__(self) -> None:
-        for name in ("port", "grpc_port"):
-            value = getattr(self, name)
-            if not 0 <= value < 65536:
-                raise InvalidArgument(f"bad {name} {value}")
-        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
-            raise InvalidArgument(f"bad metrics_port {self.metrics_port}")
-        if self.capacity_bytes < 4096:
-            raise InvalidArgument("capacity_bytes must be at least 4 KiB")
-        if self.max_chunk_bytes < 0 or self.max_chunk_bytes > self.capacity_bytes:
-            raise InvalidArgument("max_chunk_bytes must be between 0 and capacity_bytes")
-        if self.nixl not in ("auto", "on", "off"):
-            raise InvalidArgument(f"nixl must be auto, on or off, got {self.nixl!r}")
-        if min(self.idle_timeout_s, self.io_timeout_s, self.hold_timeout_s) <= 0:
-            raise InvalidArgument("timeouts must be positive")
-        if self.register_retry_s <= 0:
-            raise InvalidArgument("register_retry_s must be positive")
-        if not isinstance(self.force_node_id, bool):
-            raise InvalidArgument(
-                f"force_node_id must be true or false, got {self.force_node_id!r}"
+        validate(self)
+        if self.max_chunk_bytes > self.capacity_bytes:
+            raise InvalidSetting(
+                ("max_chunk_bytes", "capacity_bytes"),
+                f"must not exceed capacity_bytes ({self.capacity_bytes})",
+                self.max_chunk_bytes,
             )
-        if self.min_rate_bytes <= 0 or self.max_connections <= 0:
-            raise InvalidArgument("min_rate_bytes and max_connections must be positive")
-        self._check_tiers()
-        from kvdepot.connector.metadata import parse_endpoints
-
-        parse_endpoints(self.metadata)
-
-    def _check_tiers(self) -> None:
-        from kvdepot.store.tiers.base import TierLimits
-        from kvdepot.store.tiers.policy import TieringOptions
-        from kvdepot.store.tiers.ssd import FSYNC_POLICIES
-
-        for name in ("cpu_watermarks", "gpu_watermarks", "ssd_watermarks"):
-            TierLimits.parse(getattr(self, name))
-        if self.pin_memory not in ("auto", "on", "off"):
-            raise InvalidArgument(f"pin_memory must be auto, on or off, got {self.pin_memory!r}")
-        if self.gpu_capacity_bytes < 0 or self.ssd_capacity_bytes < 0:
-            raise InvalidArgument("tier capacities must not be negative")
-        if self.ssd_segment_bytes < 0 or self.ssd_io_threads < 1:
-            raise InvalidArgument("ssd_segment_bytes must be >= 0 and ssd_io_threads >= 1")
-        if self.ssd_fsync not in FSYNC_POLICIES:
-            raise InvalidArgument(f"ssd_fsync must be one of {', '.join(FSYNC_POLICIES)}")
-        if not 0 <= self.ssd_compact_ratio < 1:
-            raise InvalidArgument("ssd_compact_ratio must be in [0, 1)")
-        TieringOptions(
-            policy=self.eviction_policy,
-            promote_hits=self.promote_hits,
-            gpu_promote_hits=self.gpu_promote_hits,
-            demotion_buffer_bytes=self.demotion_buffer_bytes,
-        )

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING
 
 from kvdepot.errors import Corrupt, InvalidArgument, KVDepotError, Unavailable
 from kvdepot.metadata.keys import ChunkKey
+from kvdepot.store.config import FSYNC_POLICIES
 from kvdepot.store.tiers import segments as fmt
 from kvdepot.store.tiers.base import RecoveredChunk, Tier, TierLimits
 from kvdepot.store.xxh3 import xxh3_64
@@ -53,7 +54,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-FSYNC_POLICIES = ("always", "segment", "never")
 LOCK_NAME = "LOCK"
 DEFAULT_SHARE = 0.9
 """Share of the free space of its file system the tier takes when no capacity is set."""
@@ -205,9 +205,20 @@ class SsdTier(Tier):
     @classmethod
     def from_config(cls, config: StoreConfig) -> SsdTier:
         """The SSD tier on ``ssd_dir`` (``ssd_capacity_bytes``, or see :func:`default_capacity`)."""
+        capacity = config.ssd_capacity_bytes
+        if not capacity:
+            capacity = default_capacity(config.ssd_dir)
+            # The operator did not choose this size: say what was taken.
+            logger.info(
+                "ssd tier on %s takes %.1f GiB, %d%% of the space free there "
+                "(ssd_capacity_bytes / --ssd-capacity sets it)",
+                config.ssd_dir,
+                capacity / (1 << 30),
+                round(DEFAULT_SHARE * 100),
+            )
         return cls(
             config.ssd_dir,
-            config.ssd_capacity_bytes or default_capacity(config.ssd_dir),
+            capacity,
             limits=TierLimits.parse(config.ssd_watermarks),
             segment_bytes=config.ssd_segment_bytes,
             fsync=config.ssd_fsync,
@@ -219,8 +230,15 @@ class SsdTier(Tier):
     # -- opening ------------------------------------------------------------------
     def _lock_directory(self) -> int:
         try:
-            self._dir.mkdir(parents=True, exist_ok=True)
+            # Only the last component: a missing parent is a mistyped path,
+            # not a tree to create on some other disk.
+            self._dir.mkdir(exist_ok=True)
             fd = os.open(self._dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+        except FileNotFoundError:
+            raise InvalidArgument(
+                f"ssd_dir {self._dir}: cannot be created: its parent "
+                f"{self._dir.absolute().parent} is not a directory"
+            ) from None
         except OSError as exc:
             raise Unavailable(f"cannot use ssd directory {self._dir}: {exc}") from exc
         try:

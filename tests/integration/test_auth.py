@@ -234,6 +234,7 @@ def test_cli_takes_the_token_from_env_or_a_file(authed: LocalCluster, tmp_path: 
     assert run(*stats, KVDEPOT_AUTH_TOKEN=TOKEN).returncode == 0
     token_file = tmp_path / "token"
     token_file.write_text(f"# the cluster's\n{TOKEN}\n")
+    token_file.chmod(0o600)
     assert run(*stats, "--auth-token-file", str(token_file)).returncode == 0
     health = ("health", "--target", authed.stores[0].info["grpc_address"])
     assert run(*health).returncode == 1

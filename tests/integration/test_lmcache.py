@@ -658,6 +658,7 @@ def test_kvdepot_stats_count_lmcache_traffic(
 def test_url_settings_take_a_token_file_never_a_token(tmp_path: Path) -> None:
     token = tmp_path / "token"
     token.write_text("t" * 32 + "\n")
+    token.chmod(0o600)
     s = PluginSettings.from_url(f"kvdepot://h:1?auth_token_file={token}&tls_server_name=kv")
     security = s.security({})
     assert security.tokens().token == "t" * 32 and security.tls_server_name == "kv"

@@ -95,6 +95,7 @@ def test_authenticator_maps_tokens_and_proofs_to_principals() -> None:
 def test_security_config_validates(tmp_path: Path) -> None:
     token_file = tmp_path / "token"
     token_file.write_text(CLUSTER_TOKEN + "\n")
+    token_file.chmod(0o600)
     with pytest.raises(InvalidArgument, match="not both"):
         SecurityConfig(auth_token=CLUSTER_TOKEN, auth_token_file=str(token_file))
     with pytest.raises(InvalidArgument, match="cannot read token file"):
@@ -118,8 +119,10 @@ def test_security_config_validates(tmp_path: Path) -> None:
 def test_flags_beat_the_environment_which_beats_the_file(tmp_path: Path) -> None:
     flag_file = tmp_path / "flag-token"
     flag_file.write_text(TEAM_A)
+    flag_file.chmod(0o600)
     file_token = tmp_path / "file-token"
     file_token.write_text(TEAM_B)
+    file_token.chmod(0o600)
     cfg = tmp_path / "kvdepot.toml"
     cfg.write_text(f'[security]\nauth_token_file = "{file_token}"\ntls_server_name = "kv"\n')
     env = {"KVDEPOT_AUTH_TOKEN": CLUSTER_TOKEN}
@@ -274,6 +277,7 @@ def test_vllm_connector_settings_take_a_token_file(tmp_path: Path) -> None:
 
     token = tmp_path / "token"
     token.write_text(TEAM_A + "\n")
+    token.chmod(0o600)
     settings = ConnectorSettings.from_extra({"auth_token_file": str(token)})
     assert settings.security({"KVDEPOT_AUTH_TOKEN": TEAM_B}).tokens().token == TEAM_A
     assert ConnectorSettings().security({"KVDEPOT_AUTH_TOKEN": TEAM_B}).tokens().token == TEAM_B
