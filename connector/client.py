@@ -15,10 +15,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from kvdepot.config import InvalidSetting, Number, Parsed, positive, setting, validate
 from kvdepot.connector.metadata import MetadataConnection, parse_endpoints
 from kvdepot.connector.transport import create_transport
 from kvdepot.connector.transport.base import GetItem, PutItem, PutStatus, Transport
-from kvdepot.errors import InvalidArgument
+from kvdepot.errors import ClientClosed, InvalidArgument
 from kvdepot.metadata.keys import KEY_BYTES, ChunkKey
 from kvdepot.metadata.lookup_wire import unpack_lookup
 from kvdepot.metadata.types import LookupResult
@@ -56,24 +57,24 @@ class ClientConfig:
             its TLS settings; by default none.
     """
 
-    metadata: str = "127.0.0.1:7700"
+    metadata: str = setting("127.0.0.1:7700", Parsed(parse_endpoints))
     node_id: str = ""
     transport: str = "auto"
-    tokens_per_chunk: int = 0
-    rpc_timeout_s: float = 10.0
-    connect_timeout_s: float = 5.0
-    io_timeout_s: float = 30.0
+    tokens_per_chunk: int = setting(0, Number(low=0))
+    rpc_timeout_s: float = setting(10.0, positive())
+    connect_timeout_s: float = setting(5.0, positive())
+    io_timeout_s: float = setting(30.0, positive())
     replicate_on_read: bool = False
     security: SecurityConfig = NO_SECURITY
 
     def __post_init__(self) -> None:
-        parse_endpoints(self.metadata)
+        validate(self)
+        if not isinstance(self.security, SecurityConfig):
+            raise InvalidSetting("security", "must be a SecurityConfig", self.security)
         if self.replicate_on_read and not self.node_id:
-            raise InvalidArgument("replicate_on_read needs node_id (the store to replicate to)")
-        if min(self.rpc_timeout_s, self.connect_timeout_s, self.io_timeout_s) <= 0:
-            raise InvalidArgument("timeouts must be positive")
-        if self.tokens_per_chunk < 0:
-            raise InvalidArgument("tokens_per_chunk must not be negative")
+            raise InvalidSetting(
+                ("replicate_on_read", "node_id"), "needs node_id (the store to replicate to)"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,11 +96,15 @@ class GetResult:
         loaded: Per key, whether its chunk is in its buffer.
         bytes_received: Bytes of all loaded chunks.
         sizes: Per key, the size of the chunk loaded (0 for a miss).
+        reasons: Per key, why it missed ("" where loaded): ``not cached``
+            (after the leading hits), ``buffer too small: …`` (the chunk is
+            bigger than its buffer), or what the last store tried answered.
     """
 
     loaded: tuple[bool, ...]
     bytes_received: int
     sizes: tuple[int, ...] = ()
+    reasons: tuple[str, ...] = ()
 
     @property
     def leading(self) -> int:
@@ -112,8 +117,14 @@ class GetResult:
         return n
 
 
-def _as_view(buf: Buffer, writable: bool) -> memoryview:
-    view = memoryview(buf)
+def _as_view(buf: Buffer, writable: bool, i: int = 0) -> memoryview:
+    try:
+        view = memoryview(buf)
+    except TypeError:
+        raise InvalidArgument(
+            f"buffer {i} is a {type(buf).__name__}; buffers are bytes-like "
+            "(bytes, bytearray, numpy arrays, memoryview)"
+        ) from None
     if not view.c_contiguous:
         raise InvalidArgument("buffers must be C-contiguous")
     if writable and view.readonly:
@@ -121,11 +132,37 @@ def _as_view(buf: Buffer, writable: bool) -> memoryview:
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
+_BYTES_LIKE = (bytes, bytearray, memoryview)
+
+
+def _sequence(items: Any, what: str) -> Sequence[Any]:
+    # A str or bytes is a sequence too, of characters: one key is not a list.
+    # Anything else indexable with a length will do (a 2-D numpy array of buffers).
+    if isinstance(items, str | bytes | bytearray | memoryview) or not (
+        hasattr(items, "__len__") and hasattr(items, "__getitem__")
+    ):
+        raise InvalidArgument(f"{what} must be a list, not {type(items).__name__}")
+    return items
+
+
 def _check_keys(keys: Sequence[bytes]) -> list[ChunkKey]:
-    for i, k in enumerate(keys):
+    out = []
+    for i, k in enumerate(_sequence(keys, "keys")):
+        if not isinstance(k, _BYTES_LIKE):
+            raise InvalidArgument(
+                f"key {i} is a {type(k).__name__}; chunk keys are {KEY_BYTES} bytes"
+            )
         if len(k) != KEY_BYTES:
             raise InvalidArgument(f"key {i} is {len(k)} bytes; chunk keys are {KEY_BYTES}")
-    return [ChunkKey(bytes(k)) for k in keys]
+        out.append(ChunkKey(bytes(k)))
+    return out
+
+
+def _views(buffers: Sequence[Buffer], n: int, writable: bool) -> list[memoryview]:
+    buffers = _sequence(buffers, "buffers")
+    if len(buffers) != n:
+        raise InvalidArgument(f"{n} keys but {len(buffers)} buffers")
+    return [_as_view(b, writable, i) for i, b in enumerate(buffers)]
 
 
 class KVDepotClient:
@@ -154,6 +191,9 @@ class KVDepotClient:
         self._lock = threading.Lock()
         # This node's store, once a reply named it (see get_into).
         self._local_address: str | None = None
+        # A buffer smaller than its chunk is logged once, then only counted
+        # in the GetResult's reasons: an engine repeats the mistake each load.
+        self._warned_small = False
 
     def __enter__(self) -> KVDepotClient:
         return self
@@ -170,8 +210,13 @@ class KVDepotClient:
         self._transport.close()
         self._metadata.close()
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClientClosed("the client is closed; make a new KVDepotClient")
+
     def connect(self, timeout_s: float) -> bool:
         """Open the metadata channel now (up to ``timeout_s``); whether it is up."""
+        self._check_open()
         return self._metadata.wait_ready(timeout_s)
 
     def _call(self, method: str, request: Any) -> Any:
@@ -199,12 +244,12 @@ class KVDepotClient:
 
         Raises:
             InvalidArgument: mismatched keys and buffers, or bad keys.
+            ClientClosed: the client was closed.
             Unavailable: the metadata service cannot be reached.
         """
-        if len(keys) != len(buffers):
-            raise InvalidArgument(f"{len(keys)} keys but {len(buffers)} buffers")
+        self._check_open()
         ckeys = _check_keys(keys)
-        views = [_as_view(b, writable=False) for b in buffers]
+        views = _views(buffers, len(ckeys), writable=False)
         if any(v.nbytes == 0 for v in views):
             raise InvalidArgument("chunks must not be empty")
         if not ckeys:
@@ -274,16 +319,27 @@ class KVDepotClient:
         key_tokens: Sequence[int] = (),
         count: LookupCount = "all",
     ) -> metadata_pb2.LookupResponse:
-        if key_tokens and len(key_tokens) != len(keys):
-            raise InvalidArgument(f"{len(key_tokens)} key_tokens for {len(keys)} keys")
+        self._check_open()
+        ckeys = _check_keys(keys)
+        key_tokens = _sequence(key_tokens or (), "key_tokens")
+        if key_tokens and len(key_tokens) != len(ckeys):
+            raise InvalidArgument(f"{len(key_tokens)} key_tokens for {len(ckeys)} keys")
+        if count not in _COUNT:
+            raise InvalidArgument(f"count must be one of {', '.join(_COUNT)}, not {count!r}")
+        try:
+            tokens = [int(t) for t in key_tokens]
+        except (TypeError, ValueError):
+            raise InvalidArgument("key_tokens must be integers") from None
+        if any(not 0 <= t < 2**32 for t in tokens):
+            raise InvalidArgument("key_tokens must be in [0, 2**32)")
         return self._call(
             "Lookup",
             metadata_pb2.LookupRequest(
-                keys=_check_keys(keys),
+                keys=ckeys,
                 client_node_id=self.config.node_id,
                 tokens_per_key=self.config.tokens_per_chunk,
                 packed=True,
-                key_tokens=list(key_tokens),
+                key_tokens=tokens,
                 count=_COUNT[count],
             ),
         )
@@ -303,6 +359,7 @@ class KVDepotClient:
             Unavailable: The metadata service cannot be reached.
             Corrupt: The answer is malformed.
         """
+        self._check_open()
         return unpack_lookup(self._lookup(keys, count=count))
 
     def lookup(
@@ -320,7 +377,8 @@ class KVDepotClient:
                 cluster's hit rate in tokens).
             count: As for :meth:`lookup_locations`.
         """
-        if not keys:
+        self._check_open()
+        if not len(_sequence(keys, "keys")):
             return 0
         return int(self._lookup(keys, key_tokens, count).hits)
 
@@ -331,22 +389,23 @@ class KVDepotClient:
         """Pull the leading cached chunks of ``keys`` into ``buffers``.
 
         Each loaded chunk has been verified against its checksum. A chunk that
-        is missing, evicted meanwhile, corrupt, or on a store that died is a
-        miss (``loaded[i]`` is False) and its buffer content is undefined.
+        is missing, evicted meanwhile, corrupt, on a store that died, or bigger
+        than its buffer is a miss (``loaded[i]`` is False, ``reasons[i]`` says
+        why) and its buffer content is undefined.
         This node's store is read first: when it holds every chunk, the
         metadata service is not asked at all. ``count`` is passed to the
         lookup it makes (``none`` when the caller counted the prompt already).
 
         Raises:
             InvalidArgument: mismatched keys and buffers, or bad keys.
+            ClientClosed: the client was closed.
             Unavailable: the metadata service cannot be reached.
         """
-        if len(keys) != len(buffers):
-            raise InvalidArgument(f"{len(keys)} keys but {len(buffers)} buffers")
-        views = [_as_view(b, writable=True) for b in buffers]
-        if not keys:
-            return GetResult((), 0, ())
+        self._check_open()
         ckeys = _check_keys(keys)
+        views = _views(buffers, len(ckeys), writable=True)
+        if not ckeys:
+            return GetResult((), 0, (), ())
         local = self._local_address
         early = None
         if local is not None:
@@ -359,25 +418,17 @@ class KVDepotClient:
             )
             if all(o.ok for o in early):
                 sizes = tuple(o.length for o in early)
-                return GetResult((True,) * len(keys), sum(sizes), sizes)
-        reply = self.lookup_locations(keys, count=count)
+                return GetResult((True,) * len(ckeys), sum(sizes), sizes, ("",) * len(ckeys))
+        reply = self.lookup_locations(ckeys, count=count)
         self._learn_local(r for loc in reply.locations for r in loc.replicas)
-        loaded = [False] * len(keys)
-        remote: list[int] = []
-        received = 0
+        pull = _Pull(len(ckeys), reply)
         if early is not None:
             for i in range(reply.hits):
-                size = reply.locations[i].size
-                if early[i].ok and early[i].length == size:
-                    loaded[i] = True
-                    received += size
+                if early[i].ok and early[i].length == reply.locations[i].size:
+                    pull.loaded_from(i, local or "")
+        todo = [i for i in range(reply.hits) if not pull.loaded[i] and self._fits(pull, i, views)]
         # Each round tries the next replica of every key that is still missing.
         attempt = 0
-        todo = [
-            i
-            for i in range(reply.hits)
-            if not loaded[i] and views[i].nbytes >= reply.locations[i].size
-        ]
         while todo:
             groups: dict[str, list[int]] = defaultdict(list)
             for i in todo:
@@ -388,21 +439,38 @@ class KVDepotClient:
                 break
             for address, idx in groups.items():
                 items = [GetItem(ckeys[i], views[i][: reply.locations[i].size]) for i in idx]
-                outcomes = self._transport.get_into(address, items)
-                for i, out in zip(idx, outcomes, strict=True):
+                for i, out in zip(idx, self._transport.get_into(address, items), strict=True):
                     if out.ok and out.length == reply.locations[i].size:
-                        loaded[i] = True
-                        received += out.length
-                        if address != self._local_address:
-                            remote.append(i)
-            todo = [i for i in todo if not loaded[i]]
+                        pull.loaded_from(i, address)
+                    else:
+                        pull.reasons[i] = f"{address}: {out.error or 'incomplete read'}"
+            todo = [i for i in todo if not pull.loaded[i]]
             attempt += 1
+        remote = [i for i, a in enumerate(pull.sources) if a and a != self._local_address]
         if remote and self.config.replicate_on_read:
             self._replicate(
                 [ckeys[i] for i in remote], [views[i][: reply.locations[i].size] for i in remote]
             )
-        sizes = tuple(reply.locations[i].size if ok else 0 for i, ok in enumerate(loaded))
-        return GetResult(tuple(loaded), received, sizes)
+        return pull.result()
+
+    def _fits(self, pull: _Pull, i: int, views: Sequence[memoryview]) -> bool:
+        """Whether chunk ``i`` fits its buffer; a miss with its reason if not."""
+        size = pull.reply.locations[i].size
+        if views[i].nbytes >= size:
+            return True
+        pull.reasons[i] = (
+            f"buffer too small: the chunk is {size} bytes, the buffer {views[i].nbytes}"
+        )
+        if not self._warned_small:
+            self._warned_small = True
+            logger.warning(
+                "get_into: key %d's chunk is %d bytes but its buffer %d: a miss (buffers must "
+                "hold a whole chunk; GetResult.reasons says which; logged once per client)",
+                i,
+                size,
+                views[i].nbytes,
+            )
+        return False
 
     def _replicate(self, keys: list[ChunkKey], views: list[memoryview]) -> None:
         """Store pulled chunks on this node too and register the replicas."""
@@ -443,11 +511,12 @@ class KVDepotClient:
         Returns:
             Per item, whether its range arrived complete and verified.
         """
-        n = len(keys)
-        if not n == len(ranges) == len(buffers) == len(replicas):
-            raise InvalidArgument("keys, ranges, buffers and replicas must have equal lengths")
+        self._check_open()
         ckeys = _check_keys(keys)
-        views = [_as_view(b, writable=True) for b in buffers]
+        n = len(ckeys)
+        if not n == len(_sequence(ranges, "ranges")) == len(_sequence(replicas, "replicas")):
+            raise InvalidArgument("keys, ranges, buffers and replicas must have equal lengths")
+        views = _views(buffers, n, writable=True)
         for (offset, length), view in zip(ranges, views, strict=True):
             if offset < 0 or length <= 0 or view.nbytes < length:
                 raise InvalidArgument("each range needs a positive length that fits its buffer")
@@ -474,7 +543,32 @@ class KVDepotClient:
 
     def stats(self) -> metadata_pb2.ClusterStats:
         """Cluster-wide statistics from the metadata service."""
+        self._check_open()
         return self._call("GetStats", metadata_pb2.GetStatsRequest())
+
+
+class _Pull:
+    """What one ``get_into`` loaded so far, and why the rest missed."""
+
+    def __init__(self, n: int, reply: LookupResult) -> None:
+        self.reply = reply
+        self.loaded = [False] * n
+        self.sources = [""] * n  # the store each loaded chunk came from
+        self.reasons = ["not cached"] * n
+        for i in range(reply.hits):
+            self.reasons[i] = "no replica could be read"
+        self.received = 0
+
+    def loaded_from(self, i: int, address: str) -> None:
+        self.loaded[i] = True
+        self.sources[i] = address
+        self.reasons[i] = ""
+        self.received += self.reply.locations[i].size
+
+    def result(self) -> GetResult:
+        locations = self.reply.locations
+        sizes = tuple(locations[i].size if ok else 0 for i, ok in enumerate(self.loaded))
+        return GetResult(tuple(self.loaded), self.received, sizes, tuple(self.reasons))
 
 
 _WRITTEN = (PutStatus.OK, PutStatus.EXISTS)

@@ -3,6 +3,9 @@
 Metadata replicas are stateless over a shared index (Redis), so any of them
 can answer any call: a call that cannot reach the current replica is retried
 once on each of the others before the caller sees ``Unavailable``.
+
+Errors keep the class the service raised (see :func:`kvdepot.errors.from_grpc`)
+and name the replica that answered.
 """
 
 from __future__ import annotations
@@ -13,18 +16,27 @@ from typing import Any
 
 import grpc
 
-from kvdepot.errors import InvalidArgument, from_grpc
+from kvdepot.errors import ClientClosed, InvalidArgument, Unavailable, error_type_name, from_grpc
 from kvdepot.proto.gen import metadata_pb2_grpc
 from kvdepot.security import SecurityConfig
 from kvdepot.security import channel as secure_channel
 
 logger = logging.getLogger(__name__)
 
-_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# CANCELLED: the replica stopped or died with the call in flight.
+_RETRYABLE = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+)
 
 
 def parse_endpoints(spec: str) -> list[str]:
     """Split ``"host:port[,host:port…]"`` into addresses, validating each."""
+    if not isinstance(spec, str):
+        raise InvalidArgument(
+            f"metadata address must be host:port[,host:port...], not {type(spec).__name__}"
+        )
     endpoints = [e.strip() for e in spec.split(",") if e.strip()]
     if not endpoints:
         raise InvalidArgument("no metadata address given")
@@ -52,6 +64,7 @@ class MetadataConnection:
         self._stubs = [metadata_pb2_grpc.MetadataStub(c) for c in self._channels]
         self._current = 0
         self._lock = threading.Lock()
+        self._closed = False
 
     @property
     def current(self) -> str:
@@ -68,14 +81,22 @@ class MetadataConnection:
             start = self._current
         n = len(self._stubs)
         last: grpc.RpcError | None = None
+        last_idx = start
         for attempt in range(n):
             idx = (start + attempt) % n
+            if self._closed:
+                raise ClientClosed("the client is closed")
             try:
                 reply = getattr(self._stubs[idx], method)(request, timeout=self._timeout_s)
+            except ValueError:
+                # grpc's "Cannot invoke RPC on closed channel!"
+                if self._closed:
+                    raise ClientClosed("the client is closed") from None
+                raise
             except grpc.RpcError as exc:
                 if exc.code() not in _RETRYABLE:
-                    raise from_grpc(exc, f"metadata {method}") from None
-                last = exc
+                    raise from_grpc(exc, f"metadata {self.endpoints[idx]} {method}") from None
+                last, last_idx = exc, idx
                 if n > 1:
                     logger.warning(
                         "metadata %s unreachable (%s); failing over",
@@ -88,7 +109,23 @@ class MetadataConnection:
                     self._current = idx
             return reply
         assert last is not None
-        raise from_grpc(last, f"metadata {method} ({', '.join(self.endpoints)})") from None
+        raise self._unavailable(method, last, last_idx) from None
+
+    def _unavailable(self, method: str, exc: grpc.RpcError, idx: int) -> Exception:
+        if self._closed:
+            return ClientClosed("the client is closed")
+        error = from_grpc(exc)
+        if error_type_name(exc) is not None:
+            # The replica answered: its own service (the index) failed.
+            where = f"metadata {self.endpoints[idx]}"
+        else:
+            where = f"metadata {', '.join(self.endpoints)}"
+        if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            # gRPC says only "Deadline Exceeded".
+            return Unavailable(f"{where}: no answer within {self._timeout_s:g} s (retry later)")
+        if isinstance(error, Unavailable):
+            return Unavailable(f"{where} unavailable: {error} (retry later)")
+        return from_grpc(exc, f"{where} {method}")
 
     def wait_ready(self, timeout_s: float) -> bool:
         """Connect the current replica's channel now, waiting up to ``timeout_s``,
@@ -102,5 +139,6 @@ class MetadataConnection:
         return True
 
     def close(self) -> None:
+        self._closed = True
         for channel in self._channels:
             channel.close()

@@ -5,6 +5,12 @@ exception as ``UNKNOWN`` ("Unexpected DecodeError"), the code of a server
 bug. :class:`MalformedRequestGuard` parses unary requests itself and answers
 bytes that do not parse with ``INVALID_ARGUMENT`` and the reason, like any
 other bad field, before a handler sees them.
+
+A handler's :class:`~kvdepot.errors.KVDepotError` becomes its status here too:
+:func:`abort_with` answers with the class's code, the error's message and the
+class's name in the trailing metadata, so the client raises the same class
+(:func:`kvdepot.errors.from_grpc`). One that escapes a handler is answered
+the same way instead of as ``UNKNOWN`` with a traceback in the service's log.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ from typing import Any
 
 import grpc
 
+from kvdepot.errors import ERROR_TYPE_KEY, KVDepotError
+
 
 class _Malformed:
     """Stands in for a request that did not parse."""
@@ -23,6 +31,25 @@ class _Malformed:
 
     def __init__(self, reason: str) -> None:
         self.reason = reason
+
+
+async def abort_with(
+    context: grpc.aio.ServicerContext,
+    exc: KVDepotError,
+    trailing: tuple[tuple[str, str], ...] = (),
+) -> None:
+    """End the call with ``exc``'s status; ``trailing`` adds metadata of its own.
+
+    Raises what ``context.abort`` raises, as it does.
+    """
+    # Called from a handler's ``except`` block, where ``exc`` stays bound
+    # while abort raises: exc -> traceback -> handler frame -> exc is a cycle
+    # that keeps the request (megabytes for a big one) until a full garbage
+    # collection. Dropping the traceback lets it go at once.
+    exc.__traceback__ = None
+    await context.abort(
+        exc.grpc_code, str(exc), trailing_metadata=((ERROR_TYPE_KEY, type(exc).__name__), *trailing)
+    )
 
 
 class MalformedRequestGuard(grpc.aio.ServerInterceptor):
@@ -71,8 +98,11 @@ def _guard(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {request.reason}"
             )
-        result = behavior(request, context)
-        return await result if inspect.isawaitable(result) else result
+        try:
+            result = behavior(request, context)
+            return await result if inspect.isawaitable(result) else result
+        except KVDepotError as exc:
+            await abort_with(context, exc)
 
     return grpc.unary_unary_rpc_method_handler(
         guarded,

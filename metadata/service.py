@@ -10,10 +10,18 @@ from collections.abc import Sequence
 
 import grpc
 
-from kvdepot.errors import InvalidArgument, KVDepotError, NodeIdTaken, StaleRegistration
+from kvdepot.errors import (
+    InvalidArgument,
+    KVDepotError,
+    NodeIdTaken,
+    NotFound,
+    StaleRegistration,
+    Unavailable,
+)
 from kvdepot.health import HealthState
 from kvdepot.metadata.config import MetadataConfig
 from kvdepot.metadata.events import EventsConfig, KVEventPublisher
+from kvdepot.metadata.failures import RepeatedFailures
 from kvdepot.metadata.index import IndexBackend, IndexConfig, create_backend
 from kvdepot.metadata.keys import KEY_BYTES, ChunkKey
 from kvdepot.metadata.lookup_wire import pack_lookup
@@ -42,12 +50,15 @@ from kvdepot.metadata.validation import (
 )
 from kvdepot.metrics import ClusterCollector, MetricsServer, on_loop
 from kvdepot.proto.gen import common_pb2, metadata_pb2, metadata_pb2_grpc
+from kvdepot.request_guard import abort_with
 from kvdepot.security import NO_SECURITY, SecurityConfig, add_port, aio_server
 
 logger = logging.getLogger(__name__)
 
 _REFUSAL_LOG_S = 10.0
 """One log line per refused store (node id and address) this often at most."""
+
+_FAILURES = (KVDepotError, Unavailable)
 
 _ACTIONS = {
     Action.WRITE: metadata_pb2.Allocation.WRITE,
@@ -142,6 +153,8 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
         # (node id, address) -> when its refused registration was last logged:
         # a store waiting out a lease retries twice a second.
         self._refusals_logged: dict[tuple[str, str], float] = {}
+        # While the index backend is down every call fails the same way.
+        self.failures = RepeatedFailures(logger, "metadata calls failing")
 
     def _log_refusal(self, node_id: str, address: str, exc: NodeIdTaken) -> None:
         now = time.monotonic()
@@ -174,13 +187,18 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
     def _node_id(node_id: str, required: bool = True) -> str:
         return check_text(node_id, "node_id", required=required)
 
-    async def _guard(self, context: grpc.aio.ServicerContext, exc: KVDepotError) -> None:
-        # Called from the handler's ``except`` block, where ``exc`` stays bound
-        # while abort raises: exc -> traceback -> handler frame -> exc is a
-        # cycle that keeps the request (megabytes for a big one) until a full
-        # garbage collection. Dropping the traceback lets it go at once.
-        exc.__traceback__ = None
-        await context.abort(exc.grpc_code, str(exc))
+    async def _guard(
+        self,
+        context: grpc.aio.ServicerContext,
+        exc: KVDepotError,
+        trailing: tuple[tuple[str, str], ...] = (),
+    ) -> None:
+        # Unavailable (the index backend down, no store to place on) and
+        # errors of no subclass (the backend's own) are the service's failures,
+        # worth an operator's look; the others answer a request.
+        if type(exc) in _FAILURES:
+            self.failures.failed(type(exc).__name__, str(exc))
+        await abort_with(context, exc, trailing)
 
     # -- RPCs ---------------------------------------------------------------
     async def RegisterNode(
@@ -210,8 +228,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
             self._log_refusal(request.node_id, request.address, exc)
             # Tells the refused store whether the holder is renewing its lease.
             remaining_ms = str(int(exc.lease_remaining_s * 1000))
-            context.set_trailing_metadata(((LEASE_REMAINING_KEY, remaining_ms),))
-            await self._guard(context, exc)
+            await self._guard(context, exc, ((LEASE_REMAINING_KEY, remaining_ms),))
         except KVDepotError as exc:
             await self._guard(context, exc)
         return metadata_pb2.RegisterNodeResponse(
@@ -240,7 +257,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
         except KVDepotError as exc:
             await self._guard(context, exc)
         if not known:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"node {node_id} is not registered")
+            await abort_with(context, NotFound(f"node {node_id} is not registered"))
         return metadata_pb2.HeartbeatResponse(lease_ttl_ms=int(self._config.lease_ttl_s * 1000))
 
     async def ReportRemoved(
@@ -346,7 +363,11 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
     async def GetStats(
         self, request: metadata_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> metadata_pb2.ClusterStats:
-        return stats_to_proto(await self._index.stats(time.monotonic()))
+        try:
+            stats = await self._index.stats(time.monotonic())
+        except KVDepotError as exc:
+            await self._guard(context, exc)
+        return stats_to_proto(stats)
 
     async def Route(
         self, request: metadata_pb2.RouteRequest, context: grpc.aio.ServicerContext
@@ -408,6 +429,7 @@ class MetadataServer:
         )
         self._server: grpc.aio.Server | None = None
         self._reaper: asyncio.Task[None] | None = None
+        self.servicer: MetadataServicer | None = None
         self.port = 0
         self.events: KVEventPublisher | None = None
         self.health: HealthState | None = None
@@ -423,9 +445,8 @@ class MetadataServer:
                 ("grpc.so_reuseport", 0),
             ],
         )
-        metadata_pb2_grpc.add_MetadataServicer_to_server(
-            MetadataServicer(self.index, self.config, await self._start_events()), server
-        )
+        self.servicer = MetadataServicer(self.index, self.config, await self._start_events())
+        metadata_pb2_grpc.add_MetadataServicer_to_server(self.servicer, server)
         self.health = HealthState(
             server, [metadata_pb2.DESCRIPTOR.services_by_name["Metadata"].full_name], "metadata"
         )
@@ -456,6 +477,8 @@ class MetadataServer:
         assert health is not None
         while True:
             await asyncio.sleep(self.config.reap_interval_s)
+            if self.servicer is not None:
+                self.servicer.failures.flush()
             try:
                 dead, reclaimed = await asyncio.wait_for(
                     self.index.expire(time.monotonic()), max(2.0, self.config.lease_ttl_s)

@@ -67,6 +67,7 @@ from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.cluster import ClusterNode
 
 from kvdepot.errors import CapacityExceeded, InvalidArgument, KVDepotError, Unavailable
+from kvdepot.metadata.failures import RepeatedFailures
 from kvdepot.metadata.index import redis_lua as lua
 from kvdepot.metadata.index.base import (
     IndexBackend,
@@ -311,6 +312,9 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
         self._flusher: asyncio.Task[None] | None = None
         self._flush_now = asyncio.Event()
         self._scripts_loaded = False
+        # A flush follows every counted call: one line per failed one would
+        # flood the log while Redis is down.
+        self._flush_failures = RepeatedFailures(logger, "redis index: counters not flushed")
 
     # -- keys -----------------------------------------------------------------
     def _chunk(self, key: bytes) -> str:
@@ -446,8 +450,10 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
             }
             if failed:
                 self._deltas.update(failed)
-                logger.warning("redis index: counters not flushed (%s); will retry", out[0])
+                error = next(r for r in out if isinstance(r, BaseException))
+                self._flush_failures.failed("flush", f"{error}; kept for the next flush")
                 return
+        self._flush_failures.flush()
 
     async def _sync_counts(self) -> None:
         if self._flusher is not None and not self._flusher.done():

@@ -1,0 +1,213 @@
+"""The client API as a user meets it, against real metadata and store daemons.
+
+The README's example runs as written (a partial hit included); a buffer too
+small for its chunk is a miss that says why; wrong arguments, a closed
+client and a metadata service that stops mid-call raise kvdepot's own errors
+(``InvalidArgument``, ``ClientClosed``, ``Unavailable``), never grpc's
+``ValueError``/``TypeError``/``AttributeError`` or a bare ``CANCELLED``; an
+error keeps its class across gRPC.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvdepot.cluster import LocalCluster
+from kvdepot.connector.client import ClientConfig, KVDepotClient
+from kvdepot.connector.metadata import MetadataConnection
+from kvdepot.errors import (
+    ClientClosed,
+    InvalidArgument,
+    KVDepotError,
+    StaleRegistration,
+    Unavailable,
+)
+from kvdepot.metadata.keys import Namespace, chunk_keys
+from kvdepot.proto.gen import metadata_pb2
+
+pytestmark = pytest.mark.integration
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+NS = Namespace("test/client-api", chunk_tokens=16)
+CHUNK = 4096
+
+
+def readme_client_example() -> str:
+    text = README.read_text()
+    section = text[text.index("## Using the client") :]
+    match = re.search(r"```python\n(.*?)```", section, re.S)
+    assert match, "README's 'Using the client' has no python example"
+    return match.group(1)
+
+
+def kv_of_chunk(i: int) -> np.ndarray:
+    return np.full(CHUNK, i + 1, dtype=np.uint8)
+
+
+def test_readme_client_example_runs_on_a_partial_hit(cluster: LocalCluster) -> None:
+    code = readme_client_example()
+    # The example's own chunks are 32 MiB (Llama-3.1-8B); the test's are 4 KiB.
+    code, n = re.subn(r"(?m)^CHUNK_BYTES = .*$", f"CHUNK_BYTES = {CHUNK}", code)
+    assert n == 1, "the example no longer defines CHUNK_BYTES on one line"
+    code = code.replace('"127.0.0.1:7700"', repr(cluster.metadata_address))
+    assert cluster.metadata_address in code
+    rng = np.random.default_rng(7)
+    prompt = rng.integers(0, 50_000, 256 * 3 + 100).tolist()  # 3 whole chunks and a tail
+    later = prompt[: 256 * 2] + rng.integers(0, 50_000, 256 * 2).tolist()
+    env: dict[str, Any] = {
+        "prompt_token_ids": prompt,
+        "later_token_ids": later,
+        "kv_of_chunk": kv_of_chunk,
+    }
+    exec(compile(code, str(README), "exec"), env)
+    assert len(env["keys"]) == 3, "the 100 trailing tokens got a key"
+    assert env["n"] == 2  # the shared first two chunks, not the later prompt's own
+    result = env["result"]
+    assert env["usable"] == 2 and result.loaded == (True, True)
+    assert result.reasons == ("", "")
+    for i in range(2):
+        assert np.array_equal(env["out_buffers"][i], kv_of_chunk(i))
+
+
+def test_buffer_smaller_than_its_chunk_is_a_miss_that_says_why(
+    cluster: LocalCluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    keys = chunk_keys(NS, [3] * 16 * 3)
+    # No node_id: every read goes through the lookup.
+    with KVDepotClient(ClientConfig(metadata=cluster.metadata_address)) as client:
+        assert client.put(keys, [kv_of_chunk(i) for i in range(3)]).stored == 3
+        with caplog.at_level(logging.WARNING, "kvdepot.connector.client"):
+            for _ in range(3):
+                out = [bytearray(CHUNK), bytearray(CHUNK - 1), bytearray(CHUNK)]
+                result = client.get_into(keys, out)
+                assert result.loaded == (True, False, True)
+                assert result.leading == 1
+                assert result.reasons[0] == result.reasons[2] == ""
+                assert result.reasons[1] == (
+                    f"buffer too small: the chunk is {CHUNK} bytes, the buffer {CHUNK - 1}"
+                )
+        warned = [r for r in caplog.records if "buffer" in r.getMessage()]
+        assert len(warned) == 1, "the small buffer is logged once per client, not per call"
+        assert f"{CHUNK} bytes but its buffer {CHUNK - 1}" in warned[0].getMessage()
+        # Keys after the leading hits say so too.
+        missing = chunk_keys(NS, [4] * 16)
+        result = client.get_into(keys[:1] + missing, [bytearray(CHUNK)] * 2)
+        assert result.loaded == (True, False)
+        assert result.reasons == ("", "not cached")
+
+
+def test_calls_on_a_closed_client_raise_client_closed(cluster: LocalCluster) -> None:
+    client = KVDepotClient(ClientConfig(metadata=cluster.metadata_address))
+    keys = chunk_keys(NS, [5] * 16)
+    assert client.lookup(keys) == 0
+    client.close()
+    client.close()  # twice is fine
+    calls = {
+        "put": lambda: client.put(keys, [b"x" * 8]),
+        "lookup": lambda: client.lookup(keys),
+        "lookup_locations": lambda: client.lookup_locations(keys),
+        "get_into": lambda: client.get_into(keys, [bytearray(8)]),
+        "get_ranges_into": lambda: client.get_ranges_into(keys, [(0, 8)], [bytearray(8)], [[]]),
+        "stats": client.stats,
+        "connect": lambda: client.connect(1.0),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ClientClosed, match="closed"):
+            call()
+        assert issubclass(ClientClosed, KVDepotError), name
+
+
+def test_keys_and_buffers_of_the_wrong_type_raise_invalid_argument(
+    client: KVDepotClient,
+) -> None:
+    key = bytes(16)
+    bad_keys: list[Any] = [None, "0123456789abcdef", ["0123456789abcdef"], [None], 5, key]
+    for keys in bad_keys:
+        with pytest.raises(InvalidArgument):
+            client.put(keys, [b"x"])
+        with pytest.raises(InvalidArgument):
+            client.lookup(keys)
+        with pytest.raises(InvalidArgument):
+            client.lookup_locations(keys)
+        with pytest.raises(InvalidArgument):
+            client.get_into(keys, [bytearray(8)])
+    for buffers in (None, "text", [None], ["text"], [7]):
+        with pytest.raises(InvalidArgument):
+            client.put([key], buffers)  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgument):
+            client.get_into([key], buffers)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument):
+        client.lookup([key], count="some")  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument):
+        client.lookup([key], key_tokens=[-1])
+    # Still a working client afterwards.
+    assert client.lookup([key]) == 0
+
+
+@pytest.mark.parametrize("metadata", [None, 7700, b"127.0.0.1:7700", ""])
+def test_client_config_without_a_metadata_address_string_is_invalid(metadata: Any) -> None:
+    with pytest.raises(InvalidArgument, match="metadata"):
+        ClientConfig(metadata=metadata)
+
+
+def test_errors_keep_their_class_across_grpc(cluster: LocalCluster) -> None:
+    # A heartbeat of a replaced registration: FAILED_PRECONDITION, which an
+    # invalid argument shares, comes back as StaleRegistration.
+    node = cluster.stores[0].info["node_id"]
+    conn = MetadataConnection(cluster.metadata_address, 5.0)
+    try:
+        with pytest.raises(StaleRegistration) as info:
+            conn.call("Heartbeat", metadata_pb2.HeartbeatRequest(node_id=node, epoch=1))
+        assert node in str(info.value)
+        with pytest.raises(InvalidArgument) as bad:
+            conn.call("Lookup", metadata_pb2.LookupRequest(keys=[b"short"]))
+        assert type(bad.value) is InvalidArgument
+    finally:
+        conn.close()
+
+
+def test_metadata_service_stopped_mid_call_is_unavailable(tmp_path: Path) -> None:
+    """SIGTERM to the metadata service with calls in flight: its shutdown
+    cancels them (gRPC's CANCELLED), which the client raises as Unavailable."""
+    keys = [os.urandom(16) for _ in range(20_000)]  # calls long enough to be caught
+    errors: list[BaseException] = []
+    for attempt in range(6):
+        with LocalCluster(nodes=0, log_dir=tmp_path / f"logs-{attempt}") as cl:
+            config = ClientConfig(metadata=cl.metadata_address, rpc_timeout_s=10)
+            with KVDepotClient(config) as client:
+                client.lookup(keys[:1])
+                stop = threading.Event()
+
+                def lookups(client: KVDepotClient = client, stop: threading.Event = stop) -> None:
+                    while not stop.is_set():
+                        try:
+                            client.lookup(keys, count="none")
+                        except Exception as exc:
+                            errors.append(exc)
+                            return
+
+                threads = [threading.Thread(target=lookups) for _ in range(4)]
+                for t in threads:
+                    t.start()
+                time.sleep(0.5)
+                assert cl.metadata is not None
+                cl.metadata.proc.terminate()
+                stop.set()
+                for t in threads:
+                    t.join(timeout=30)
+                assert not any(t.is_alive() for t in threads)
+        not_unavailable = [e for e in errors if not isinstance(e, Unavailable)]
+        assert not not_unavailable, f"raised as {not_unavailable!r}"
+        if any("CANCELLED" in str(e) for e in errors):
+            break
+    else:
+        pytest.fail(f"no call was cancelled in flight in 6 tries: {errors!r}")
