@@ -1,8 +1,10 @@
 """A local cluster of real daemon processes: one metadata service, N stores.
 
 Used by ``kvdepot up``, ``kvdepot demo`` and the integration tests. Each daemon
-prints one ``KVDEPOT READY {json}`` line on stdout once it listens; its logs go
-to stderr.
+prints one ``KVDEPOT READY {json}`` line on stdout once it can do its job (a
+metadata service once it listens, a store once it is registered with one);
+its logs go to stderr. A store that cannot register retries for as long as it
+runs: the wait for its READY line is what bounds it (``ready_timeout_s``).
 """
 
 from __future__ import annotations
@@ -120,9 +122,9 @@ def wait_registered(
 ) -> None:
     """Wait until the metadata service lists this start of store ``node_id``.
 
-    A store announces READY once it serves, before its registration lands;
-    the gRPC address (a fresh port per start) tells a restarted store from
-    the listing its previous start left.
+    A store announces READY once registered, but may be replaced since; the
+    gRPC address (a fresh port per start) tells a restarted store from the
+    listing its previous start left.
     """
 
     def this_start(nodes: Sequence[metadata_pb2.NodeStats]) -> bool:
@@ -232,9 +234,15 @@ class LocalCluster:
             raise
         return self
 
-    def add_store(self, name: str, *extra: str, registered: bool = True) -> DaemonProcess:
-        """Start a store ``name`` with ``extra`` flags; with ``registered``, return
-        once the metadata service lists it (so that puts can be placed on it)."""
+    def add_store(self, name: str, *extra: str) -> DaemonProcess:
+        """Start a store ``name`` with ``extra`` flags; return once it is
+        registered (its READY line), so that puts can be placed on it.
+
+        Raises:
+            Unavailable: It exited (it cannot register: its node id is
+                refused, its token is wrong) or was not registered within
+                ``ready_timeout_s``.
+        """
         store = self._spawn(
             name,
             [
@@ -252,14 +260,6 @@ class LocalCluster:
         )
         self.stores.append(store)
         store.info = wait_ready(store.proc, name, self.ready_timeout_s)
-        if registered:
-            wait_registered(
-                self.metadata_address,
-                name,
-                str(store.info["grpc_address"]),
-                self.ready_timeout_s,
-                self.security,
-            )
         return store
 
     def _metrics_args(self) -> list[str]:

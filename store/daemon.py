@@ -20,13 +20,21 @@ from typing import Any
 import grpc
 
 from kvdepot.connector.metadata import parse_endpoints
-from kvdepot.errors import InvalidArgument, NodeIdTaken, Unavailable
+from kvdepot.errors import (
+    InvalidArgument,
+    KVDepotError,
+    NodeIdTaken,
+    PermissionDenied,
+    Unauthenticated,
+    Unavailable,
+)
 from kvdepot.health import HealthState
 from kvdepot.metadata.keys import ChunkKey
 from kvdepot.metadata.types import LEASE_REMAINING_KEY
 from kvdepot.metrics import MetricsServer, StoreCollector, on_loop
 from kvdepot.proto.gen import common_pb2, metadata_pb2, metadata_pb2_grpc, store_pb2, store_pb2_grpc
 from kvdepot.security import NO_SECURITY, SecurityConfig, add_port, aio_channel, aio_server
+from kvdepot.shutdown import finish
 from kvdepot.store.chunks import ChunkStore
 from kvdepot.store.config import StoreConfig
 from kvdepot.store.dataplane import DataPlaneServer
@@ -34,6 +42,7 @@ from kvdepot.store.host import default_arena_path, rdma_devices, reap_stale_aren
 from kvdepot.store.identity import instance_identity
 from kvdepot.store.nixl_agent import StoreNixlAgent, nixl_available
 from kvdepot.store.protocol import AttachFlags, ProtocolLimits
+from kvdepot.store.repeat_log import RepeatLog
 from kvdepot.store.throughput import ThroughputMeter
 from kvdepot.store.tiers.factory import build_chunk_store
 
@@ -54,6 +63,33 @@ MOVED_BATCH = 4096
 # without its SSD directory) is waited for, until its lease runs out; a lease
 # whose end moved later by more than this was renewed: the holder is alive.
 RENEWED_SLACK_S = 0.5
+# Attempts to reach an unanswering metadata service back off up to this
+# (or register_retry_s, if longer): well inside a lease.
+RETRY_CAP_S = 2.0
+
+_TOKEN_HINT = "; give it the cluster token (--auth-token-file / KVDEPOT_AUTH_TOKEN)"
+# Refusals of a registration that retrying cannot change, and what they raise.
+_REFUSALS: dict[grpc.StatusCode, tuple[type[KVDepotError], str]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: (InvalidArgument, ""),
+    grpc.StatusCode.UNAUTHENTICATED: (Unauthenticated, _TOKEN_HINT),
+    grpc.StatusCode.PERMISSION_DENIED: (PermissionDenied, ""),
+    grpc.StatusCode.UNIMPLEMENTED: (
+        Unavailable,
+        " (is that address a kvdepot metadata service?)",
+    ),
+}
+
+
+@dataclasses.dataclass(slots=True)
+class _Lease:
+    """Where this store stands with the metadata service."""
+
+    last_ok: float
+    registered: bool = False
+    failures: int = 0  # attempts in a row that found no service
+    # The end of another instance's lease on our node id, while we wait for it.
+    held_until: float | None = None
+    waited_from: float = 0.0
 
 
 def _lease_remaining(exc: grpc.aio.AioRpcError) -> float | None:
@@ -151,6 +187,7 @@ class StoreDaemon:
         self._force = config.force_node_id
         self._lease_s = 5.0  # until the metadata service tells its lease
         self.registered = asyncio.Event()
+        self._repeats = RepeatLog(logger)
         self._meter = ThroughputMeter(RATE_WINDOW_S)
         self._removed_count = 0  # since the last summary line
         self._removed_since = 0.0  # when the first of them left
@@ -279,16 +316,51 @@ class StoreDaemon:
             }
         )
 
+    async def wait_registered(self) -> None:
+        """Return once registered with a metadata service (a client can find
+        this store then), or raise why it cannot be (see :meth:`wait`).
+
+        A metadata service that does not answer is retried, with backoff,
+        for as long as it takes: whoever waits for this bounds the wait.
+        """
+        lease = self._tasks[0]
+        registered = asyncio.ensure_future(self.registered.wait())
+        try:
+            await asyncio.wait((lease, registered), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            registered.cancel()
+        if lease.done():
+            lease.result()
+
     async def wait(self) -> None:
         """Serve until cancelled, or raise why this store cannot go on serving.
 
         Raises:
             NodeIdTaken: The metadata service refused the node id: another
                 live store instance holds it.
+            InvalidArgument: The metadata service refused the registration
+                as invalid (its message says why); it would forever.
+            Unauthenticated: This store's token is not the cluster's (or,
+                as ``PermissionDenied``, may not register a store), before
+                it ever registered.
+            Unavailable: The address is not a metadata service.
         """
         await self._tasks[0]  # the lease: it ends only by raising
 
     async def stop(self) -> None:
+        """Stop serving and free the arena; the arena is freed whatever
+        fails before (its file in /dev/shm is RAM until unlinked)."""
+        try:
+            await self._stop_serving()
+        finally:
+            try:
+                self.dataplane.stop()
+                if self.nixl is not None:
+                    self.nixl.close()
+            finally:
+                self.chunks.close()
+
+    async def _stop_serving(self) -> None:
         if self.metrics is not None:
             await asyncio.to_thread(self.metrics.close)
             self.metrics = None
@@ -302,12 +374,9 @@ class StoreDaemon:
                 await task
         if self._server is not None:
             await self._server.stop(0.5)
+            self._server = None
         for channel in self._channels:
             await channel.close(None)
-        self.dataplane.stop()
-        if self.nixl is not None:
-            self.nixl.close()
-        self.chunks.close()
 
     # -- metadata lease -------------------------------------------------------
     def _tiers(self) -> list[common_pb2.TierStats]:
@@ -372,113 +441,176 @@ class StoreDaemon:
         # Replicas share the index: any of them can take our heartbeats.
         if len(self._channels) > 1:
             self._current = (self._current + 1) % len(self._channels)
-            logger.warning("failing over to metadata %s", self._endpoints[self._current])
+            self._repeats.failed(
+                "failover", logging.WARNING, "failing over to metadata %s", self._endpoint()
+            )
+
+    def _endpoint(self) -> str:
+        return self._endpoints[self._current]
 
     async def _lease_forever(self) -> None:
         health = self.health
         assert health is not None
-        registered = False
-        warned = False
-        last_ok = time.monotonic()
-        # The end of another instance's lease on our node id, while we wait for it.
-        held_until: float | None = None
-        waited_from = 0.0
+        lease = _Lease(last_ok=time.monotonic())
         while True:
-            stub = self._stub()
             try:
-                if not registered:
-                    await self._register(stub)
-                    registered = True
-                    warned = False
-                    held_until = None
-                else:
-                    reply = await stub.Heartbeat(
-                        metadata_pb2.HeartbeatRequest(
-                            node_id=self.node_id,
-                            tiers=self._tiers(),
-                            transfer=self._transfer(),
-                            epoch=self.epoch,
-                        ),
-                        timeout=max(1.0, self._heartbeat_s * 2),
-                    )
-                    if reply.lease_ttl_ms:
-                        self._lease_s = reply.lease_ttl_ms / 1000
+                await self._renew(lease)
             except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.NOT_FOUND:
-                    # Our lease expired or the index was lost: re-announce.
-                    logger.warning("metadata forgot this node; registering again")
-                    registered = False
-                    continue
-                if exc.code() == grpc.StatusCode.ALREADY_EXISTS and not registered:
-                    # Another instance holds the node id. Serving under it
-                    # would corrupt the index: fatal (see wait()), unless its
-                    # lease is running out unrenewed (it crashed or stopped).
-                    now = time.monotonic()
-                    remaining = _lease_remaining(exc)
-                    if remaining is not None and held_until is None:
-                        held_until, waited_from = now + remaining, now
-                        logger.info(
-                            "node id %s is held by another instance; waiting up to %.1f s "
-                            "for its lease to run out",
-                            self.node_id,
-                            remaining,
+                delay = self._lease_refused(exc, lease)
+                if delay is None:
+                    delay = self._outage(exc, lease)
+                    lost_s = time.monotonic() - lease.last_ok
+                    if lost_s > self._lease_s:
+                        # Our lease has run out: the cluster no longer sees this node.
+                        await health.set(
+                            False, f"no metadata service for {lost_s:.1f} s: {exc.code().name}"
                         )
-                    if (
-                        remaining is None
-                        or held_until is None
-                        or now + remaining > held_until + RENEWED_SLACK_S
-                        or now - waited_from > remaining + self._lease_s + 10
-                    ):
-                        raise NodeIdTaken(
-                            f"metadata {self._endpoints[self._current]} refused store "
-                            f"{self.node_id}: {exc.details()}"
-                        ) from None
-                    await asyncio.sleep(min(self.config.register_retry_s, remaining + 0.05))
-                    continue
-                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and registered:
-                    # Our registration was replaced (the id was taken over):
-                    # this instance no longer owns it. Registering again is
-                    # refused while the other instance lives, which stops us.
-                    logger.error(
-                        "metadata %s refused this store's heartbeat: %s",
-                        self._endpoints[self._current],
-                        exc.details(),
-                        extra={"event": "heartbeat_refused", "node": self.node_id},
-                    )
-                    registered = False
-                    continue
-                if not warned:
-                    if exc.code() in (
-                        grpc.StatusCode.UNAUTHENTICATED,
-                        grpc.StatusCode.PERMISSION_DENIED,
-                    ):
-                        # Retrying will not help until the token is fixed: say so once.
-                        logger.error(
-                            "metadata %s refused this store (%s): its token is not the "
-                            "cluster token (--auth-token-file / KVDEPOT_AUTH_TOKEN)",
-                            self._endpoints[self._current],
-                            exc.code().name,
-                        )
-                    else:
-                        logger.warning(
-                            "metadata %s unreachable: %s",
-                            self._endpoints[self._current],
-                            exc.code(),
-                        )
-                    warned = True
-                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    self._fail_over()
-                lost_s = time.monotonic() - last_ok
-                if lost_s > self._lease_s:
-                    # Our lease has run out: the cluster no longer sees this node.
-                    await health.set(
-                        False, f"no metadata service for {lost_s:.1f} s: {exc.code().name}"
-                    )
-                await asyncio.sleep(self.config.register_retry_s)
+                if delay:
+                    await asyncio.sleep(delay)
                 continue
-            last_ok = time.monotonic()
+            self._lease_answered(lease)
             await health.set(True, "holds a metadata lease")
             await asyncio.sleep(self._heartbeat_s)
+
+    async def _renew(self, lease: _Lease) -> None:
+        """Register (when not registered) or heartbeat, once."""
+        stub = self._stub()
+        if not lease.registered:
+            await self._register(stub)
+            lease.registered = True
+            lease.held_until = None
+            return
+        reply = await stub.Heartbeat(
+            metadata_pb2.HeartbeatRequest(
+                node_id=self.node_id,
+                tiers=self._tiers(),
+                transfer=self._transfer(),
+                epoch=self.epoch,
+            ),
+            timeout=max(1.0, self._heartbeat_s * 2),
+        )
+        if reply.lease_ttl_ms:
+            self._lease_s = reply.lease_ttl_ms / 1000
+
+    def _lease_refused(self, exc: grpc.aio.AioRpcError, lease: _Lease) -> float | None:
+        """What a refusal of the service means: the delay before the next
+        attempt, or ``None`` for a failure to retry with backoff.
+
+        Raises:
+            KVDepotError: A refusal that retrying cannot change: this store
+                cannot serve (see :meth:`wait`).
+        """
+        code = exc.code()
+        if code == grpc.StatusCode.NOT_FOUND:
+            # Our lease expired or the index was lost: re-announce.
+            self._repeats.failed(
+                "forgotten", logging.WARNING, "metadata forgot this node; registering again"
+            )
+            lease.registered = False
+            return 0.0
+        if code == grpc.StatusCode.ALREADY_EXISTS and not lease.registered:
+            return self._node_id_held(exc, lease)
+        if code == grpc.StatusCode.FAILED_PRECONDITION and lease.registered:
+            # Our registration was replaced (the id was taken over): this
+            # instance no longer owns it. Registering again is refused while
+            # the other instance lives, which stops us.
+            logger.error(
+                "metadata %s refused this store's heartbeat: %s",
+                self._endpoint(),
+                exc.details(),
+                extra={"event": "heartbeat_refused", "node": self.node_id},
+            )
+            lease.registered = False
+            return 0.0
+        fatal = _REFUSALS.get(code)
+        if fatal is not None and not lease.registered:
+            # The request is ours and will not change: retrying it is
+            # refused forever (INVALID_ARGUMENT); a token, or the service at
+            # that address, is fixed until a restart. Once this store has
+            # served, it keeps its chunks for the clients that reach it.
+            cls, hint = fatal
+            if code == grpc.StatusCode.INVALID_ARGUMENT or not self.registered.is_set():
+                raise cls(
+                    f"metadata {self._endpoint()} refused store {self.node_id!r}: "
+                    f"{exc.details() or code.name}{hint}"
+                ) from None
+        return None
+
+    def _node_id_held(self, exc: grpc.aio.AioRpcError, lease: _Lease) -> float:
+        # Another instance holds the node id. Serving under it would corrupt
+        # the index: fatal (see wait()), unless its lease is running out
+        # unrenewed (it crashed or stopped).
+        now = time.monotonic()
+        remaining = _lease_remaining(exc)
+        if remaining is not None and lease.held_until is None:
+            lease.held_until, lease.waited_from = now + remaining, now
+            logger.info(
+                "node id %s is held by another instance; waiting up to %.1f s "
+                "for its lease to run out",
+                self.node_id,
+                remaining,
+            )
+        if (
+            remaining is None
+            or lease.held_until is None
+            or now + remaining > lease.held_until + RENEWED_SLACK_S
+            or now - lease.waited_from > remaining + self._lease_s + 10
+        ):
+            raise NodeIdTaken(
+                f"metadata {self._endpoint()} refused store {self.node_id}: {exc.details()}"
+            ) from None
+        return min(self.config.register_retry_s, remaining + 0.05)
+
+    def _outage(self, exc: grpc.aio.AioRpcError, lease: _Lease) -> float:
+        """Log a failed attempt (at most one line per kind and interval, with
+        a count) and fail over; returns the delay before the next attempt."""
+        code = exc.code()
+        extra = {"event": "metadata_unreachable", "node": self.node_id, "code": code.name}
+        if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+            self._repeats.failed(
+                "refused",
+                logging.ERROR,
+                "metadata %s refused this store (%s: %s)%s",
+                self._endpoint(),
+                code.name,
+                exc.details(),
+                _TOKEN_HINT,
+                extra=extra,
+            )
+        else:
+            self._repeats.failed(
+                "unreachable",
+                logging.WARNING,
+                "metadata %s unreachable (%s: %s)",
+                self._endpoint(),
+                code.name,
+                exc.details(),
+                extra=extra,
+            )
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            self._fail_over()
+        lease.failures += 1
+        # Every replica is tried at the base delay; each round that all of
+        # them failed doubles it, up to a cap well inside a lease.
+        rounds = min(lease.failures // len(self._endpoints), 8)
+        base = self.config.register_retry_s
+        return float(min(max(base, RETRY_CAP_S), base * 2**rounds))
+
+    def _lease_answered(self, lease: _Lease) -> None:
+        lease.last_ok = time.monotonic()
+        lease.failures = 0
+        for kind in ("failover", "forgotten"):
+            self._repeats.ended(kind)
+        for kind in ("unreachable", "refused"):
+            ended = self._repeats.ended(kind)
+            if ended is not None:
+                logger.info(
+                    "metadata %s answers again, after %d failed attempts in %.1f s",
+                    self._endpoint(),
+                    ended[0],
+                    ended[1],
+                    extra={"event": "metadata_reachable", "node": self.node_id},
+                )
 
     async def _sample_forever(self) -> None:
         """Sample the transfer counters; summarise evictions in one line."""
@@ -629,17 +761,22 @@ async def run_store(
     announce: Callable[[str], None] | None = None,
     security: SecurityConfig | None = None,
 ) -> None:
-    """Run a store daemon until cancelled.
+    """Run a store daemon until cancelled; ``announce`` its READY line once
+    it is registered with a metadata service.
 
     Raises:
-        NodeIdTaken: Its node id is held by another live store instance.
+        KVDepotError: Why it cannot serve (see :meth:`StoreDaemon.wait`).
     """
     daemon = StoreDaemon(config, security)
     try:
         # Inside: a start that fails (a port in use) still frees the arena.
         await daemon.start()
+        # READY says a client can use this store: not before it registered.
+        await daemon.wait_registered()
         if announce is not None:
             announce(daemon.ready_line())
         await daemon.wait()
     finally:
-        await daemon.stop()
+        # A second signal, or one while stopping on an error, must not cut
+        # the cleanup short: the arena file would stay in /dev/shm.
+        await finish(daemon.stop())

@@ -1,8 +1,11 @@
-"""A store reports SERVING only once it is registered with a metadata service.
+"""A store reports SERVING, and prints READY, only once it is registered with a
+metadata service.
 
 The compose file starts the stores' dependants (and its test its clients) on
 the stores' health checks: a store that said SERVING before its registration
-landed was "healthy" while no client could find it.
+landed was "healthy" while no client could find it. Before it registers its
+gRPC port answers health checks (NOT_SERVING) and it retries the metadata
+service for as long as it runs.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from kvdepot.cluster import wait_ready
+from kvdepot.errors import Unavailable
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.integration
@@ -35,6 +39,7 @@ def health(target: str) -> str:
 
 def test_store_is_not_serving_until_registered(tmp_path: Path) -> None:
     port = free_port()
+    target = f"127.0.0.1:{free_port()}"
     procs: list[subprocess.Popen[bytes]] = []
     try:
         store = subprocess.Popen(
@@ -45,6 +50,8 @@ def test_store_is_not_serving_until_registered(tmp_path: Path) -> None:
                 f"127.0.0.1:{port}",
                 "--port",
                 "0",
+                "--grpc-port",
+                target.rpartition(":")[2],
                 "--capacity",
                 "8MiB",
                 "--no-shm",
@@ -53,8 +60,14 @@ def test_store_is_not_serving_until_registered(tmp_path: Path) -> None:
             stderr=open(tmp_path / "store.log", "wb"),  # noqa: SIM115
         )
         procs.append(store)
-        target = wait_ready(store, "store", 30)["grpc_address"]
-        assert health(target) == "NOT_SERVING"
+        deadline = time.monotonic() + 30
+        while (status := health(target)) != "NOT_SERVING":
+            assert time.monotonic() < deadline, f"store gRPC never answered: {status}"
+            time.sleep(0.3)
+        # Not READY while no metadata service answers: it keeps trying.
+        with pytest.raises(Unavailable, match="did not become ready"):
+            wait_ready(store, "store", 3)
+        assert store.poll() is None
         meta = subprocess.Popen(
             [*KVDEPOT, "metadata", "--port", str(port)],
             stdout=subprocess.PIPE,
@@ -62,6 +75,7 @@ def test_store_is_not_serving_until_registered(tmp_path: Path) -> None:
         )
         procs.append(meta)
         wait_ready(meta, "metadata", 30)
+        assert wait_ready(store, "store", 30)["grpc_address"] == target
         deadline = time.monotonic() + 20
         while health(target) != "SERVING":
             assert time.monotonic() < deadline, "store never SERVING after registering"

@@ -1,0 +1,112 @@
+"""Running a daemon until a signal, with a shutdown that always runs to the end.
+
+A daemon's cleanup frees what outlives the process: a store's arena is a
+file in ``/dev/shm`` (RAM until unlinked), a gRPC server left running when
+the event loop closes complains from its finaliser. Signals rarely come one
+at a time: Ctrl-C sends SIGINT to the whole process group, so the stores of
+``kvdepot up`` get it as ``up`` itself sends them SIGTERM; a supervisor may
+repeat its SIGTERM. So the first SIGINT or SIGTERM starts the shutdown (it
+cancels the daemon's main coroutine, whose ``finally`` cleans up) and any
+later one is only noted: it can never cancel the cleanup half way. SIGKILL
+still skips it; a store's next start removes the arena file such a kill
+leaves behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _noted(signum: int, frame: object) -> None:
+    # The wakeup fd carries the signal to the loop; this handler only keeps
+    # Python's defaults (KeyboardInterrupt, death by SIGTERM) from running.
+    pass
+
+
+def run_until_signal(main: Callable[[], Coroutine[Any, Any, None]]) -> int:
+    """Run ``main()`` until it returns or a SIGINT/SIGTERM stops it; returns 0.
+
+    Meant for a process's entry point: from the call on, SIGINT and SIGTERM
+    never interrupt this process at a random point, during the cleanup nor
+    after it (the process is about to exit then). Whatever ``main`` raises
+    other than its cancellation propagates.
+    """
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(read_fd, False)
+    os.set_blocking(write_fd, False)
+    for sig in SIGNALS:
+        signal.signal(sig, _noted)
+    # The C-level handler writes the signal number to this fd from whichever
+    # thread the kernel picked; the loop reads it (asyncio's own signal
+    # handling closes its fd with the loop, while signals may still come).
+    previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    try:
+        asyncio.run(_serve(main, read_fd))
+    finally:
+        signal.set_wakeup_fd(previous)
+        os.close(read_fd)
+        os.close(write_fd)
+    return 0
+
+
+async def _serve(main: Callable[[], Coroutine[Any, Any, None]], read_fd: int) -> None:
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(main())
+    seen: list[int] = []
+
+    def on_signal() -> None:
+        with contextlib.suppress(BlockingIOError):
+            data = os.read(read_fd, 64)
+            for signum in data:
+                if signum not in SIGNALS:
+                    continue
+                name = signal.Signals(signum).name
+                if not seen:
+                    logger.info("%s: stopping", name)
+                    task.cancel()
+                elif len(seen) == 1:
+                    logger.info(
+                        "%s while stopping: the cleanup runs to its end first (SIGKILL skips it)",
+                        name,
+                    )
+                seen.append(signum)
+
+    loop.add_reader(read_fd, on_signal)
+    try:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    finally:
+        loop.remove_reader(read_fd)
+
+
+async def finish(cleanup: Coroutine[Any, Any, None]) -> None:
+    """Await ``cleanup`` to its end even if the awaiting task is cancelled meanwhile.
+
+    For a daemon's ``finally``: its main task may be cancelled there (a
+    signal while it stops on an error of its own), and a cleanup cut short
+    leaks what it had yet to free. A cancellation that arrives meanwhile is
+    absorbed: the task is stopping already.
+    """
+    task = asyncio.ensure_future(cleanup)
+    current = asyncio.current_task()
+    while True:
+        try:
+            await asyncio.shield(task)
+            return
+        except asyncio.CancelledError:
+            if task.done():
+                # The cleanup itself was cancelled (from inside): say so.
+                task.result()
+                return
+            if current is not None:
+                current.uncancel()

@@ -1,0 +1,167 @@
+"""A daemon's shutdown runs to its end whatever signals arrive.
+
+Ctrl-C sends SIGINT to the whole process group: the stores of ``kvdepot up``
+get it while ``up`` sends them SIGTERM, and an impatient user presses it
+twice. Each store must still free its arena (a file in /dev/shm: RAM until
+unlinked), every daemon must stop its gRPC server before its event loop
+closes (else ``Exception ignored in: Server.__del__``), and nothing may be
+left running. It was intermittent, so each case runs a few times.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvdepot.cluster import wait_ready
+from tests.conftest import free_port
+
+pytestmark = pytest.mark.integration
+
+RUNS = 2  # per case: a leak showed in 2 of 3 runs, or 3 of 3 with --metrics
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    out = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            fields = Path(stat).read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(Path(stat).parent.name))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def arenas_of(pids: list[int]) -> list[str]:
+    """Arena files in /dev/shm of these store processes (named by pid)."""
+    return [p for pid in pids for p in glob.glob(f"/dev/shm/kvdepot-*-{pid}")]
+
+
+def assert_clean_stderr(stderr: str) -> None:
+    assert "Exception ignored" not in stderr, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert "never awaited" not in stderr, stderr[-3000:]
+
+
+def start_up(metrics: bool) -> tuple[subprocess.Popen[str], list[int]]:
+    """``kvdepot up`` in its own process group, as from a terminal; its
+    daemons' pids, once it says they all run."""
+    cmd = [
+        sys.executable, "-m", "kvdepot.cli", "up",
+        "--nodes", "2",
+        "--metadata-port", str(free_port()),
+        "--capacity", "16MiB",
+        *(["--metrics"] if metrics else []),
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
+    assert proc.stdout is not None
+    stores = []
+    deadline = time.monotonic() + 120
+    for line in proc.stdout:
+        if m := re.search(r"^  store \S+: .*, pid (\d+)$", line):
+            stores.append(int(m.group(1)))
+        if line.startswith("Ctrl-C stops all"):
+            break
+        assert time.monotonic() < deadline
+    assert len(stores) == 2, "kvdepot up did not start its stores"
+    assert len(arenas_of(stores)) == 2
+    return proc, stores
+
+
+@pytest.mark.parametrize("metrics", [False, True], ids=["plain", "metrics"])
+@pytest.mark.parametrize("signals", [1, 2], ids=["ctrl-c", "ctrl-c-twice"])
+def test_ctrl_c_on_up_frees_every_arena(metrics: bool, signals: int) -> None:
+    for _ in range(RUNS):
+        proc, stores = start_up(metrics)
+        daemons = children(proc.pid)
+        assert set(stores) <= set(daemons) and len(daemons) == 3, daemons
+        try:
+            for i in range(signals):
+                if i:
+                    time.sleep(0.05)  # the second lands mid-shutdown
+                os.killpg(proc.pid, signal.SIGINT)
+            _, stderr = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        assert proc.returncode == 0, stderr[-3000:]
+        assert_clean_stderr(stderr)
+        assert not arenas_of(stores), "a store left its arena in /dev/shm"
+        assert not [p for p in daemons if alive(p)], "a daemon outlived kvdepot up"
+
+
+def test_a_store_signalled_again_while_stopping_frees_its_arena(tmp_path: Path) -> None:
+    meta = subprocess.Popen(
+        [sys.executable, "-m", "kvdepot.cli", "metadata", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL,
+    )
+    try:
+        port = wait_ready(meta, "metadata", 60)["port"]
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            log = tmp_path / f"store-{sig.name}.log"
+            cmd = [
+                sys.executable, "-m", "kvdepot.cli", "store",
+                "--node-id", f"twice-{sig.name}",
+                "--port", "0",
+                "--metadata", f"127.0.0.1:{port}",
+                "--capacity", "16MiB",
+                "--metrics-port", "0",
+            ]  # fmt: skip
+            with open(log, "wb") as err:
+                store = subprocess.Popen(
+                    cmd,
+                    stdout=subprocess.PIPE,
+                    stderr=err,
+                    stdin=subprocess.DEVNULL,
+                )
+            try:
+                info = wait_ready(store, "store", 60)
+                assert os.path.exists(info["arena_path"])
+                # A supervisor's SIGTERM, then more while it stops (closing
+                # /metrics alone takes a moment). Signals sent at once merge.
+                for s in (signal.SIGTERM, sig, sig):
+                    store.send_signal(s)
+                    time.sleep(0.05)
+                assert store.wait(timeout=30) == 0
+            finally:
+                if store.poll() is None:
+                    store.kill()
+                    store.wait()
+                assert store.stdout is not None
+                store.stdout.close()
+            assert not os.path.exists(info["arena_path"])
+            text = log.read_text()
+            assert_clean_stderr(text)
+    finally:
+        meta.terminate()
+        meta.wait(timeout=30)
+        assert meta.stdout is not None
+        meta.stdout.close()
