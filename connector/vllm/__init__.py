@@ -37,12 +37,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvdepot.connector.client import ClientConfig, KVDepotClient
 from kvdepot.connector.codec import create_codec
-from kvdepot.connector.vllm.layout import KVLayout, layout_from_config, namespace_for
+from kvdepot.connector.vllm.layout import (
+    KVLayout,
+    cache_groups,
+    layout_from_config,
+    namespace_for,
+)
 from kvdepot.connector.vllm.plan import KVDepotConnectorMetadata
 from kvdepot.connector.vllm.scheduler import PD_TOKENS_PARAM, SchedulerSide
 from kvdepot.connector.vllm.settings import ConnectorSettings
@@ -101,8 +108,14 @@ def _tp_rank() -> int:
         return 0
 
 
-class KVDepotConnector(KVConnectorBase_V1):
-    """vLLM V1 KV connector publishing to and loading from kvdepot."""
+class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM V1 KV connector publishing to and loading from kvdepot.
+
+    It runs with vLLM's hybrid KV cache manager: full-attention and
+    sliding-window groups (see :class:`CacheGroups`); a group it cannot
+    store stops the engine at start, naming the flag that turns the
+    manager off.
+    """
 
     def __init__(
         self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
@@ -111,6 +124,7 @@ class KVDepotConnector(KVConnectorBase_V1):
         attach_to_vllm_logging()
         tc = self._kv_transfer_config
         self.settings, self.layout = check_config(vllm_config)
+        self.groups = cache_groups(kv_cache_config, self.layout)
         self.is_producer = bool(tc.is_kv_producer)
         self.is_consumer = bool(tc.is_kv_consumer)
         self._counters = Counters()
@@ -146,6 +160,7 @@ class KVDepotConnector(KVConnectorBase_V1):
                 is_producer=self.is_producer,
                 is_consumer=self.is_consumer,
                 counters=self._counters,
+                groups=self.groups,
             )
         else:
             self._worker = WorkerSide(
@@ -156,15 +171,18 @@ class KVDepotConnector(KVConnectorBase_V1):
                 namespace=namespace_for(vllm_config, s, self.layout, _tp_rank()),
                 is_producer=self.is_producer,
                 counters=self._counters,
+                groups=self.groups,
             )
             _WORKERS.add(self._worker)
         logger.info(
-            "KVDepotConnector (%s, %s): metadata %s, %d-token chunks, layout %s",
+            "KVDepotConnector (%s, %s): metadata %s, %d-token chunks, layout %s, "
+            "KV cache groups: %s",
             role.name,
             tc.kv_role,
             s.metadata,
             s.chunk_tokens,
             self.layout.signature(),
+            self.groups.describe(),
         )
 
     # ------------------------------------------------------------ checks
@@ -212,6 +230,12 @@ class KVDepotConnector(KVConnectorBase_V1):
     ) -> tuple[bool, dict[str, Any] | None]:
         return self._sched().request_finished(request, block_ids)
 
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        # Saves copy their blocks out in the step: no group's blocks are held.
+        return self._sched().request_finished(request, list(block_ids[0]) if block_ids else [])
+
     def reset_cache(self) -> bool | None:
         return self._scheduler.reset_cache() if self._scheduler is not None else None
 
@@ -244,8 +268,13 @@ class KVDepotConnector(KVConnectorBase_V1):
         self._work().wait_for_save(self._meta())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        recved = self._work().get_finished()
-        return None, (recved or None)
+        recved, failed = self._work().get_finished()
+        return None, (recved | failed or None)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        recved, failed = self._work().get_finished()
+        # A failed load is finished too: vLLM then recomputes the request.
+        return KVConnectorTransferResults(finished_recving=recved | failed, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work().get_block_ids_with_load_errors()

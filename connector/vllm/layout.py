@@ -107,3 +107,87 @@ def namespace_for(
         chunk_tokens=layout.chunk_tokens,
         extra=extra,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class CacheGroups:
+    """The engine's KV cache groups: layers that share one block table.
+
+    With vLLM's hybrid KV cache manager a model with full-attention and
+    sliding-window layers has one group of each; a sliding-window group
+    keeps only the blocks of its window (the others are vLLM's null
+    block). A stored object still holds every layer of its blocks, so its
+    bytes are the same whichever way the engine that wrote it grouped them.
+
+    Attributes:
+        kinds: Per group, ``"full"`` or ``"sliding"``.
+        windows: Per group, its sliding window in tokens (0: full attention).
+        layers: Per group, its layer names.
+    """
+
+    kinds: tuple[str, ...] = ("full",)
+    windows: tuple[int, ...] = (0,)
+    layers: tuple[tuple[str, ...], ...] = ()
+
+    @property
+    def count(self) -> int:
+        return len(self.kinds)
+
+    def group_of(self, layer_names: list[str]) -> list[int]:
+        """The group of each of ``layer_names`` (one group: all 0)."""
+        if self.count == 1:
+            return [0] * len(layer_names)
+        where = {name: g for g, names in enumerate(self.layers) for name in names}
+        missing = [n for n in layer_names if n not in where]
+        if missing:
+            raise InvalidArgument(f"KV layers {missing} belong to no KV cache group")
+        return [where[n] for n in layer_names]
+
+    def describe(self) -> str:
+        return ", ".join(
+            f"{k} {w}" if w else k for k, w in zip(self.kinds, self.windows, strict=True)
+        )
+
+
+def cache_groups(kv_cache_config: Any, layout: KVLayout) -> CacheGroups:
+    """kvdepot's view of ``kv_cache_config``'s groups, or a clear refusal.
+
+    Raises:
+        InvalidArgument: A group kvdepot cannot store (not attention, another
+            block size, a sliding window shorter than a chunk), naming the
+            setting that avoids it.
+    """
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    if len(groups) <= 1:
+        return CacheGroups()
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    kinds: list[str] = []
+    windows: list[int] = []
+    for i, group in enumerate(groups):
+        spec = group.kv_cache_spec
+        name = type(spec).__name__
+        hint = "run the engine with --disable-hybrid-kv-cache-manager"
+        if isinstance(spec, SlidingWindowSpec) and type(spec) is SlidingWindowSpec:
+            kinds.append("sliding")
+            windows.append(int(spec.sliding_window))
+        elif isinstance(spec, FullAttentionSpec) and spec.sliding_window is None:
+            kinds.append("full")
+            windows.append(0)
+        else:
+            raise InvalidArgument(
+                f"kvdepot cannot store KV cache group {i} ({name}) of this model; {hint}"
+            )
+        if int(spec.block_size) != layout.block_size:
+            raise InvalidArgument(
+                f"KV cache group {i} has {spec.block_size}-token blocks, kvdepot's layout "
+                f"{layout.block_size}; {hint}"
+            )
+        if windows[-1] and windows[-1] < layout.chunk_tokens:
+            # A chunk's first blocks would leave the window (and be freed)
+            # before its last block is computed: it could never be stored whole.
+            raise InvalidArgument(
+                f"chunk_tokens ({layout.chunk_tokens}) is larger than the model's sliding "
+                f"window ({windows[-1]}): set chunk_tokens <= {windows[-1]}, or {hint}"
+            )
+    return CacheGroups(tuple(kinds), tuple(windows), tuple(tuple(g.layer_names) for g in groups))

@@ -84,16 +84,16 @@ class StagedGroup:
     objects: list[KVObject]
     rows: np.ndarray  # [len(objects), geometry.size]
 
-    def flat_blocks(self, upto: int | None = None) -> list[int]:
-        objs = self.objects if upto is None else self.objects[:upto]
-        return [b for o in objs for b in o.blocks]
+    def flat_blocks(self, group: int = 0) -> list[int]:
+        """The objects' blocks of KV cache group ``group``, in order."""
+        return [b for o in self.objects for b in o.blocks[group]]
 
 
 def stage(fmt: ObjectFormat, objects: Sequence[KVObject]) -> list[StagedGroup]:
     """Staging buffers for ``objects``, grouped by their block count."""
     groups: dict[int, StagedGroup] = {}
     for i, obj in enumerate(objects):
-        n = len(obj.blocks)
+        n = obj.num_blocks
         group = groups.get(n)
         if group is None:
             group = groups[n] = StagedGroup(fmt.geometry(n), [], [], np.empty(0, np.uint8))
@@ -105,4 +105,4 @@ def stage(fmt: ObjectFormat, objects: Sequence[KVObject]) -> list[StagedGroup]:
 
 
 def staged_bytes(fmt: ObjectFormat, objects: Sequence[KVObject]) -> int:
-    return sum(fmt.geometry(len(o.blocks)).size for o in objects)
+    return sum(fmt.geometry(o.num_blocks).size for o in objects)

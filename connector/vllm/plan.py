@@ -5,6 +5,10 @@ blocks under its chained chunk key) or one block of a prompt's tail (the
 whole blocks after its last whole chunk, each under a block key chained from
 that chunk's key, see :func:`kvdepot.metadata.keys.block_keys`). Both have
 the same layer-major format; only their number of blocks differs.
+
+Blocks are named per KV cache group (see
+:class:`kvdepot.connector.vllm.layout.CacheGroups`): the same positions of
+the request, each group's own block ids there.
 """
 
 from __future__ import annotations
@@ -16,13 +20,36 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from kvdepot.metadata.keys import ChunkKey, Namespace, block_keys, chunk_keys
 
+# vLLM's placeholder for a block a sliding-window group does not keep
+# (outside its window): nothing is read from or written to it.
+NULL_BLOCK = 0
+
 
 @dataclass(frozen=True, slots=True)
 class KVObject:
-    """One stored object: its key and the engine blocks it fills, in order."""
+    """One stored object: its key and the engine blocks it fills, in order.
+
+    Attributes:
+        key: Its key.
+        position: The request's block index of its first block.
+        blocks: Per KV cache group, the block ids of its positions.
+    """
 
     key: ChunkKey
-    blocks: tuple[int, ...]
+    position: int
+    blocks: tuple[tuple[int, ...], ...]
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks[0])
+
+    def whole(self) -> bool:
+        """Every group still holds every block (a save needs them all)."""
+        return all(b != NULL_BLOCK for group in self.blocks for b in group)
+
+    def positioned(self, group: int) -> list[tuple[int, int]]:
+        """``(position, block id)`` of each of its blocks in ``group``."""
+        return [(self.position + j, b) for j, b in enumerate(self.blocks[group])]
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,8 +59,8 @@ class LoadPlan:
     Attributes:
         req_id: The request.
         objects: What to load, in prompt order.
-        skip_blocks: Blocks the engine computed already (its own prefix
-            cache): loaded objects leave them untouched.
+        first_block: Blocks at earlier positions the engine computed
+            already (its own prefix cache): loads leave them untouched.
         asynchronous: Loaded between steps (the request waits in
             ``WAITING_FOR_REMOTE_KVS``) instead of inside the step.
         wait_for_commit: The objects may still be being published (a
@@ -43,9 +70,13 @@ class LoadPlan:
 
     req_id: str
     objects: tuple[KVObject, ...]
-    skip_blocks: frozenset[int] = frozenset()
+    first_block: int = 0
     asynchronous: bool = True
     wait_for_commit: bool = False
+
+    def loaded_positions(self, objects: Sequence[KVObject]) -> list[tuple[int, int]]:
+        """``(position, group-0 block)`` of ``objects``' blocks this load writes."""
+        return [pb for o in objects for pb in o.positioned(0) if pb[0] >= self.first_block]
 
 
 @dataclass(frozen=True, slots=True)

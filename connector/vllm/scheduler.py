@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from kvdepot.connector.client import KVDepotClient
-from kvdepot.connector.vllm.layout import KVLayout
+from kvdepot.connector.vllm.layout import CacheGroups, KVLayout
 from kvdepot.connector.vllm.plan import (
     KVDepotConnectorMetadata,
     KVObject,
@@ -123,7 +123,7 @@ class LookupBreaker:
 class _Request:
     request: Request
     chunks: list[ChunkKey] = field(default_factory=list)
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
     saved_chunks: int = 0  # leading chunks published or known stored
     saved_tail: int = 0  # tail blocks published after them
     hit_tokens: int = 0  # tokens the last lookup found
@@ -149,9 +149,11 @@ class SchedulerSide:
         is_producer: bool,
         is_consumer: bool,
         counters: Counters,
+        groups: CacheGroups | None = None,
     ) -> None:
         self.settings = settings
         self.layout = layout
+        self.groups = groups or CacheGroups()
         self.ns = namespace
         self.is_producer = is_producer
         self.is_consumer = is_consumer
@@ -227,7 +229,11 @@ class SchedulerSide:
         if not self.is_consumer:
             return 0, False
         asynchronous = (
-            hit - num_computed_tokens > self.settings.sync_load_max_tokens or state.wait_for_commit
+            hit - num_computed_tokens > self.settings.sync_load_max_tokens
+            or state.wait_for_commit
+            # With several KV cache groups vLLM takes a failed load only
+            # as a whole request (failed_recving), which in-step loads lack.
+            or self.groups.count > 1
         )
         if not asynchronous:
             # Inside the step whole chunks are loaded, and one prompt token
@@ -262,35 +268,41 @@ class SchedulerSide:
         state.load = None
         # The scheduler may have trimmed the hit (to a block boundary, say).
         end = first + num_external_tokens
-        block_ids = list(blocks.get_block_ids()[0])
-        state.block_ids = block_ids
-        plan = self._load_plan(state, first, end, block_ids, asynchronous)
+        state.block_ids = [list(g) for g in blocks.get_block_ids()]
+        plan = self._load_plan(state, first, end, asynchronous)
         if asynchronous:
             # A synchronous load's failed blocks are simply recomputed in its
             # step; an asynchronous one's failure makes vLLM ask again.
-            state.loading = frozenset(b for o in plan.objects for b in o.blocks)
+            state.loading = frozenset(b for o in plan.objects for b in o.blocks[0])
         if plan.objects:
             self._loads.append(plan)
             self._counters.add(**{"loads_async" if asynchronous else "loads_sync": 1})
 
-    def _load_plan(
-        self, state: _Request, first: int, end: int, block_ids: list[int], asynchronous: bool
-    ) -> LoadPlan:
+    @staticmethod
+    def _object(state: _Request, key: ChunkKey, position: int, n: int) -> KVObject:
+        """The object of ``key`` over the request's blocks ``position..+n``."""
+        groups = tuple(tuple(ids[position : position + n]) for ids in state.block_ids)
+        return KVObject(key, position, groups)
+
+    def _load_plan(self, state: _Request, first: int, end: int, asynchronous: bool) -> LoadPlan:
         c, bs, bpc = self.ns.chunk_tokens, self.layout.block_size, self.layout.blocks_per_chunk
         tokens = list(state.request.all_token_ids)
         objects: list[KVObject] = []
         full = end // c
         for i in range(first // c, full):
-            objects.append(KVObject(state.chunks[i], tuple(block_ids[i * bpc : (i + 1) * bpc])))
+            objects.append(self._object(state, state.chunks[i], i * bpc, bpc))
         if end > full * c:
             tail = tail_keys(self.ns, tokens[:end], bs, full, state.chunks)
             for j, key in enumerate(tail):
                 b = full * bpc + j
                 if b >= first // bs:
-                    objects.append(KVObject(key, (block_ids[b],)))
-        skip = frozenset(block_ids[: first // bs])
+                    objects.append(self._object(state, key, b, 1))
         return LoadPlan(
-            state.request.request_id, tuple(objects), skip, asynchronous, state.wait_for_commit
+            state.request.request_id,
+            tuple(objects),
+            first // bs,
+            asynchronous,
+            state.wait_for_commit,
         )
 
     # ---------------------------------------------------------------- steps
@@ -302,7 +314,7 @@ class SchedulerSide:
             state = self._requests.get(new.req_id)
             if state is None:
                 continue
-            state.block_ids = list(new.block_ids[0])
+            state.block_ids = [list(g) for g in new.block_ids]
             scheduled.append((new.req_id, new.num_computed_tokens))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -311,9 +323,13 @@ class SchedulerSide:
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                state.block_ids = list(new_ids[0]) if new_ids is not None else []
+                # Preempted and scheduled again: its blocks were all replaced.
+                state.block_ids = [list(g) for g in new_ids] if new_ids is not None else []
             elif new_ids is not None:
-                state.block_ids.extend(new_ids[0])
+                if not state.block_ids:
+                    state.block_ids = [[] for _ in new_ids]
+                for ids, more in zip(state.block_ids, new_ids, strict=True):
+                    ids.extend(more)
             scheduled.append((req_id, cached.num_computed_tokens[i]))
         if self.is_producer:
             for req_id, computed in scheduled:
@@ -346,7 +362,7 @@ class SchedulerSide:
         request = state.request
         limit = len(request.all_token_ids) if self.save_decode else request.num_prompt_tokens
         blocks = min(done, limit) // bs
-        blocks = min(blocks, len(state.block_ids))
+        blocks = min([blocks, *(len(ids) for ids in state.block_ids)])
         chunks = blocks // bpc
         objects: list[KVObject] = []
         tokens: list[int] | None = None
@@ -354,8 +370,7 @@ class SchedulerSide:
             tokens = list(request.all_token_ids)
             self._extend_chunks(state, tokens, chunks)
             for j in range(state.saved_chunks, chunks):
-                ids = tuple(state.block_ids[j * bpc : (j + 1) * bpc])
-                objects.append(KVObject(state.chunks[j], ids))
+                objects.append(self._object(state, state.chunks[j], j * bpc, bpc))
             state.saved_chunks, state.saved_tail = chunks, 0
         tail = blocks - state.saved_chunks * bpc
         if self.settings.save_tail and bpc > 1 and tail > state.saved_tail:
@@ -364,8 +379,15 @@ class SchedulerSide:
             self._extend_chunks(state, tokens, region)
             tkeys = tail_keys(self.ns, tokens[: blocks * bs], bs, region, state.chunks)
             for j in range(state.saved_tail, min(tail, len(tkeys))):
-                objects.append(KVObject(tkeys[j], (state.block_ids[region * bpc + j],)))
+                objects.append(self._object(state, tkeys[j], region * bpc + j, 1))
             state.saved_tail = tail
+        # A sliding-window group frees the blocks that leave its window; with
+        # a window of at least a chunk that happens only after an object was
+        # saved, but an object missing a block must never be stored.
+        whole = [o for o in objects if o.whole()]
+        if len(whole) < len(objects):
+            self._counters.add(saves_dropped=len(objects) - len(whole))
+        objects = whole
         if not objects:
             return None
         return SavePlan(request.request_id, tuple(objects))

@@ -20,7 +20,7 @@ import torch
 
 from kvdepot.connector.client import KVDepotClient
 from kvdepot.connector.codec.base import KVCodec
-from kvdepot.connector.vllm.layout import KVLayout
+from kvdepot.connector.vllm.layout import CacheGroups, KVLayout
 from kvdepot.connector.vllm.loader import LayerLoader, LoadJob
 from kvdepot.connector.vllm.objects import (
     Geometry,
@@ -29,7 +29,7 @@ from kvdepot.connector.vllm.objects import (
     stage,
     staged_bytes,
 )
-from kvdepot.connector.vllm.plan import KVDepotConnectorMetadata, KVObject, LoadPlan
+from kvdepot.connector.vllm.plan import NULL_BLOCK, KVDepotConnectorMetadata, KVObject, LoadPlan
 from kvdepot.connector.vllm.settings import ConnectorSettings
 from kvdepot.connector.vllm.stats import Counters, RepeatedWarning
 from kvdepot.connector.vllm.transfer import Fetcher, FetchJob, Publisher
@@ -54,10 +54,13 @@ class WorkerSide:
         namespace: Namespace,
         is_producer: bool,
         counters: Counters,
+        groups: CacheGroups | None = None,
     ) -> None:
         self.settings = settings
         self.ns = namespace
         self.layout = layout
+        self.groups = groups or CacheGroups()
+        self._layer_group: list[int] = []
         self._codec = codec
         self._client = client
         self.is_producer = is_producer
@@ -71,6 +74,7 @@ class WorkerSide:
         self._publisher: Publisher | None = None
         self._load_errors: set[int] = set()
         self._recved: set[str] = set()
+        self._failed: set[str] = set()  # loads that failed as a whole request
         # In-step loads (small ones): layer by layer beside the forward pass.
         self._loader: LayerLoader | None = None
         self._sync_job: LoadJob | None = None
@@ -88,6 +92,7 @@ class WorkerSide:
             raise KVDepotError(
                 f"engine has {len(self._kv)} KV layers, config says {self.layout.num_layers}"
             )
+        self._layer_group = self.groups.group_of(list(kv_caches))
         first = self._kv[0]
         # CPU and most backends: [num_blocks, ...]; flash-attn: [2, num_blocks, ...].
         self._block_dim = 1 if first.dim() == 5 and first.shape[0] == 2 else 0
@@ -105,10 +110,12 @@ class WorkerSide:
                 self._client, fmt, self.settings.save_buffer_bytes, self._counters, self._warn
             )
         logger.info(
-            "kvdepot: %d KV layers of shape %s (%s), codec %s, %d bytes per chunk",
+            "kvdepot: %d KV layers of shape %s (%s) in KV cache groups (%s), codec %s, "
+            "%d bytes per chunk",
             len(self._kv),
             tuple(first.shape),
             first.dtype,
+            self.groups.describe(),
             self._codec.name,
             chunk.size,
         )
@@ -117,7 +124,7 @@ class WorkerSide:
         """The plan's objects under this rank's shard keys (rank 0: unchanged)."""
         if self.ns.tp_rank == 0:
             return objects
-        return tuple(KVObject(shard_key(self.ns, o.key), o.blocks) for o in objects)
+        return tuple(replace(o, key=shard_key(self.ns, o.key)) for o in objects)
 
     # ------------------------------------------------------------- loads
     def start_load_kv(self, meta: KVDepotConnectorMetadata | None) -> None:
@@ -152,7 +159,7 @@ class WorkerSide:
         for plan, staging, n in zip(self._sync_plans, job.staging, ok, strict=True):
             if n:
                 try:
-                    self._scatter_layer(li, geo, staging[:n], plan.objects[:n], plan.skip_blocks)
+                    self._scatter_layer(li, geo, staging[:n], plan.objects[:n], plan.first_block)
                 except Corrupt as exc:
                     # Checksums matched but the codec rejects the bytes (a
                     # writer bug): recompute everything this step loaded.
@@ -184,13 +191,19 @@ class WorkerSide:
     def _account(self, plan: LoadPlan, loaded: int) -> None:
         """Count a finished load; blocks from its first missing object are recomputed."""
         assert self._fmt is not None
-        failed = {b for o in plan.objects[loaded:] for b in o.blocks} - plan.skip_blocks
-        self._load_errors |= failed
+        if loaded < len(plan.objects):
+            if self.groups.count > 1:
+                # Block ids name no request across groups: vLLM recomputes
+                # the whole request instead.
+                self._failed.add(plan.req_id)
+                loaded = 0
+            else:
+                self._load_errors |= {b for _, b in plan.loaded_positions(plan.objects[loaded:])}
         got = plan.objects[:loaded]
-        tokens = sum(1 for o in got for b in o.blocks if b not in plan.skip_blocks)
+        tokens = len(plan.loaded_positions(got))
         self._counters.add(
             chunks_loaded=loaded,
-            bytes_loaded=sum(self._fmt.geometry(len(o.blocks)).size for o in got),
+            bytes_loaded=sum(self._fmt.geometry(o.num_blocks).size for o in got),
             tokens_hit=tokens * self.layout.block_size,
             load_errors=len(plan.objects) - loaded,
         )
@@ -222,7 +235,7 @@ class WorkerSide:
                         n = sum(1 for i in g.index if i < ok)
                         if n:
                             self._scatter_layer(
-                                li, g.geometry, g.rows[:n], g.objects[:n], job.plan.skip_blocks
+                                li, g.geometry, g.rows[:n], g.objects[:n], job.plan.first_block
                             )
             except Corrupt as exc:
                 self._warn.warn(
@@ -238,11 +251,13 @@ class WorkerSide:
         geo: Geometry,
         rows: np.ndarray,
         objects: Sequence[KVObject],
-        skip: frozenset[int],
+        first_block: int,
     ) -> None:
         kv = self._kv[li]
-        flat = [b for o in objects for b in o.blocks]
-        keep = [i for i, b in enumerate(flat) if b not in skip]
+        group = self._layer_group[li]
+        flat = [pb for o in objects for pb in o.positioned(group)]
+        # Not the engine's own blocks, nor those its sliding window dropped.
+        keep = [i for i, (p, b) in enumerate(flat) if p >= first_block and b != NULL_BLOCK]
         if not keep:
             return
         start = geo.header + li * geo.layer_bytes
@@ -252,7 +267,7 @@ class WorkerSide:
         blocks = values.reshape(len(flat), *self._block_shape(kv))
         if len(keep) < len(flat):
             blocks = blocks.index_select(0, torch.tensor(keep, dtype=torch.long, device=kv.device))
-        ids = torch.tensor([flat[i] for i in keep], dtype=torch.long, device=kv.device)
+        ids = torch.tensor([flat[i][1] for i in keep], dtype=torch.long, device=kv.device)
         if self._block_dim == 0:
             kv.index_copy_(0, ids, blocks.to(kv.device))
         else:
@@ -277,7 +292,7 @@ class WorkerSide:
         for _, groups, _ in self._staged:
             for g in groups:
                 geo = g.geometry
-                flat = torch.tensor(g.flat_blocks(), dtype=torch.long)
+                flat = torch.tensor(g.flat_blocks(self._layer_group[li]), dtype=torch.long)
                 blocks = kv_layer.index_select(self._block_dim, flat.to(kv_layer.device))
                 if self._block_dim == 1:
                     blocks = blocks.transpose(0, 1).contiguous()
@@ -315,8 +330,9 @@ class WorkerSide:
             self._publisher.submit(req_id, groups, nbytes)
 
     # -------------------------------------------------------- completions
-    def get_finished(self) -> set[str]:
-        """Requests whose asynchronous load ended (loaded, failed or late)."""
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        """Requests whose asynchronous load ended (loaded, failed or late),
+        and of those the ones to recompute whole (several KV cache groups)."""
         forward, self._forward_ran = self._forward_ran, False
         if self._fetcher is not None and self._fetcher.pending():
             if not forward:
@@ -326,7 +342,8 @@ class WorkerSide:
             for job in self._fetcher.poll():
                 self._finish_async(job)
         done, self._recved = self._recved, set()
-        return done
+        failed, self._failed = self._failed, set()
+        return done, failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         # Called once per step after the forward pass: every layer was used.

@@ -5,9 +5,13 @@ Used by the connector tests and ``benchmarks/vllm_ttft.py``::
     python -m tests.integration.vllm.engine SPEC.json
 
 SPEC: ``{"model": dir, "prompts": [[ids…]…], "max_tokens": n, "logprobs": k,
-"kv": {…KVTransferConfig fields…} | null}``. Prints one JSON line with the
-generated tokens, their logprobs, the top-k per position, timings and the
-connector's process counters.
+"kv": {…KVTransferConfig fields…} | null}``, optionally ``"dtype"``,
+``"hybrid"`` (false: vLLM's hybrid KV cache manager off), ``"num_blocks"``
+(a KV cache that small), ``"together"`` (all prompts in one batch) and
+``"reset_cache"`` (vLLM's prefix cache and the connector's reset between
+prompts). Prints one JSON line with the generated tokens, their logprobs,
+the top-k per position, timings, the connector's process counters, whether
+the hybrid manager ran, and the engine's preemptions.
 """
 
 from __future__ import annotations
@@ -57,6 +61,68 @@ def build_tiny_llama(
     return path
 
 
+def build_tiny_gemma3(path: Path, *, sliding_window: int = 256, seed: int = 0) -> Path:
+    """A random-weight Gemma3 text model with one sliding-window and one
+    full-attention layer: vLLM's hybrid KV cache manager gives it two KV
+    cache groups."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    if (path / "config.json").exists():
+        return path
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(
+        vocab_size=1024,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        query_pre_attn_scalar=32,
+        sliding_window=sliding_window,
+        layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
+    model = Gemma3ForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.25)
+    model.to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def build_tiny_qwen2(path: Path, *, seed: int = 0) -> Path:
+    """A random-weight Qwen2 (attention with bias), saved in float32."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    if (path / "config.json").exists():
+        return path
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=1024,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.25)
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.5)  # q/k/v biases: they must move the KV
+    model.to(torch.float32).save_pretrained(path)
+    return path
+
+
 def engine_env(tmp: Path) -> dict[str, str]:
     """Environment that keeps vLLM in one process, small, and inside ``tmp``."""
     tmp.mkdir(parents=True, exist_ok=True)
@@ -83,15 +149,22 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm.config import KVTransferConfig
 
     kv = spec.get("kv")
+    extra: dict[str, Any] = {}
+    if spec.get("hybrid") is not None:
+        extra["disable_hybrid_kv_cache_manager"] = not spec["hybrid"]
+    if spec.get("num_blocks"):
+        extra["num_gpu_blocks_override"] = int(spec["num_blocks"])
+        extra["disable_log_stats"] = False  # to count preemptions
     llm = LLM(
         model=spec["model"],
         skip_tokenizer_init=True,
-        dtype="bfloat16",
+        dtype=spec.get("dtype", "bfloat16"),
         max_model_len=spec.get("max_model_len", 4096),
         distributed_executor_backend="uni",
         enable_prefix_caching=spec.get("prefix_caching", False),
         kv_transfer_config=KVTransferConfig(**kv) if kv else None,
         seed=0,
+        **extra,
     )
     params = SamplingParams(
         temperature=0.0,
@@ -106,7 +179,12 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         # First requests pay for kernel selection and allocation: not measured.
         llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=2), use_tqdm=False)
     outputs = []
-    for ids in spec["prompts"]:
+    if spec.get("together"):
+        batch = llm.generate([{"prompt_token_ids": ids} for ids in spec["prompts"]], params)
+        outputs = [_output(b.outputs[0], None) for b in batch]
+    for ids in [] if spec.get("together") else spec["prompts"]:
+        if spec.get("reset_cache") and outputs:
+            assert llm.reset_prefix_cache(reset_connector=True)
         ttft = None
         if spec.get("ttft"):
             # A one-token request alone: its latency is the prompt's prefill.
@@ -115,20 +193,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             llm.generate([{"prompt_token_ids": ids}], one, use_tqdm=False)
             ttft = time.perf_counter() - t0
         out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0]
-        logprobs = top = None
-        if out.logprobs is not None:
-            logprobs = [
-                round(float(lp[t].logprob), 4)
-                for t, lp in zip(out.token_ids, out.logprobs, strict=True)
-            ]
-            # Per position, the k most likely tokens (JSON keys are strings).
-            top = [
-                {str(t): round(float(x.logprob), 4) for t, x in lp.items()}
-                for lp in out.logprobs
-            ]
-        outputs.append(
-            {"tokens": list(out.token_ids), "logprobs": logprobs, "top": top, "ttft_s": ttft}
-        )
+        outputs.append(_output(out, ttft))
     stats: dict[str, int] = {}
     if kv:
         from kvdepot.connector.vllm import PROCESS_STATS, wait_published
@@ -136,7 +201,31 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         # Publishing runs behind the engine: count what it did once it is done.
         wait_published(30.0)
         stats = dict(PROCESS_STATS)
-    return {"outputs": outputs, "connector": stats}
+    config = llm.llm_engine.vllm_config
+    return {
+        "outputs": outputs,
+        "connector": stats,
+        "hybrid": not config.scheduler_config.disable_hybrid_kv_cache_manager,
+        "preemptions": _preemptions(llm) if spec.get("num_blocks") else None,
+    }
+
+
+def _output(out: Any, ttft: float | None) -> dict[str, Any]:
+    logprobs = top = None
+    if out.logprobs is not None:
+        logprobs = [
+            round(float(lp[t].logprob), 4)
+            for t, lp in zip(out.token_ids, out.logprobs, strict=True)
+        ]
+        # Per position, the k most likely tokens (JSON keys are strings).
+        top = [{str(t): round(float(x.logprob), 4) for t, x in lp.items()} for lp in out.logprobs]
+    return {"tokens": list(out.token_ids), "logprobs": logprobs, "top": top, "ttft_s": ttft}
+
+
+def _preemptions(llm: Any) -> int:
+    return int(
+        sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+    )
 
 
 def _plant_random(llm: Any, kv: dict[str, Any], prompts: list[list[int]]) -> None:

@@ -27,7 +27,7 @@ from kvdepot.proto.gen import store_pb2, store_pb2_grpc
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kvdepot[vllm]')")
 
-from .engine import build_tiny_llama, engine_env
+from .engine import build_tiny_gemma3, build_tiny_llama, build_tiny_qwen2, engine_env
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration, pytest.mark.timeout(1200)]
 
@@ -393,3 +393,66 @@ def test_a_bad_setting_stops_the_engine_at_start_naming_it(model: str, workdir: 
     # warm-up or compile ran.
     assert "KVDEPOT RESULT" not in proc.stdout
     assert "Compiling" not in proc.stderr and "warming up" not in proc.stderr.lower()
+
+
+def test_hybrid_sliding_window_model_under_vllms_hybrid_manager(
+    workdir: Path, cluster: LocalCluster
+) -> None:
+    """Gemma3 (a sliding-window layer of 256 tokens and a full-attention
+    layer) keeps vLLM's hybrid KV cache manager with kvdepot: two KV cache
+    groups, the window's group holding only its last blocks. A fresh engine
+    loads all 640 whole-block tokens of the 700 (the window's group only the
+    blocks inside its window), with or without the hybrid manager."""
+    model = str(build_tiny_gemma3(workdir / "tiny-gemma3", sliding_window=256))
+    prompt = rng.integers(1, 1000, 700).tolist()  # 2 chunks + 1 tail block
+    meta = cluster.metadata_address
+
+    def run(name: str, kvcfg: dict[str, Any] | None, **extra: Any) -> dict[str, Any]:
+        return run_engine(workdir, {**spec(model, [prompt], kvcfg), **extra}, name)
+
+    plain = run("gemma-plain", None)
+    assert plain["hybrid"]
+    both = kv("kv_both", meta, "store-0", chunk_tokens=256)
+    first = run("gemma-first", both)
+    assert first["hybrid"], "vLLM turned its hybrid manager off for kvdepot"
+    assert first["connector"]["chunks_saved"] == 3, first["connector"]  # 2 chunks + 1 block
+    assert same(first["outputs"][0], plain["outputs"][0])
+    for name, hybrid in (("gemma-hybrid", True), ("gemma-one-group", False)):
+        cons = kv("kv_consumer", meta, "store-1", chunk_tokens=256)
+        got = run(name, cons, hybrid=hybrid)
+        assert got["hybrid"] is hybrid
+        c = got["connector"]
+        assert c["tokens_hit"] == 640 and c["chunks_loaded"] == 3, (name, c)
+        assert c["load_errors"] == 0, (name, c)
+        assert same(got["outputs"][0], plain["outputs"][0]), name
+
+
+def test_a_sliding_window_shorter_than_a_chunk_is_refused_at_start(
+    workdir: Path, cluster: LocalCluster
+) -> None:
+    model = str(build_tiny_gemma3(workdir / "tiny-gemma3", sliding_window=256))
+    bad = kv("kv_both", cluster.metadata_address, chunk_tokens=512)
+    proc = start_engine(workdir, spec(model, [PROMPT_A], bad), "gemma-bad-chunk")
+    assert proc.returncode != 0
+    assert "chunk_tokens (512) is larger than the model's sliding window (256)" in proc.stderr
+    assert "KVDEPOT RESULT" not in proc.stdout
+
+
+def test_a_qwen2_model_with_attention_bias_in_float32(workdir: Path, cluster: LocalCluster) -> None:
+    """A second model family: Qwen2 (biased q/k/v projections), float32 KV."""
+    model = str(build_tiny_qwen2(workdir / "tiny-qwen2"))
+    prompts = [PROMPT_A, PROMPT_B]
+    meta = cluster.metadata_address
+
+    def run(name: str, kvcfg: dict[str, Any] | None) -> dict[str, Any]:
+        return run_engine(workdir, {**spec(model, prompts, kvcfg), "dtype": "float32"}, name)
+
+    plain = run("qwen-plain", None)["outputs"]
+    prod = run("qwen-producer", kv("kv_producer", meta, "store-0"))
+    assert (prod["connector"]["chunks_saved"], prod["connector"]["chunks_skipped"]) == (3, 2)
+    # float32: twice the bytes of the bf16 chunks of the same shape.
+    assert prod["connector"]["bytes_saved"] == 3 * (64 + 2 * 4 * CHUNK * 2 * 2 * 32)
+    cons = run("qwen-consumer", kv("kv_consumer", meta, "store-1"))
+    assert cons["connector"]["chunks_loaded"] == 5, cons["connector"]
+    assert all(same(x, y) for x, y in zip(cons["outputs"], plain, strict=True))
+    assert all(same(x, y) for x, y in zip(prod["outputs"], plain, strict=True))
