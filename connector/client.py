@@ -324,7 +324,7 @@ class KVDepotClient:
         key_tokens = _sequence(key_tokens or (), "key_tokens")
         if key_tokens and len(key_tokens) != len(ckeys):
             raise InvalidArgument(f"{len(key_tokens)} key_tokens for {len(ckeys)} keys")
-        if count not in _COUNT:
+        if not isinstance(count, str) or count not in _COUNT:
             raise InvalidArgument(f"count must be one of {', '.join(_COUNT)}, not {count!r}")
         try:
             tokens = [int(t) for t in key_tokens]
