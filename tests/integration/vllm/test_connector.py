@@ -425,6 +425,14 @@ def test_hybrid_sliding_window_model_under_vllms_hybrid_manager(
         assert c["tokens_hit"] == 640 and c["chunks_loaded"] == 3, (name, c)
         assert c["load_errors"] == 0, (name, c)
         assert same(got["outputs"][0], plain["outputs"][0]), name
+    # The store holding them is gone (still listed until its lease ends): with
+    # two KV cache groups a failed load recomputes the whole request.
+    cluster.stores[0].proc.kill()
+    cluster.stores[0].proc.wait(10)
+    lost = run("gemma-lost", kv("kv_consumer", meta, "store-1", chunk_tokens=256))
+    c = lost["connector"]
+    assert c["tokens_hit"] == 0 and c["load_errors"] == 3, c
+    assert same(lost["outputs"][0], plain["outputs"][0])
 
 
 def test_a_sliding_window_shorter_than_a_chunk_is_refused_at_start(
@@ -456,3 +464,40 @@ def test_a_qwen2_model_with_attention_bias_in_float32(workdir: Path, cluster: Lo
     assert cons["connector"]["chunks_loaded"] == 5, cons["connector"]
     assert all(same(x, y) for x, y in zip(cons["outputs"], plain, strict=True))
     assert all(same(x, y) for x, y in zip(prod["outputs"], plain, strict=True))
+
+
+def test_preempted_requests_resume_and_reset_cache_reloads(
+    model: str, workdir: Path, plain: list[dict[str, Any]], cluster: LocalCluster
+) -> None:
+    """A KV cache of 8 blocks for three 300-token prompts decoding 250
+    tokens each: vLLM preempts and resumes requests, and they come out as
+    in the plain engine under the same pressure. Then vLLM's reset_cache
+    with the connector: the engine's own prefix cache is emptied and the
+    next run of a prompt loads it from kvdepot."""
+    prompts = [rng.integers(1, 1000, 300).tolist() for _ in range(3)]
+    squeeze = {"num_blocks": 8, "max_model_len": 768, "together": True}
+    squeeze |= {"max_tokens": 250, "ignore_eos": True}
+    meta = cluster.metadata_address
+    ref = run_engine(workdir, {**spec(model, prompts, None), **squeeze}, "preempt-plain")
+    assert ref["preemptions"] > 0, "no preemption: the test would prove nothing"
+    got = run_engine(
+        workdir, {**spec(model, prompts, kv("kv_both", meta, "store-0")), **squeeze}, "preempt"
+    )
+    assert got["preemptions"] > 0
+    assert [o["tokens"] for o in got["outputs"]] == [o["tokens"] for o in ref["outputs"]]
+    # A resumed request may load the KV its decode computed where the plain
+    # one recomputes it in a prefill: bf16 rounds differently (see the tail test).
+    drift = [
+        abs(a - b)
+        for x, y in zip(got["outputs"], ref["outputs"], strict=True)
+        for a, b in zip(x["logprobs"], y["logprobs"], strict=True)
+    ]
+    assert max(drift) < 0.2, max(drift)
+    assert got["connector"]["load_errors"] == 0, got["connector"]
+
+    reset = {**spec(model, [PROMPT_C, PROMPT_C], kv("kv_both", meta, "store-1"))}
+    again = run_engine(workdir, {**reset, "prefix_caching": True, "reset_cache": True}, "reset")
+    c = again["connector"]
+    # The first run publishes 3 chunks; after the reset the second loads them.
+    assert c["chunks_saved"] == 3 and c["tokens_hit"] == 3 * CHUNK, c
+    assert all(same(o, plain[2]) for o in again["outputs"])
