@@ -22,6 +22,8 @@ import signal
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from kvdepot.errors import KVDepotError
+
 logger = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -39,7 +41,10 @@ def run_until_signal(main: Callable[[], Coroutine[Any, Any, None]]) -> int:
     Meant for a process's entry point: from the call on, SIGINT and SIGTERM
     never interrupt this process at a random point, during the cleanup nor
     after it (the process is about to exit then). Whatever ``main`` raises
-    other than its cancellation propagates.
+    other than the cancellation a signal asked for propagates.
+
+    Raises:
+        KVDepotError: ``main`` raised it, or was cancelled by no signal.
     """
     read_fd, write_fd = os.pipe()
     os.set_blocking(read_fd, False)
@@ -83,8 +88,12 @@ async def _serve(main: Callable[[], Coroutine[Any, Any, None]], read_fd: int) ->
 
     loop.add_reader(read_fd, on_signal)
     try:
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await task
+    except asyncio.CancelledError:
+        if not seen:
+            # Not stopped by us: a cancellation leaked out of the daemon.
+            # Exiting 0 without a word would look like a clean stop.
+            raise KVDepotError("the daemon stopped: cancelled without a signal") from None
     finally:
         loop.remove_reader(read_fd)
 
