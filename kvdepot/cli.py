@@ -7,8 +7,6 @@ is built here from CLI flags > ``KVDEPOT_*`` environment > ``--config`` file.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -18,13 +16,25 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
+from kvdepot.cli_settings import (
+    METADATA_FLAGS,
+    SECURITY_FLAGS,
+    STORE_FLAGS,
+    OneLineParser,
+    check_environment,
+    check_flag,
+    explained,
+    flag_values,
+    native_stderr_muted,
+    watermark_overrides,
+)
 from kvdepot.config import load_config
 from kvdepot.errors import KVDepotError
 
 logger = logging.getLogger("kvdepot")
 
 EXIT_ERROR = 1
-EXIT_USAGE = 2
+EXIT_USAGE = 2  # argparse's; see OneLineParser
 
 
 def _setup_logging(level: str, fmt: str) -> None:
@@ -39,23 +49,16 @@ def _announce(line: str) -> None:
 
 
 def _run_until_signal(main: Callable[[], Coroutine[Any, Any, None]]) -> int:
-    async def runner() -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, task.cancel)
-        with contextlib.suppress(asyncio.CancelledError):
-            await main()
+    from kvdepot.shutdown import run_until_signal
 
-    asyncio.run(runner())
-    return 0
+    return run_until_signal(main)
 
 
 # -- metadata -----------------------------------------------------------------
 def cmd_metadata(args: argparse.Namespace) -> int:
     from kvdepot.metadata.config import MetadataConfig
     from kvdepot.metadata.service import MetadataServer
+    from kvdepot.shutdown import finish
 
     config = load_config(
         MetadataConfig,
@@ -63,18 +66,8 @@ def cmd_metadata(args: argparse.Namespace) -> int:
         env=os.environ,
         file=args.config,
         section="metadata",
-        overrides={
-            "host": args.host,
-            "port": args.port,
-            "index": args.index,
-            "lease_ttl_s": args.lease_ttl,
-            "heartbeat_interval_s": args.heartbeat_interval,
-            "allocation_ttl_s": args.allocation_ttl,
-            "kv_events": args.kv_events,
-            "kv_events_replay": args.kv_events_replay,
-            "kv_events_block_size": args.kv_events_block_size,
-            "metrics_port": args.metrics_port,
-        },
+        overrides=flag_values(args, METADATA_FLAGS),
+        flags=METADATA_FLAGS,
     )
     security = _security(args)
     if args.check:
@@ -96,7 +89,7 @@ def cmd_metadata(args: argparse.Namespace) -> int:
         try:
             await server.wait()
         finally:
-            await server.stop()
+            await finish(server.stop())
 
     return _run_until_signal(main)
 
@@ -113,22 +106,14 @@ def cmd_store(args: argparse.Namespace) -> int:
         file=args.config,
         section="store",
         overrides={
-            "node_id": args.node_id,
-            "host": args.host,
-            "port": args.port,
-            "grpc_port": args.grpc_port,
-            "advertise_host": args.advertise_host,
-            "metadata": args.metadata,
-            "capacity_bytes": args.capacity,
-            "arena_path": args.arena_path,
-            "max_chunk_bytes": args.max_chunk,
+            **flag_values(args, STORE_FLAGS),
             "shm": False if args.no_shm else None,
             "force_node_id": True if args.force_node_id else None,
             "verify_shm_commits": True if args.verify_shm_commits else None,
-            "nixl": args.nixl,
-            "metrics_port": args.metrics_port,
-            **_tier_overrides(args),
+            "ssd_verify_on_open": False if args.no_ssd_verify else None,
+            **watermark_overrides(args),
         },
+        flags=STORE_FLAGS,
     )
     security = _security(args)
     if args.check:
@@ -145,12 +130,12 @@ def _add_tier_flags(s: argparse.ArgumentParser) -> None:
     t.add_argument("--ssd-capacity", help="SSD tier size (default 90%% of the free space)")
     t.add_argument("--ssd-segment", help="SSD segment file size (default min(64MiB, cap/8))")
     t.add_argument("--ssd-fsync", choices=["always", "segment", "never"], help="default segment")
-    t.add_argument("--ssd-io-threads", type=int, help="SSD writer threads (default 4)")
+    t.add_argument("--ssd-io-threads", help="SSD writer threads (default 4)")
     t.add_argument("--no-ssd-verify", action="store_true", help="do not check SSD chunks at start")
-    t.add_argument("--ssd-compact-ratio", type=float, help="freed share that compacts (0.5)")
+    t.add_argument("--ssd-compact-ratio", help="freed share that compacts (0.5)")
     t.add_argument("--eviction-policy", help="order tiers give chunks up in (default lru)")
-    t.add_argument("--promote-hits", type=int, help="SSD reads that promote to DRAM (1)")
-    t.add_argument("--gpu-promote-hits", type=int, help="DRAM reads that promote to GPU (2)")
+    t.add_argument("--promote-hits", help="SSD reads that promote to DRAM (1)")
+    t.add_argument("--gpu-promote-hits", help="DRAM reads that promote to GPU (2)")
     t.add_argument(
         "--watermarks",
         action="append",
@@ -162,37 +147,36 @@ def _add_tier_flags(s: argparse.ArgumentParser) -> None:
     t.add_argument("--demotion-buffer", help="most bytes on their way to SSD (default 256MiB)")
 
 
-def _tier_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "gpu_capacity_bytes": args.gpu_capacity,
-        "gpu_device": args.gpu_device,
-        "ssd_dir": args.ssd_dir,
-        "ssd_capacity_bytes": args.ssd_capacity,
-        "ssd_segment_bytes": args.ssd_segment,
-        "ssd_fsync": args.ssd_fsync,
-        "ssd_io_threads": args.ssd_io_threads,
-        "ssd_verify_on_open": False if args.no_ssd_verify else None,
-        "ssd_compact_ratio": args.ssd_compact_ratio,
-        "eviction_policy": args.eviction_policy,
-        "promote_hits": args.promote_hits,
-        "gpu_promote_hits": args.gpu_promote_hits,
-        "pin_memory": args.pin_memory,
-        "demotion_buffer_bytes": args.demotion_buffer,
-    }
-    for item in args.watermarks:
-        tier, sep, value = item.partition("=")
-        if not sep or tier not in ("gpu", "cpu", "ssd"):
-            raise KVDepotError(f"--watermarks {item!r}: use TIER=HIGH:LOW, TIER gpu, cpu or ssd")
-        out[f"{tier}_watermarks"] = value
-    return out
-
-
 # -- up -----------------------------------------------------------------------
+def _check_up_settings(args: argparse.Namespace) -> None:
+    """Validate what ``up``'s daemons will run with (its flags, and the
+    ``KVDEPOT_*`` environment they inherit) before starting any: one bad
+    value is one line here, not a daemon dying during startup."""
+    from kvdepot.metadata.config import MetadataConfig
+    from kvdepot.store.config import StoreConfig
+
+    load_config(
+        MetadataConfig,
+        prefix="KVDEPOT_METADATA_",
+        env=os.environ,
+        overrides={"host": args.host, "port": args.metadata_port, "index": args.index},
+        flags={"host": "--host", "port": "--metadata-port", "index": "--index"},
+    )
+    load_config(
+        StoreConfig,
+        prefix="KVDEPOT_STORE_",
+        env=os.environ,
+        overrides={"host": args.host, "capacity_bytes": args.capacity, "port": 0},
+        flags={"host": "--host", "capacity_bytes": "--capacity"},
+    )
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from kvdepot.cluster import LocalCluster
 
     if args.nodes < 1:
         raise KVDepotError("--nodes must be at least 1")
+    _check_up_settings(args)
     cluster = LocalCluster(
         nodes=args.nodes,
         metadata_port=args.metadata_port,
@@ -248,10 +232,14 @@ def cmd_stats(args: argparse.Namespace) -> int:
         env=os.environ,
         overrides={
             "metadata": args.metadata,
-            "rpc_timeout_s": args.timeout,
+            # Its own default deadline, under KVDEPOT_CLIENT_RPC_TIMEOUT_S.
+            "rpc_timeout_s": args.timeout
+            or (None if "KVDEPOT_CLIENT_RPC_TIMEOUT_S" in os.environ else "5"),
             "security": _security(args),
         },
+        flags={"metadata": "--metadata", "rpc_timeout_s": "--timeout"},
     )
+    check_flag(args.interval, "--interval")
     with KVDepotClient(config) as client:
         while True:
             data = stats_to_dict(client.stats())
@@ -263,7 +251,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
                 print(render_table(data), flush=True)
             if not args.watch:
                 return 0
-            time.sleep(args.interval)
+            time.sleep(float(args.interval))
 
 
 # -- demo ---------------------------------------------------------------------
@@ -336,10 +324,14 @@ def cmd_health(args: argparse.Namespace) -> int:
     with secure_channel(args.target, _security(args)) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
+                health_pb2.HealthCheckRequest(service=args.service),
+                timeout=check_flag(args.timeout, "--timeout"),
             )
         except grpc.RpcError as exc:
-            raise KVDepotError(f"health check of {args.target} failed: {exc.code().name}") from None
+            from kvdepot.errors import Unavailable
+
+            kind = Unavailable if exc.code() == grpc.StatusCode.UNAVAILABLE else KVDepotError
+            raise kind(f"health check of {args.target} failed: {exc.code().name}") from None
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     print(status)
     return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else EXIT_ERROR
@@ -429,6 +421,7 @@ def _security(args: argparse.Namespace) -> Any:
             "tls_client_auth": True if args.tls_client_auth else None,
             "tls_server_name": args.tls_server_name,
         },
+        SECURITY_FLAGS,
     )
 
 
@@ -439,7 +432,7 @@ def _asdict(obj: Any) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvdepot", description="KV cache store for LLM inference")
+    p = OneLineParser(prog="kvdepot", description="KV cache store for LLM inference")
     p.add_argument("--log-level", default="INFO", help="daemon log level (default INFO)")
     p.add_argument(
         "--log-format",
@@ -453,20 +446,20 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("metadata", help="run the metadata service")
     m.add_argument("--config", help="TOML/JSON file with a [metadata] table")
     m.add_argument("--host", help="bind address (default 127.0.0.1)")
-    m.add_argument("--port", type=int, help="gRPC port (default 7700; 0 picks one)")
+    m.add_argument("--port", help="gRPC port (default 7700; 0 picks one)")
     m.add_argument("--index", help="index backend URL (default memory://)")
-    m.add_argument("--lease-ttl", type=float, help="store lease in seconds (default 5)")
-    m.add_argument("--heartbeat-interval", type=float, help="store heartbeat seconds (default 1)")
-    m.add_argument("--allocation-ttl", type=float, help="uncommitted put lifetime (default 30)")
+    m.add_argument("--lease-ttl", help="store lease in seconds (default 5)")
+    m.add_argument("--heartbeat-interval", help="store heartbeat seconds (default 1)")
+    m.add_argument("--allocation-ttl", help="uncommitted put lifetime (default 30)")
     m.add_argument(
         "--kv-events",
         metavar="ENDPOINT",
         help="publish KV events (vLLM ZeroMQ format) on e.g. tcp://127.0.0.1:5557 (default off)",
     )
     m.add_argument("--kv-events-replay", metavar="ENDPOINT", help="replay socket (default port+1)")
-    m.add_argument("--kv-events-block-size", type=int, help="tokens per chunk in events (256)")
+    m.add_argument("--kv-events-block-size", help="tokens per chunk in events (256)")
     m.add_argument(
-        "--metrics-port", type=int, help="serve Prometheus /metrics on this port (default off)"
+        "--metrics-port", help="serve Prometheus /metrics on this port (default off)"
     )
     m.add_argument("--check", action="store_true", help="validate the config, print it, exit")
     _add_security_flags(m)
@@ -481,8 +474,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="take --node-id over even while another live store holds it (default: refuse)",
     )
     s.add_argument("--host", help="bind address (default 127.0.0.1)")
-    s.add_argument("--port", type=int, help="data-plane port (default 7800; 0 picks one)")
-    s.add_argument("--grpc-port", type=int, help="gRPC stats port (default 0: pick one)")
+    s.add_argument("--port", help="data-plane port (default 7800; 0 picks one)")
+    s.add_argument("--grpc-port", help="gRPC stats port (default 0: pick one)")
     s.add_argument("--advertise-host", help="host other nodes reach this one at")
     s.add_argument("--metadata", help="metadata service host:port (default 127.0.0.1:7700)")
     s.add_argument("--capacity", help="DRAM arena size, e.g. 4GiB (default 1GiB)")
@@ -496,7 +489,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--nixl", choices=["auto", "on", "off"], help="offer NIXL (RDMA) transfers")
     s.add_argument(
-        "--metrics-port", type=int, help="serve Prometheus /metrics on this port (default off)"
+        "--metrics-port", help="serve Prometheus /metrics on this port (default off)"
     )
     _add_tier_flags(s)
     s.add_argument("--check", action="store_true", help="validate the config, print it, exit")
@@ -519,8 +512,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--metadata", help="metadata host:port (default 127.0.0.1:7700)")
     st.add_argument("--json", action="store_true", help="print one JSON object")
     st.add_argument("--watch", action="store_true", help="refresh until interrupted")
-    st.add_argument("--interval", type=float, default=2.0, help="--watch period in seconds")
-    st.add_argument("--timeout", type=float, default=5.0, help="RPC deadline in seconds")
+    st.add_argument("--interval", default="2", help="--watch period in seconds")
+    st.add_argument("--timeout", help="RPC deadline in seconds (default 5)")
     _add_security_flags(st)
     st.set_defaults(func=cmd_stats)
 
@@ -575,7 +568,7 @@ def build_parser() -> argparse.ArgumentParser:
     h = sub.add_parser("health", help="gRPC health check of a daemon (exit 0 when SERVING)")
     h.add_argument("--target", default="127.0.0.1:7700", help="daemon gRPC host:port")
     h.add_argument("--service", default="", help="service name (default: the server)")
-    h.add_argument("--timeout", type=float, default=3.0, help="deadline in seconds")
+    h.add_argument("--timeout", default="3", help="deadline in seconds")
     _add_security_flags(h)
     h.set_defaults(func=cmd_health)
 
@@ -596,20 +589,27 @@ def build_parser() -> argparse.ArgumentParser:
     ce.add_argument("--days", type=int, default=365, help="validity in days (default 365)")
     ce.add_argument("--force", action="store_true", help="overwrite existing files")
     ce.set_defaults(func=cmd_certs)
+    for command in sub.choices.values():
+        # An unknown flag is reported by the command it was given to.
+        command.set_defaults(parser=command)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
+        check_environment()
         if args.log_format is None:
             args.log_format = os.environ.get("KVDEPOT_LOG_FORMAT", "text")
-        _setup_logging(args.log_level, args.log_format)
-        code: int = args.func(args)
+        with native_stderr_muted(args.command in ("stats", "health")):
+            _setup_logging(args.log_level, args.log_format)
+            code: int = args.func(args)
         return code
     except KVDepotError as exc:
-        print(f"kvdepot: error: {exc}", file=sys.stderr)
+        print(f"kvdepot: error: {explained(exc, args, lambda: _security(args))}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
         return 130

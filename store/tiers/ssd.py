@@ -208,13 +208,19 @@ class SsdTier(Tier):
         capacity = config.ssd_capacity_bytes
         if not capacity:
             capacity = default_capacity(config.ssd_dir)
+            share = round(DEFAULT_SHARE * 100)
+            if capacity < fmt.ALIGN:
+                raise InvalidArgument(
+                    f"ssd_dir {config.ssd_dir}: {share}% of the space free there is "
+                    f"{capacity} bytes, too little for an SSD tier (set --ssd-capacity)"
+                )
             # The operator did not choose this size: say what was taken.
             logger.info(
-                "ssd tier on %s takes %.1f GiB, %d%% of the space free there "
+                "ssd tier on %s takes %.2f GiB, %d%% of the space free there "
                 "(ssd_capacity_bytes / --ssd-capacity sets it)",
                 config.ssd_dir,
                 capacity / (1 << 30),
-                round(DEFAULT_SHARE * 100),
+                share,
             )
         return cls(
             config.ssd_dir,
@@ -234,13 +240,16 @@ class SsdTier(Tier):
             # not a tree to create on some other disk.
             self._dir.mkdir(exist_ok=True)
             fd = os.open(self._dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
-        except FileNotFoundError:
-            raise InvalidArgument(
-                f"ssd_dir {self._dir}: cannot be created: its parent "
-                f"{self._dir.absolute().parent} is not a directory"
-            ) from None
+        except FileNotFoundError as exc:
+            parent = self._dir.absolute().parent
+            if not parent.is_dir():
+                raise InvalidArgument(
+                    f"ssd_dir {self._dir}: cannot be created: its parent {parent} "
+                    "is not a directory"
+                ) from None
+            raise Unavailable(f"ssd_dir {self._dir}: cannot be created: {exc.strerror}") from None
         except OSError as exc:
-            raise Unavailable(f"cannot use ssd directory {self._dir}: {exc}") from exc
+            raise Unavailable(f"ssd_dir {self._dir}: cannot use it: {exc.strerror}") from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
