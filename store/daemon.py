@@ -15,22 +15,13 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
 import grpc
 
 from kvdepot.connector.metadata import parse_endpoints
-from kvdepot.errors import (
-    InvalidArgument,
-    KVDepotError,
-    NodeIdTaken,
-    PermissionDenied,
-    Unauthenticated,
-    Unavailable,
-)
+from kvdepot.errors import InvalidArgument, Unavailable
 from kvdepot.health import HealthState
 from kvdepot.metadata.keys import ChunkKey
-from kvdepot.metadata.types import LEASE_REMAINING_KEY
 from kvdepot.metrics import MetricsServer, StoreCollector, on_loop
 from kvdepot.proto.gen import common_pb2, metadata_pb2, metadata_pb2_grpc, store_pb2, store_pb2_grpc
 from kvdepot.security import NO_SECURITY, SecurityConfig, add_port, aio_channel, aio_server
@@ -40,9 +31,9 @@ from kvdepot.store.config import StoreConfig
 from kvdepot.store.dataplane import DataPlaneServer
 from kvdepot.store.host import default_arena_path, rdma_devices, reap_stale_arenas
 from kvdepot.store.identity import instance_identity
+from kvdepot.store.lease import MetadataLease
 from kvdepot.store.nixl_agent import StoreNixlAgent, nixl_available
 from kvdepot.store.protocol import AttachFlags, ProtocolLimits
-from kvdepot.store.repeat_log import RepeatLog
 from kvdepot.store.throughput import ThroughputMeter
 from kvdepot.store.tiers.factory import build_chunk_store
 
@@ -59,48 +50,6 @@ SAMPLE_S = 1.0
 REMOVED_SUMMARY_S = 10.0
 # Keys per ReportMoved call.
 MOVED_BATCH = 4096
-# A node id held by an instance that no longer heartbeats (a store restarted
-# without its SSD directory) is waited for, until its lease runs out; a lease
-# whose end moved later by more than this was renewed: the holder is alive.
-RENEWED_SLACK_S = 0.5
-# Attempts to reach an unanswering metadata service back off up to this
-# (or register_retry_s, if longer): well inside a lease.
-RETRY_CAP_S = 2.0
-
-_TOKEN_HINT = "; give it the cluster token (--auth-token-file / KVDEPOT_AUTH_TOKEN)"
-# Refusals of a registration that retrying cannot change, and what they raise.
-_REFUSALS: dict[grpc.StatusCode, tuple[type[KVDepotError], str]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: (InvalidArgument, ""),
-    grpc.StatusCode.UNAUTHENTICATED: (Unauthenticated, _TOKEN_HINT),
-    grpc.StatusCode.PERMISSION_DENIED: (PermissionDenied, ""),
-    grpc.StatusCode.UNIMPLEMENTED: (
-        Unavailable,
-        " (is that address a kvdepot metadata service?)",
-    ),
-}
-
-
-@dataclasses.dataclass(slots=True)
-class _Lease:
-    """Where this store stands with the metadata service."""
-
-    last_ok: float
-    registered: bool = False
-    failures: int = 0  # attempts in a row that found no service
-    # The end of another instance's lease on our node id, while we wait for it.
-    held_until: float | None = None
-    waited_from: float = 0.0
-
-
-def _lease_remaining(exc: grpc.aio.AioRpcError) -> float | None:
-    """Seconds left of the holder's lease, from a refused RegisterNode."""
-    # grpc.aio's Metadata iterates (key, value) pairs, whatever the stubs say.
-    trailing: Any = exc.trailing_metadata() or ()
-    for key, value in trailing:
-        if key == LEASE_REMAINING_KEY:
-            with contextlib.suppress(ValueError):
-                return max(0.0, int(value) / 1000)
-    return None
 
 
 class StoreServicer(store_pb2_grpc.StoreServicer):
@@ -176,18 +125,8 @@ class StoreDaemon:
         self._server: grpc.aio.Server | None = None
         self._endpoints = parse_endpoints(config.metadata)
         self._channels: list[grpc.aio.Channel] = []
-        self._current = 0
         self._tasks: list[asyncio.Task[None]] = []
-        self._heartbeat_s = 1.0
-        # The epoch of this instance's registration (0 before the first);
-        # heartbeats carry it, so that a replaced registration is never renewed.
-        self.epoch = 0
-        # Taking the node id over from a live instance is asked at start only:
-        # never again once registered, so two forcing stores cannot flap.
-        self._force = config.force_node_id
-        self._lease_s = 5.0  # until the metadata service tells its lease
-        self.registered = asyncio.Event()
-        self._repeats = RepeatLog(logger)
+        self.lease: MetadataLease | None = None  # from start()
         self._meter = ThroughputMeter(RATE_WINDOW_S)
         self._removed_count = 0  # since the last summary line
         self._removed_since = 0.0  # when the first of them left
@@ -283,8 +222,18 @@ class StoreDaemon:
             self.dataplane.attach_info, flags=flags, control_address=self.grpc_address
         )
         self._channels = [aio_channel(e, self.security) for e in self._endpoints]
+        self.lease = MetadataLease(
+            node_id=self.node_id,
+            endpoints=self._endpoints,
+            channels=self._channels,
+            health=health,
+            registration=self._registration,
+            heartbeat=self._heartbeat,
+            retry_s=self.config.register_retry_s,
+            force=self.config.force_node_id,
+        )
         self._tasks = [
-            asyncio.create_task(self._lease_forever()),
+            asyncio.create_task(self.lease.run()),
             asyncio.create_task(self._report_forever()),
             asyncio.create_task(self._sample_forever()),
         ]
@@ -323,8 +272,9 @@ class StoreDaemon:
         A metadata service that does not answer is retried, with backoff,
         for as long as it takes: whoever waits for this bounds the wait.
         """
+        assert self.lease is not None
         lease = self._tasks[0]
-        registered = asyncio.ensure_future(self.registered.wait())
+        registered = asyncio.ensure_future(self.lease.registered.wait())
         try:
             await asyncio.wait((lease, registered), return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -395,7 +345,7 @@ class StoreDaemon:
             for t in self.chunks.tier_stats()
         ]
 
-    async def _register(self, stub: metadata_pb2_grpc.MetadataStub) -> None:
+    def _registration(self) -> metadata_pb2.RegisterNodeRequest:
         inventory = [
             common_pb2.ChunkRef(key=h.key, size=h.size, tier=h.tier) for h in self.chunks.holdings()
         ]
@@ -403,214 +353,19 @@ class StoreDaemon:
         self._removed.clear()
         self._moved.clear()
         self._moves_recorded = True
-        reply = await stub.RegisterNode(
-            metadata_pb2.RegisterNodeRequest(
-                node_id=self.node_id,
-                address=self.address,
-                grpc_address=self.grpc_address,
-                tiers=self._tiers(),
-                inventory=inventory,
-                instance_id=self.instance_id,
-                force=self._force,
-            ),
-            timeout=10,
+        return metadata_pb2.RegisterNodeRequest(
+            node_id=self.node_id,
+            address=self.address,
+            grpc_address=self.grpc_address,
+            tiers=self._tiers(),
+            inventory=inventory,
+            instance_id=self.instance_id,
         )
-        self._force = False
-        self.epoch = reply.epoch
-        self._heartbeat_s = max(0.05, reply.heartbeat_interval_ms / 1000)
-        if reply.lease_ttl_ms:
-            self._lease_s = reply.lease_ttl_ms / 1000
-        logger.info(
-            "registered with metadata %s (%d chunks, epoch %d)",
-            self._endpoints[self._current],
-            len(inventory),
-            self.epoch,
-            extra={
-                "event": "registered",
-                "node": self.node_id,
-                "chunks": len(inventory),
-                "epoch": self.epoch,
-            },
+
+    def _heartbeat(self) -> metadata_pb2.HeartbeatRequest:
+        return metadata_pb2.HeartbeatRequest(
+            node_id=self.node_id, tiers=self._tiers(), transfer=self._transfer()
         )
-        self.registered.set()
-
-    def _stub(self) -> metadata_pb2_grpc.MetadataStub:
-        return metadata_pb2_grpc.MetadataStub(self._channels[self._current])
-
-    def _fail_over(self) -> None:
-        # Replicas share the index: any of them can take our heartbeats.
-        if len(self._channels) > 1:
-            self._current = (self._current + 1) % len(self._channels)
-            self._repeats.failed(
-                "failover", logging.WARNING, "failing over to metadata %s", self._endpoint()
-            )
-
-    def _endpoint(self) -> str:
-        return self._endpoints[self._current]
-
-    async def _lease_forever(self) -> None:
-        health = self.health
-        assert health is not None
-        lease = _Lease(last_ok=time.monotonic())
-        while True:
-            try:
-                await self._renew(lease)
-            except grpc.aio.AioRpcError as exc:
-                delay = self._lease_refused(exc, lease)
-                if delay is None:
-                    delay = self._outage(exc, lease)
-                    lost_s = time.monotonic() - lease.last_ok
-                    if lost_s > self._lease_s:
-                        # Our lease has run out: the cluster no longer sees this node.
-                        await health.set(
-                            False, f"no metadata service for {lost_s:.1f} s: {exc.code().name}"
-                        )
-                if delay:
-                    await asyncio.sleep(delay)
-                continue
-            self._lease_answered(lease)
-            await health.set(True, "holds a metadata lease")
-            await asyncio.sleep(self._heartbeat_s)
-
-    async def _renew(self, lease: _Lease) -> None:
-        """Register (when not registered) or heartbeat, once."""
-        stub = self._stub()
-        if not lease.registered:
-            await self._register(stub)
-            lease.registered = True
-            lease.held_until = None
-            return
-        reply = await stub.Heartbeat(
-            metadata_pb2.HeartbeatRequest(
-                node_id=self.node_id,
-                tiers=self._tiers(),
-                transfer=self._transfer(),
-                epoch=self.epoch,
-            ),
-            timeout=max(1.0, self._heartbeat_s * 2),
-        )
-        if reply.lease_ttl_ms:
-            self._lease_s = reply.lease_ttl_ms / 1000
-
-    def _lease_refused(self, exc: grpc.aio.AioRpcError, lease: _Lease) -> float | None:
-        """What a refusal of the service means: the delay before the next
-        attempt, or ``None`` for a failure to retry with backoff.
-
-        Raises:
-            KVDepotError: A refusal that retrying cannot change: this store
-                cannot serve (see :meth:`wait`).
-        """
-        code = exc.code()
-        if code == grpc.StatusCode.NOT_FOUND:
-            # Our lease expired or the index was lost: re-announce.
-            self._repeats.failed(
-                "forgotten", logging.WARNING, "metadata forgot this node; registering again"
-            )
-            lease.registered = False
-            return 0.0
-        if code == grpc.StatusCode.ALREADY_EXISTS and not lease.registered:
-            return self._node_id_held(exc, lease)
-        if code == grpc.StatusCode.FAILED_PRECONDITION and lease.registered:
-            # Our registration was replaced (the id was taken over): this
-            # instance no longer owns it. Registering again is refused while
-            # the other instance lives, which stops us.
-            logger.error(
-                "metadata %s refused this store's heartbeat: %s",
-                self._endpoint(),
-                exc.details(),
-                extra={"event": "heartbeat_refused", "node": self.node_id},
-            )
-            lease.registered = False
-            return 0.0
-        fatal = _REFUSALS.get(code)
-        if fatal is not None and not lease.registered:
-            # The request is ours and will not change: retrying it is
-            # refused forever (INVALID_ARGUMENT); a token, or the service at
-            # that address, is fixed until a restart. Once this store has
-            # served, it keeps its chunks for the clients that reach it.
-            cls, hint = fatal
-            if code == grpc.StatusCode.INVALID_ARGUMENT or not self.registered.is_set():
-                raise cls(
-                    f"metadata {self._endpoint()} refused store {self.node_id!r}: "
-                    f"{exc.details() or code.name}{hint}"
-                ) from None
-        return None
-
-    def _node_id_held(self, exc: grpc.aio.AioRpcError, lease: _Lease) -> float:
-        # Another instance holds the node id. Serving under it would corrupt
-        # the index: fatal (see wait()), unless its lease is running out
-        # unrenewed (it crashed or stopped).
-        now = time.monotonic()
-        remaining = _lease_remaining(exc)
-        if remaining is not None and lease.held_until is None:
-            lease.held_until, lease.waited_from = now + remaining, now
-            logger.info(
-                "node id %s is held by another instance; waiting up to %.1f s "
-                "for its lease to run out",
-                self.node_id,
-                remaining,
-            )
-        if (
-            remaining is None
-            or lease.held_until is None
-            or now + remaining > lease.held_until + RENEWED_SLACK_S
-            or now - lease.waited_from > remaining + self._lease_s + 10
-        ):
-            raise NodeIdTaken(
-                f"metadata {self._endpoint()} refused store {self.node_id}: {exc.details()}"
-            ) from None
-        return min(self.config.register_retry_s, remaining + 0.05)
-
-    def _outage(self, exc: grpc.aio.AioRpcError, lease: _Lease) -> float:
-        """Log a failed attempt (at most one line per kind and interval, with
-        a count) and fail over; returns the delay before the next attempt."""
-        code = exc.code()
-        extra = {"event": "metadata_unreachable", "node": self.node_id, "code": code.name}
-        if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-            self._repeats.failed(
-                "refused",
-                logging.ERROR,
-                "metadata %s refused this store (%s: %s)%s",
-                self._endpoint(),
-                code.name,
-                exc.details(),
-                _TOKEN_HINT,
-                extra=extra,
-            )
-        else:
-            self._repeats.failed(
-                "unreachable",
-                logging.WARNING,
-                "metadata %s unreachable (%s: %s)",
-                self._endpoint(),
-                code.name,
-                exc.details(),
-                extra=extra,
-            )
-        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-            self._fail_over()
-        lease.failures += 1
-        # Every replica is tried at the base delay; each round that all of
-        # them failed doubles it, up to a cap well inside a lease.
-        rounds = min(lease.failures // len(self._endpoints), 8)
-        base = self.config.register_retry_s
-        return float(min(max(base, RETRY_CAP_S), base * 2**rounds))
-
-    def _lease_answered(self, lease: _Lease) -> None:
-        lease.last_ok = time.monotonic()
-        lease.failures = 0
-        for kind in ("failover", "forgotten"):
-            self._repeats.ended(kind)
-        for kind in ("unreachable", "refused"):
-            ended = self._repeats.ended(kind)
-            if ended is not None:
-                logger.info(
-                    "metadata %s answers again, after %d failed attempts in %.1f s",
-                    self._endpoint(),
-                    ended[0],
-                    ended[1],
-                    extra={"event": "metadata_reachable", "node": self.node_id},
-                )
 
     async def _sample_forever(self) -> None:
         """Sample the transfer counters; summarise evictions in one line."""
@@ -644,7 +399,8 @@ class StoreDaemon:
             # per put (a lookup meanwhile may name a chunk that is gone: a miss).
             await asyncio.sleep(_REPORT_GATHER_S)
             self._removed_event.clear()
-            await self.registered.wait()
+            assert self.lease is not None
+            await self.lease.registered.wait()
             # A key written again since its eviction is still held.
             keys = [k for k in self._removed if not self.chunks.contains(k)]
             self._removed.clear()
@@ -661,6 +417,10 @@ class StoreDaemon:
                 self._removed.update(keys)
                 await asyncio.sleep(self.config.register_retry_s)
                 self._removed_event.set()
+
+    def _stub(self) -> metadata_pb2_grpc.MetadataStub:
+        assert self.lease is not None
+        return self.lease.stub()
 
     async def _report_moved(self) -> None:
         """Tell the metadata service the tier each moved chunk is in now."""

@@ -1,0 +1,315 @@
+"""A store's lease with the metadata service: registration, heartbeats, failover.
+
+The store registers (with its inventory) and then heartbeats; the metadata
+service lists it, and clients find it, while its lease lasts. A refusal that
+retrying cannot change ends the lease (and the store); a service that does
+not answer is retried with backoff, over every replica, for as long as the
+store runs, each kind of failure logged once and then with a count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from kvdepot.errors import (
+    InvalidArgument,
+    KVDepotError,
+    NodeIdTaken,
+    PermissionDenied,
+    Unauthenticated,
+    Unavailable,
+)
+from kvdepot.health import HealthState
+from kvdepot.metadata.types import LEASE_REMAINING_KEY
+from kvdepot.proto.gen import metadata_pb2, metadata_pb2_grpc
+from kvdepot.store.repeat_log import RepeatLog
+
+logger = logging.getLogger(__name__)
+
+# A node id held by an instance that no longer heartbeats (a store restarted
+# without its SSD directory) is waited for, until its lease runs out; a lease
+# whose end moved later by more than this was renewed: the holder is alive.
+RENEWED_SLACK_S = 0.5
+# Attempts to reach an unanswering metadata service back off up to this
+# (or the retry delay, if longer): well inside a lease.
+RETRY_CAP_S = 2.0
+
+_TOKEN_HINT = "; give it the cluster token (--auth-token-file / KVDEPOT_AUTH_TOKEN)"
+# Refusals of a registration that retrying cannot change, and what they raise.
+_REFUSALS: dict[grpc.StatusCode, tuple[type[KVDepotError], str]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: (InvalidArgument, ""),
+    grpc.StatusCode.UNAUTHENTICATED: (Unauthenticated, _TOKEN_HINT),
+    grpc.StatusCode.PERMISSION_DENIED: (PermissionDenied, ""),
+    grpc.StatusCode.UNIMPLEMENTED: (
+        Unavailable,
+        " (is that address a kvdepot metadata service?)",
+    ),
+}
+
+
+def _lease_remaining(exc: grpc.aio.AioRpcError) -> float | None:
+    """Seconds left of the holder's lease, from a refused RegisterNode."""
+    # grpc.aio's Metadata iterates (key, value) pairs, whatever the stubs say.
+    trailing: Any = exc.trailing_metadata() or ()
+    for key, value in trailing:
+        if key == LEASE_REMAINING_KEY:
+            with contextlib.suppress(ValueError):
+                return max(0.0, int(value) / 1000)
+    return None
+
+
+class MetadataLease:
+    """This store's registration with the metadata service(s), kept alive.
+
+    Args:
+        node_id: The store's node id.
+        endpoints: The metadata replicas' addresses, one channel each.
+        channels: Their channels (the caller closes them).
+        health: Set SERVING while the lease holds.
+        registration: The RegisterNode request of this moment (its
+            inventory); ``force`` and nothing else is set here.
+        heartbeat: The Heartbeat request of this moment; ``epoch`` is set here.
+        retry_s: Base delay between attempts that found no service.
+        force: Take the node id over at the first registration.
+    """
+
+    def __init__(
+        self,
+        *,
+        node_id: str,
+        endpoints: list[str],
+        channels: list[grpc.aio.Channel],
+        health: HealthState,
+        registration: Callable[[], metadata_pb2.RegisterNodeRequest],
+        heartbeat: Callable[[], metadata_pb2.HeartbeatRequest],
+        retry_s: float,
+        force: bool = False,
+    ) -> None:
+        self.node_id = node_id
+        self._endpoints = endpoints
+        self._channels = channels
+        self._current = 0
+        self._health = health
+        self._registration = registration
+        self._heartbeat = heartbeat
+        self._retry_s = retry_s
+        # Taking the node id over from a live instance is asked at start only:
+        # never again once registered, so two forcing stores cannot flap.
+        self._force = force
+        # The epoch of this instance's registration (0 before the first);
+        # heartbeats carry it, so that a replaced registration is never renewed.
+        self.epoch = 0
+        self.heartbeat_s = 1.0
+        self.lease_s = 5.0  # until the metadata service tells its lease
+        self.registered = asyncio.Event()  # set at the first registration
+        self._repeats = RepeatLog(logger)
+        # Where this store stands now.
+        self._holds = False  # registered and not told otherwise since
+        self._failures = 0  # attempts in a row that found no service
+        self._last_ok = time.monotonic()
+        # The end of another instance's lease on our node id, while we wait for it.
+        self._held_until: float | None = None
+        self._waited_from = 0.0
+
+    def stub(self) -> metadata_pb2_grpc.MetadataStub:
+        """A stub of the replica in use."""
+        return metadata_pb2_grpc.MetadataStub(self._channels[self._current])
+
+    @property
+    def endpoint(self) -> str:
+        return self._endpoints[self._current]
+
+    async def run(self) -> None:
+        """Hold the lease until cancelled; raise why this store cannot.
+
+        Raises:
+            KVDepotError: A refusal that retrying cannot change (see
+                :meth:`StoreDaemon.wait`).
+        """
+        while True:
+            try:
+                await self._renew()
+            except grpc.aio.AioRpcError as exc:
+                delay = self._refused(exc)
+                if delay is None:
+                    delay = self._outage(exc)
+                    lost_s = time.monotonic() - self._last_ok
+                    if lost_s > self.lease_s:
+                        # Our lease has run out: the cluster no longer sees this node.
+                        await self._health.set(
+                            False, f"no metadata service for {lost_s:.1f} s: {exc.code().name}"
+                        )
+                if delay:
+                    await asyncio.sleep(delay)
+                continue
+            self._answered()
+            await self._health.set(True, "holds a metadata lease")
+            await asyncio.sleep(self.heartbeat_s)
+
+    async def _renew(self) -> None:
+        """Register (when not registered) or heartbeat, once."""
+        stub = self.stub()
+        if self._holds:
+            request = self._heartbeat()
+            request.epoch = self.epoch
+            reply = await stub.Heartbeat(request, timeout=max(1.0, self.heartbeat_s * 2))
+            if reply.lease_ttl_ms:
+                self.lease_s = reply.lease_ttl_ms / 1000
+            return
+        registration = self._registration()
+        registration.force = self._force
+        answer = await stub.RegisterNode(registration, timeout=10)
+        self._force = False
+        self._holds = True
+        self._held_until = None
+        self.epoch = answer.epoch
+        self.heartbeat_s = max(0.05, answer.heartbeat_interval_ms / 1000)
+        if answer.lease_ttl_ms:
+            self.lease_s = answer.lease_ttl_ms / 1000
+        chunks = len(registration.inventory)
+        logger.info(
+            "registered with metadata %s (%d chunks, epoch %d)",
+            self.endpoint,
+            chunks,
+            self.epoch,
+            extra={
+                "event": "registered",
+                "node": self.node_id,
+                "chunks": chunks,
+                "epoch": self.epoch,
+            },
+        )
+        self.registered.set()
+
+    def _fail_over(self) -> None:
+        # Replicas share the index: any of them can take our heartbeats.
+        if len(self._channels) > 1:
+            self._current = (self._current + 1) % len(self._channels)
+            self._repeats.failed(
+                "failover", logging.WARNING, "failing over to metadata %s", self.endpoint
+            )
+
+    def _refused(self, exc: grpc.aio.AioRpcError) -> float | None:
+        """What a refusal of the service means: the delay before the next
+        attempt, or ``None`` for a failure to retry with backoff.
+
+        Raises:
+            KVDepotError: A refusal that retrying cannot change.
+        """
+        code = exc.code()
+        if code == grpc.StatusCode.NOT_FOUND:
+            # Our lease expired or the index was lost: re-announce.
+            self._repeats.failed(
+                "forgotten", logging.WARNING, "metadata forgot this node; registering again"
+            )
+            self._holds = False
+            return 0.0
+        if code == grpc.StatusCode.ALREADY_EXISTS and not self._holds:
+            return self._node_id_held(exc)
+        if code == grpc.StatusCode.FAILED_PRECONDITION and self._holds:
+            # Our registration was replaced (the id was taken over): this
+            # instance no longer owns it. Registering again is refused while
+            # the other instance lives, which stops us.
+            logger.error(
+                "metadata %s refused this store's heartbeat: %s",
+                self.endpoint,
+                exc.details(),
+                extra={"event": "heartbeat_refused", "node": self.node_id},
+            )
+            self._holds = False
+            return 0.0
+        fatal = _REFUSALS.get(code)
+        if fatal is not None and not self._holds:
+            # The request is ours and will not change: retrying it is
+            # refused forever (INVALID_ARGUMENT); a token, or the service at
+            # that address, is fixed until a restart. Once this store has
+            # served, it keeps its chunks for the clients that reach it.
+            cls, hint = fatal
+            if code == grpc.StatusCode.INVALID_ARGUMENT or not self.registered.is_set():
+                raise cls(
+                    f"metadata {self.endpoint} refused store {self.node_id!r}: "
+                    f"{exc.details() or code.name}{hint}"
+                ) from None
+        return None
+
+    def _node_id_held(self, exc: grpc.aio.AioRpcError) -> float:
+        # Another instance holds the node id. Serving under it would corrupt
+        # the index: fatal (see wait()), unless its lease is running out
+        # unrenewed (it crashed or stopped).
+        now = time.monotonic()
+        remaining = _lease_remaining(exc)
+        if remaining is not None and self._held_until is None:
+            self._held_until, self._waited_from = now + remaining, now
+            logger.info(
+                "node id %s is held by another instance; waiting up to %.1f s "
+                "for its lease to run out",
+                self.node_id,
+                remaining,
+            )
+        if (
+            remaining is None
+            or self._held_until is None
+            or now + remaining > self._held_until + RENEWED_SLACK_S
+            or now - self._waited_from > remaining + self.lease_s + 10
+        ):
+            raise NodeIdTaken(
+                f"metadata {self.endpoint} refused store {self.node_id}: {exc.details()}"
+            ) from None
+        return min(self._retry_s, remaining + 0.05)
+
+    def _outage(self, exc: grpc.aio.AioRpcError) -> float:
+        """Log a failed attempt (at most one line per kind and interval, with
+        a count) and fail over; returns the delay before the next attempt."""
+        code = exc.code()
+        extra = {"event": "metadata_unreachable", "node": self.node_id, "code": code.name}
+        if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+            self._repeats.failed(
+                "refused",
+                logging.ERROR,
+                "metadata %s refused this store (%s: %s)%s",
+                self.endpoint,
+                code.name,
+                exc.details(),
+                _TOKEN_HINT,
+                extra=extra,
+            )
+        else:
+            self._repeats.failed(
+                "unreachable",
+                logging.WARNING,
+                "metadata %s unreachable (%s: %s)",
+                self.endpoint,
+                code.name,
+                exc.details(),
+                extra=extra,
+            )
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            self._fail_over()
+        self._failures += 1
+        # Every replica is tried at the base delay; each round that all of
+        # them failed doubles it, up to a cap well inside a lease.
+        rounds = min(self._failures // len(self._endpoints), 8)
+        return float(min(max(self._retry_s, RETRY_CAP_S), self._retry_s * 2**rounds))
+
+    def _answered(self) -> None:
+        self._last_ok = time.monotonic()
+        self._failures = 0
+        for kind in ("failover", "forgotten"):
+            self._repeats.ended(kind)
+        for kind in ("unreachable", "refused"):
+            ended = self._repeats.ended(kind)
+            if ended is not None:
+                logger.info(
+                    "metadata %s answers again, after %d failed attempts in %.1f s",
+                    self.endpoint,
+                    ended[0],
+                    ended[1],
+                    extra={"event": "metadata_reachable", "node": self.node_id},
+                )
