@@ -58,7 +58,7 @@ def _run_until_signal(main: Callable[[], Coroutine[Any, Any, None]]) -> int:
 def cmd_metadata(args: argparse.Namespace) -> int:
     from kvdepot.metadata.config import MetadataConfig
     from kvdepot.metadata.service import MetadataServer
-    from kvdepot.shutdown import finish
+    from kvdepot.shutdown import finish, uninterrupted
 
     config = load_config(
         MetadataConfig,
@@ -76,17 +76,18 @@ def cmd_metadata(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         server = MetadataServer(config, security)
-        port = await server.start()
-        ready: dict[str, Any] = {
-            "role": "metadata",
-            "port": port,
-            "metrics_port": server.metrics_port,
-        }
-        if server.events is not None:
-            ready["kv_events"] = server.events.endpoint
-            ready["kv_events_replay"] = server.events.replay_endpoint
-        _announce("KVDEPOT READY " + json.dumps(ready))
         try:
+            # A signal while starting stops it once started (see run_store).
+            port = await uninterrupted(server.start())
+            ready: dict[str, Any] = {
+                "role": "metadata",
+                "port": port,
+                "metrics_port": server.metrics_port,
+            }
+            if server.events is not None:
+                ready["kv_events"] = server.events.endpoint
+                ready["kv_events_replay"] = server.events.replay_endpoint
+            _announce("KVDEPOT READY " + json.dumps(ready))
             await server.wait()
         finally:
             await finish(server.stop())
@@ -196,7 +197,12 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    cluster.start()
+    try:
+        cluster.start()  # stops what it started if it fails
+    except KVDepotError:
+        if stop:  # interrupted: a daemon stopped by the signal is no error
+            return 130
+        raise
     try:
         print(f"kvdepot cluster up: metadata {cluster.metadata_address}", flush=True)
         for s in cluster.stores:

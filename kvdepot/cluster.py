@@ -197,13 +197,20 @@ class LocalCluster:
             self._logs.append(log)
             stderr = log
         fmt = ["--log-format", self.log_format] if self.log_format else []
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvdepot.cli", *fmt, *args, *self._security_args()],
-            stdout=subprocess.PIPE,
-            stderr=stderr,
-            stdin=subprocess.DEVNULL,
-            env=self.env,
-        )
+        # A Ctrl-C while a daemon still imports would print its KeyboardInterrupt
+        # traceback: it starts with SIGINT blocked (the mask is inherited) and
+        # takes it once its handler is in place (kvdepot.shutdown).
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "kvdepot.cli", *fmt, *args, *self._security_args()],
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+            )
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         return DaemonProcess(name, proc)
 
     def _security_args(self) -> list[str]:

@@ -19,14 +19,16 @@ import contextlib
 import logging
 import os
 import signal
-from collections.abc import Callable, Coroutine
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
 
 from kvdepot.errors import KVDepotError
 
 logger = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+T = TypeVar("T")
 
 
 def _noted(signum: int, frame: object) -> None:
@@ -55,6 +57,8 @@ def run_until_signal(main: Callable[[], Coroutine[Any, Any, None]]) -> int:
     # thread the kernel picked; the loop reads it (asyncio's own signal
     # handling closes its fd with the loop, while signals may still come).
     previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    # A parent may start us with them blocked until now (LocalCluster does).
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
     try:
         asyncio.run(_serve(main, read_fd))
     finally:
@@ -119,3 +123,25 @@ async def finish(cleanup: Coroutine[Any, Any, None]) -> None:
                 return
             if current is not None:
                 current.uncancel()
+
+
+async def uninterrupted(step: Awaitable[T]) -> T:
+    """Await ``step`` to its end, then deliver a cancellation that came meanwhile.
+
+    For a daemon's start: a gRPC server cancelled half way through its start
+    fails its own shutdown later (``InvalidStateError``, from its finaliser
+    once the loop is gone); started, it stops cleanly.
+    """
+    task = asyncio.ensure_future(step)
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(task)
+            break
+        except asyncio.CancelledError:
+            if task.done():
+                raise
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return result

@@ -25,7 +25,7 @@ from kvdepot.metadata.keys import ChunkKey
 from kvdepot.metrics import MetricsServer, StoreCollector, on_loop
 from kvdepot.proto.gen import common_pb2, metadata_pb2, metadata_pb2_grpc, store_pb2, store_pb2_grpc
 from kvdepot.security import NO_SECURITY, SecurityConfig, add_port, aio_channel, aio_server
-from kvdepot.shutdown import finish
+from kvdepot.shutdown import finish, uninterrupted
 from kvdepot.store.chunks import ChunkStore
 from kvdepot.store.config import StoreConfig
 from kvdepot.store.dataplane import DataPlaneServer
@@ -530,7 +530,7 @@ async def run_store(
     daemon = StoreDaemon(config, security)
     try:
         # Inside: a start that fails (a port in use) still frees the arena.
-        await daemon.start()
+        await uninterrupted(daemon.start())
         # READY says a client can use this store: not before it registered.
         await daemon.wait_registered()
         if announce is not None:

@@ -165,3 +165,43 @@ def test_a_store_signalled_again_while_stopping_frees_its_arena(tmp_path: Path) 
         meta.wait(timeout=30)
         assert meta.stdout is not None
         meta.stdout.close()
+
+
+def test_ctrl_c_while_up_starts_stops_everything_quietly() -> None:
+    # At various points of the start: daemons importing, binding, registering.
+    for delay in (0.3, 0.8, 1.3, 2.0):
+        cmd = [
+            sys.executable, "-m", "kvdepot.cli", "up",
+            "--nodes", "2",
+            "--metadata-port", str(free_port()),
+            "--capacity", "16MiB",
+            "--metrics",
+        ]  # fmt: skip
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            start_new_session=True,
+        )
+        daemons: set[int] = set()
+        deadline = time.monotonic() + delay
+        while time.monotonic() < deadline:
+            daemons.update(children(proc.pid))
+            time.sleep(0.02)
+        try:
+            daemons.update(children(proc.pid))
+            os.killpg(proc.pid, signal.SIGINT)
+            _, stderr = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        # Interrupted while starting (130), or once it had started (0).
+        assert proc.returncode in (0, 130), (delay, proc.returncode, stderr[-3000:])
+        assert "kvdepot: error" not in stderr, stderr[-3000:]
+        assert_clean_stderr(stderr)
+        assert "ERROR" not in stderr, stderr[-3000:]
+        assert not arenas_of(sorted(daemons)), f"an arena was left behind (at {delay} s)"
+        assert not [p for p in daemons if alive(p)], "a daemon outlived kvdepot up"
