@@ -12,6 +12,14 @@ builds, each in its own process, against real kvdepot daemons:
    chat's next turn, and matches the plain engine.
 3. **Layout and codec**: the same with ``fp8_e4m3`` chunks (bytes per chunk
    halved; tokens compared loosely).
+4. **Hybrid model**: a Gemma3 (sliding-window and full-attention layers)
+   under vLLM's hybrid KV cache manager: a fresh engine loads its prompt.
+5. **Preemption**: three long sequences in a KV cache too small for them;
+   the preempted requests resume and match the plain engine under the same
+   pressure.
+
+Saves on a GPU are copied out on a CUDA stream of their own into pinned
+memory; every consumer check above reads what such saves published.
 
 Run on a CUDA machine: ``python benchmarks/gpu_connector_check.py [--json]``
 (a few minutes). Exits non-zero if an output differs or CUDA is not there.
@@ -42,7 +50,7 @@ def main() -> int:
         print("CUDA is not available", file=sys.stderr)
         return 2
     from kvdepot.cluster import LocalCluster
-    from tests.integration.vllm.engine import build_tiny_llama
+    from tests.integration.vllm.engine import build_tiny_gemma3, build_tiny_llama
     from tests.integration.vllm.test_connector import kv, run_engine
 
     rng = np.random.default_rng(5)
@@ -95,6 +103,7 @@ def main() -> int:
             }
             if not report["multiturn"]["exact"]:
                 failures.append("turn 2 differs from the plain engine")
+            failures += _hybrid_and_preemption(tmp, meta, base, build_tiny_gemma3, report)
     report["failures"] = failures
     if args.json:
         print(json.dumps(report))
@@ -102,6 +111,43 @@ def main() -> int:
         for k, v in report.items():
             print(f"{k}: {v}")
     return 1 if failures else 0
+
+
+def _hybrid_and_preemption(
+    tmp: Path, meta: str, base: dict[str, Any], build_gemma: Any, report: dict[str, Any]
+) -> list[str]:
+    from tests.integration.vllm.test_connector import kv, run_engine
+
+    failures: list[str] = []
+    rng = np.random.default_rng(9)
+    gemma = str(build_gemma(tmp / "gemma3", sliding_window=256))
+    prompt = rng.integers(1, 1000, 700).tolist()
+    g = {**base, "model": gemma, "prompts": [prompt]}
+    plain = run_engine(tmp, {**g, "kv": None}, "gemma-plain")["outputs"][0]
+    cfg = {"chunk_tokens": 256}
+    prod = run_engine(tmp, {**g, "kv": kv("kv_both", meta, "store-0", **cfg)}, "gemma-producer")
+    cons = run_engine(tmp, {**g, "kv": kv("kv_consumer", meta, "store-1", **cfg)}, "gemma-cons")
+    report["hybrid"] = {
+        "hybrid_manager": cons["hybrid"] and prod["hybrid"],
+        "consumer": cons["connector"],
+        "exact": cons["outputs"][0] == plain,
+    }
+    if not report["hybrid"]["exact"] or not report["hybrid"]["hybrid_manager"]:
+        failures.append(f"hybrid model: {report['hybrid']}")
+    prompts = [rng.integers(1, 1000, 300).tolist() for _ in range(3)]
+    squeeze = {**base, "prompts": prompts, "num_blocks": 64, "max_model_len": 768}
+    squeeze |= {"together": True, "max_tokens": 250}
+    ref = run_engine(tmp, {**squeeze, "kv": None}, "preempt-plain")
+    got = run_engine(tmp, {**squeeze, "kv": kv("kv_both", meta, "store-0")}, "preempt")
+    report["preemption"] = {
+        "preemptions": [ref["preemptions"], got["preemptions"]],
+        "tokens_equal": [o["tokens"] for o in got["outputs"]]
+        == [o["tokens"] for o in ref["outputs"]],
+        "connector": got["connector"],
+    }
+    if not report["preemption"]["tokens_equal"]:
+        failures.append("preempted requests differ from the plain engine")
+    return failures
 
 
 if __name__ == "__main__":

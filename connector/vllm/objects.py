@@ -83,14 +83,18 @@ class StagedGroup:
     index: list[int]  # positions of the objects in their plan
     objects: list[KVObject]
     rows: np.ndarray  # [len(objects), geometry.size]
+    pinned: torch.Tensor | None = None  # the same memory, page-locked (GPU engines)
 
     def flat_blocks(self, group: int = 0) -> list[int]:
         """The objects' blocks of KV cache group ``group``, in order."""
         return [b for o in self.objects for b in o.blocks[group]]
 
 
-def stage(fmt: ObjectFormat, objects: Sequence[KVObject]) -> list[StagedGroup]:
-    """Staging buffers for ``objects``, grouped by their block count."""
+def stage(
+    fmt: ObjectFormat, objects: Sequence[KVObject], *, pinned: bool = False
+) -> list[StagedGroup]:
+    """Staging buffers for ``objects``, grouped by their block count; with
+    ``pinned``, in page-locked memory a GPU copies into asynchronously."""
     groups: dict[int, StagedGroup] = {}
     for i, obj in enumerate(objects):
         n = obj.num_blocks
@@ -100,7 +104,12 @@ def stage(fmt: ObjectFormat, objects: Sequence[KVObject]) -> list[StagedGroup]:
         group.index.append(i)
         group.objects.append(obj)
     for group in groups.values():
-        group.rows = np.empty((len(group.objects), group.geometry.size), dtype=np.uint8)
+        shape = (len(group.objects), group.geometry.size)
+        if pinned:
+            group.pinned = torch.empty(shape, dtype=torch.uint8, pin_memory=True)
+            group.rows = group.pinned.numpy()
+        else:
+            group.rows = np.empty(shape, dtype=np.uint8)
     return list(groups.values())
 
 

@@ -15,6 +15,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
@@ -152,6 +153,7 @@ class _Publish:
     req_id: str
     groups: list[StagedGroup]
     nbytes: int
+    copied: Callable[[], None] | None = None  # waits until the staging is filled
     started: float = field(default_factory=time.monotonic)
 
 
@@ -186,8 +188,14 @@ class Publisher:
             self._held += nbytes
             return True
 
-    def submit(self, req_id: str, groups: list[StagedGroup], nbytes: int) -> None:
-        self._queue.put(_Publish(req_id, groups, nbytes))
+    def submit(
+        self,
+        req_id: str,
+        groups: list[StagedGroup],
+        nbytes: int,
+        copied: Callable[[], None] | None = None,
+    ) -> None:
+        self._queue.put(_Publish(req_id, groups, nbytes, copied))
 
     def release(self, nbytes: int) -> None:
         with self._lock:
@@ -217,6 +225,8 @@ class Publisher:
                 self.release(item.nbytes)
 
     def _publish(self, item: _Publish) -> None:
+        if item.copied is not None:
+            item.copied()  # a GPU's copy into the pinned staging
         for g in item.groups:
             geo = g.geometry
             write_header(g.rows, self._fmt.num_layers, geo.layer_bytes, geo.codec_header)

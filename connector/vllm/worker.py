@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -83,6 +83,7 @@ class WorkerSide:
         self._forward_ran = False  # this step ran attention layers
         # Saves of the current step, staged layer by layer.
         self._staged: list[tuple[str, list[StagedGroup], int]] | None = None
+        self._stream: torch.cuda.Stream | None = None  # a GPU engine's copy-out
 
     # ------------------------------------------------------------ set-up
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -288,7 +289,20 @@ class WorkerSide:
         if li is None:
             return
         if self._staged is None:
-            self._staged = self._stage_saves(meta)
+            self._staged = self._stage_saves(meta, pinned=kv_layer.is_cuda)
+        side = self._side_stream(kv_layer)
+        if side is None:
+            self._copy_layer_out(li, kv_layer)
+            return
+        # On a GPU the copy-out runs on a stream of its own, behind this
+        # layer's computation, into pinned memory: the step does not wait
+        # for it (wait_for_save orders the next step's kernels after it).
+        side.wait_stream(torch.cuda.current_stream(kv_layer.device))
+        with torch.cuda.stream(side):
+            self._copy_layer_out(li, kv_layer)
+
+    def _copy_layer_out(self, li: int, kv_layer: torch.Tensor) -> None:
+        assert self._staged is not None
         for _, groups, _ in self._staged:
             for g in groups:
                 geo = g.geometry
@@ -297,12 +311,24 @@ class WorkerSide:
                 if self._block_dim == 1:
                     blocks = blocks.transpose(0, 1).contiguous()
                 # Encoded on the cache's device: a GPU engine copies the encoded bytes.
-                raw = self._codec.encode(blocks.reshape(len(g.objects), geo.layer_values)).cpu()
+                raw = self._codec.encode(blocks.reshape(len(g.objects), geo.layer_values))
                 start = geo.header + li * geo.layer_bytes
-                g.rows[:, start : start + geo.layer_bytes] = raw.numpy()
+                if g.pinned is None:
+                    g.rows[:, start : start + geo.layer_bytes] = raw.cpu().numpy()
+                    continue
+                # One contiguous span per object: a true asynchronous copy.
+                for i in range(len(g.objects)):
+                    g.pinned[i, start : start + geo.layer_bytes].copy_(raw[i], non_blocking=True)
+
+    def _side_stream(self, kv_layer: torch.Tensor) -> torch.cuda.Stream | None:
+        if not kv_layer.is_cuda:
+            return None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(kv_layer.device)
+        return self._stream
 
     def _stage_saves(
-        self, meta: KVDepotConnectorMetadata
+        self, meta: KVDepotConnectorMetadata, *, pinned: bool
     ) -> list[tuple[str, list[StagedGroup], int]]:
         assert self._fmt is not None and self._publisher is not None
         staged = []
@@ -316,7 +342,8 @@ class WorkerSide:
                     self.settings.save_buffer_bytes,
                 )
                 continue
-            staged.append((plan.req_id, stage(self._fmt, self._shard(plan.objects)), nbytes))
+            groups = stage(self._fmt, self._shard(plan.objects), pinned=pinned)
+            staged.append((plan.req_id, groups, nbytes))
         return staged
 
     def wait_for_save(self, meta: KVDepotConnectorMetadata | None) -> None:
@@ -326,8 +353,17 @@ class WorkerSide:
         if not staged:
             return
         assert self._publisher is not None
+        copied: Callable[[], None] | None = None
+        if self._stream is not None and any(
+            g.pinned is not None for _, gs, _ in staged for g in gs
+        ):
+            done = self._stream.record_event()
+            # The next step may reuse these blocks: its kernels wait for the
+            # copy-out on the device; the publisher waits for it on its thread.
+            torch.cuda.current_stream(self._stream.device).wait_event(done)
+            copied = done.synchronize
         for req_id, groups, nbytes in staged:
-            self._publisher.submit(req_id, groups, nbytes)
+            self._publisher.submit(req_id, groups, nbytes, copied)
 
     # -------------------------------------------------------- completions
     def get_finished(self) -> tuple[set[str], set[str]]:

@@ -369,19 +369,23 @@ def test_tail_blocks_and_decoded_chunks_hit_on_the_next_request(
     # 384 of the 400 of the first turn's history (its whole blocks).
     assert c["tokens_hit"] == 640 + 384, c
     assert c["chunks_loaded"] == 3 + 2 and c["load_errors"] == 0, c
-    reference = run("tail-plain-2", [second_turn], None)["outputs"][0]
     assert same(again["outputs"][0], plain[0])  # prefill KV, loaded: exact
-    assert again["outputs"][1]["tokens"] == reference["tokens"]
-    # The history's KV was computed while decoding, one token per step,
-    # where the reference computes it in one prefill: the kernels round
-    # differently in bf16 (vLLM's own prefix cache reuses decode KV the same
-    # way). Measured: equal tokens, logprobs within 0.0014 and 0.055 in two
-    # runs of 350 tokens. (Random KV changes the tokens themselves.)
-    drift = [
-        abs(a - b)
-        for a, b in zip(again["outputs"][1]["logprobs"], reference["logprobs"], strict=True)
-    ]
-    assert max(drift) < 0.2, max(drift)
+    # The history's KV was computed while decoding, one token per step; a
+    # prefill of the same tokens rounds differently in bf16 (enough to flip a
+    # near-tie on some CPUs). The reference is vLLM's own prefix cache, which
+    # reuses that same decode KV: then the second turn must be exact.
+    reference = run_engine(
+        workdir,
+        {
+            **spec(model, [first_turn, second_turn], None),
+            "max_tokens": 200,
+            "ignore_eos": True,
+            "prefix_caching": True,
+        },
+        "tail-prefix-cache",
+    )["outputs"]
+    assert reference[0]["tokens"] == plain[1]["tokens"]
+    assert same(again["outputs"][1], reference[1])
 
 
 def test_a_bad_setting_stops_the_engine_at_start_naming_it(model: str, workdir: Path) -> None:
