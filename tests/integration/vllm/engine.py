@@ -9,9 +9,10 @@ SPEC: ``{"model": dir, "prompts": [[ids…]…], "max_tokens": n, "logprobs": k,
 ``"hybrid"`` (false: vLLM's hybrid KV cache manager off), ``"num_blocks"``
 (a KV cache that small), ``"together"`` (all prompts in one batch) and
 ``"reset_cache"`` (vLLM's prefix cache and the connector's reset between
-prompts). Prints one JSON line with the generated tokens, their logprobs,
-the top-k per position, timings, the connector's process counters, whether
-the hybrid manager ran, and the engine's preemptions.
+prompts) and ``"tp"`` (tensor-parallel ranks, a process each). Prints one
+JSON line with the generated tokens, their logprobs, the top-k per position,
+timings, the connector's process counters, whether the hybrid manager ran,
+and the engine's preemptions.
 """
 
 from __future__ import annotations
@@ -152,6 +153,14 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     extra: dict[str, Any] = {}
     if spec.get("hybrid") is not None:
         extra["disable_hybrid_kv_cache_manager"] = not spec["hybrid"]
+    if spec.get("tp", 1) > 1:
+        # One process per rank, one core each (vLLM cannot bind them itself
+        # on a machine with one NUMA node).
+        extra["tensor_parallel_size"] = int(spec["tp"])
+        extra["distributed_executor_backend"] = "mp"
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+            str(c % (os.cpu_count() or 1)) for c in range(int(spec["tp"]))
+        )
     if spec.get("num_blocks"):
         extra["num_gpu_blocks_override"] = int(spec["num_blocks"])
         extra["disable_log_stats"] = False  # to count preemptions
@@ -160,7 +169,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         skip_tokenizer_init=True,
         dtype=spec.get("dtype", "bfloat16"),
         max_model_len=spec.get("max_model_len", 4096),
-        distributed_executor_backend="uni",
+        distributed_executor_backend=extra.pop("distributed_executor_backend", "uni"),
         enable_prefix_caching=spec.get("prefix_caching", False),
         kv_transfer_config=KVTransferConfig(**kv) if kv else None,
         seed=0,

@@ -505,3 +505,42 @@ def test_preempted_requests_resume_and_reset_cache_reloads(
     # The first run publishes 3 chunks; after the reset the second loads them.
     assert c["chunks_saved"] == 3 and c["tokens_hit"] == 3 * CHUNK, c
     assert all(same(o, plain[2]) for o in again["outputs"])
+
+
+def store_bytes(cluster: LocalCluster) -> tuple[int, int]:
+    """Bytes in and out of the cluster's live stores."""
+    got = [0, 0]
+    for s in cluster.stores:
+        if s.proc.poll() is None:
+            with grpc.insecure_channel(s.info["grpc_address"]) as ch:
+                st = store_pb2_grpc.StoreStub(ch).GetStats(store_pb2.StoreStatsRequest(), timeout=5)
+                got[0] += st.bytes_in
+                got[1] += st.bytes_out
+    return got[0], got[1]
+
+
+def test_tensor_parallel_ranks_each_store_and_load_their_shard(
+    model: str, workdir: Path, cluster: LocalCluster
+) -> None:
+    """TP=2, a process per rank: each rank publishes its own shard of every
+    chunk (one of the two KV heads) under its own keys, and a fresh TP=2
+    engine loads both ranks' shards and matches the plain TP=2 engine."""
+    prompts = [PROMPT_A, PROMPT_B]
+    meta = cluster.metadata_address
+
+    def run(name: str, kvcfg: dict[str, Any] | None) -> dict[str, Any]:
+        return run_engine(workdir, {**spec(model, prompts, kvcfg), "tp": 2}, name)
+
+    plain = run("tp2-plain", None)["outputs"]
+    shard = 64 + 2 * 2 * CHUNK * 1 * 2 * 32  # 2 layers, 1 KV head of 32, bf16
+    prod = run("tp2-producer", kv("kv_producer", meta, "store-0"))
+    assert all(same(x, y) for x, y in zip(prod["outputs"], plain, strict=True))
+    # The workers publish from their own processes, behind the engine.
+    deadline = time.monotonic() + 30
+    while store_bytes(cluster)[0] < 2 * 3 * shard and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert store_bytes(cluster) == (2 * 3 * shard, 0)  # A's 2 chunks and B's third, per rank
+    cons = run("tp2-consumer", kv("kv_consumer", meta, "store-1"))
+    assert all(same(x, y) for x, y in zip(cons["outputs"], plain, strict=True))
+    # A hit is one where every rank holds its shard: A's 2 chunks, B's 3.
+    assert store_bytes(cluster) == (2 * 3 * shard, 2 * 5 * shard)
