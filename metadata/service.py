@@ -21,7 +21,6 @@ from kvdepot.errors import (
 from kvdepot.health import HealthState
 from kvdepot.metadata.config import MetadataConfig
 from kvdepot.metadata.events import EventsConfig, KVEventPublisher
-from kvdepot.metadata.failures import RepeatedFailures
 from kvdepot.metadata.index import IndexBackend, IndexConfig, create_backend
 from kvdepot.metadata.keys import KEY_BYTES, ChunkKey
 from kvdepot.metadata.lookup_wire import pack_lookup
@@ -50,6 +49,7 @@ from kvdepot.metadata.validation import (
 )
 from kvdepot.metrics import ClusterCollector, MetricsServer, on_loop
 from kvdepot.proto.gen import common_pb2, metadata_pb2, metadata_pb2_grpc
+from kvdepot.repeat_log import RepeatLog
 from kvdepot.request_guard import abort_with
 from kvdepot.security import NO_SECURITY, SecurityConfig, add_port, aio_server
 
@@ -154,7 +154,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
         # a store waiting out a lease retries twice a second.
         self._refusals_logged: dict[tuple[str, str], float] = {}
         # While the index backend is down every call fails the same way.
-        self.failures = RepeatedFailures(logger, "metadata calls failing")
+        self.failures = RepeatLog(logger)
 
     def _log_refusal(self, node_id: str, address: str, exc: NodeIdTaken) -> None:
         now = time.monotonic()
@@ -197,7 +197,12 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
         # errors of no subclass (the backend's own) are the service's failures,
         # worth an operator's look; the others answer a request.
         if type(exc) in _FAILURES:
-            self.failures.failed(type(exc).__name__, str(exc))
+            self.failures.warn(
+                type(exc).__name__,
+                "metadata calls failing: %s",
+                exc,
+                extra={"event": "repeated_failure"},
+            )
         await abort_with(context, exc, trailing)
 
     # -- RPCs ---------------------------------------------------------------

@@ -29,7 +29,7 @@ from kvdepot.errors import (
 from kvdepot.health import HealthState
 from kvdepot.metadata.types import LEASE_REMAINING_KEY
 from kvdepot.proto.gen import metadata_pb2, metadata_pb2_grpc
-from kvdepot.store.repeat_log import RepeatLog
+from kvdepot.repeat_log import RepeatLog
 
 logger = logging.getLogger(__name__)
 

@@ -29,9 +29,10 @@ from kvdepot.connector.vllm.plan import (
     tail_keys,
 )
 from kvdepot.connector.vllm.settings import ConnectorSettings
-from kvdepot.connector.vllm.stats import Counters, RepeatedWarning
+from kvdepot.connector.vllm.stats import Counters
 from kvdepot.errors import KVDepotError
 from kvdepot.metadata.keys import ChunkKey, Namespace, shard_key
+from kvdepot.repeat_log import RepeatLog
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -54,7 +55,7 @@ class LookupBreaker:
         self,
         client: KVDepotClient,
         cooldown_s: float,
-        warn: RepeatedWarning,
+        warn: RepeatLog,
         shards: Sequence[Namespace] = (),
     ) -> None:
         self._client = client
@@ -159,7 +160,7 @@ class SchedulerSide:
         self.is_consumer = is_consumer
         self.save_decode = settings.saves_decode(kv_role)
         self._counters = counters
-        self._warn = RepeatedWarning(logger)
+        self._warn = RepeatLog(logger)
         shards = [replace(namespace, tp_rank=r) for r in range(1, namespace.tp_size)]
         self._breaker = LookupBreaker(client, settings.lookup_breaker_s, self._warn, shards)
         self._requests: dict[str, _Request] = {}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from dataclasses import dataclass
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
@@ -90,28 +89,3 @@ def attach_to_vllm_logging() -> None:
         ours.addHandler(handler)
     ours.setLevel(theirs.level or logging.INFO)
     ours.propagate = False
-
-
-class RepeatedWarning:
-    """A warning that repeats is logged once per ``interval_s``, with a count."""
-
-    def __init__(self, logger: logging.Logger, interval_s: float = 10.0) -> None:
-        self._logger = logger
-        self._interval = interval_s
-        self._lock = threading.Lock()
-        self._last: dict[str, float] = {}
-        self._suppressed: dict[str, int] = {}
-
-    def warn(self, kind: str, msg: str, *args: object) -> None:
-        now = time.monotonic()
-        with self._lock:
-            last = self._last.get(kind)
-            if last is not None and now - last < self._interval:
-                self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
-                return
-            self._last[kind] = now
-            more = self._suppressed.pop(kind, 0)
-        if more:
-            self._logger.warning(msg + " (and %d more times since the last report)", *args, more)
-        else:
-            self._logger.warning(msg, *args)

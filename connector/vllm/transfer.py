@@ -25,9 +25,10 @@ from kvdepot.connector.client import KVDepotClient
 from kvdepot.connector.vllm.loader import write_header
 from kvdepot.connector.vllm.objects import ObjectFormat, StagedGroup, stage
 from kvdepot.connector.vllm.plan import LoadPlan
-from kvdepot.connector.vllm.stats import Counters, RepeatedWarning
+from kvdepot.connector.vllm.stats import Counters
 from kvdepot.errors import KVDepotError
 from kvdepot.metadata.keys import ChunkKey
+from kvdepot.repeat_log import RepeatLog
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class Fetcher:
     """Fetches loads on background threads, each within its deadline."""
 
     def __init__(
-        self, client: KVDepotClient, fmt: ObjectFormat, warn: RepeatedWarning, threads: int = 2
+        self, client: KVDepotClient, fmt: ObjectFormat, warn: RepeatLog, threads: int = 2
     ) -> None:
         self._client = client
         self._fmt = fmt
@@ -166,7 +167,7 @@ class Publisher:
         fmt: ObjectFormat,
         budget_bytes: int,
         counters: Counters,
-        warn: RepeatedWarning,
+        warn: RepeatLog,
     ) -> None:
         self._client = client
         self._fmt = fmt

@@ -31,10 +31,11 @@ from kvdepot.connector.vllm.objects import (
 )
 from kvdepot.connector.vllm.plan import NULL_BLOCK, KVDepotConnectorMetadata, KVObject, LoadPlan
 from kvdepot.connector.vllm.settings import ConnectorSettings
-from kvdepot.connector.vllm.stats import Counters, RepeatedWarning
+from kvdepot.connector.vllm.stats import Counters
 from kvdepot.connector.vllm.transfer import Fetcher, FetchJob, Publisher
 from kvdepot.errors import Corrupt, KVDepotError
 from kvdepot.metadata.keys import Namespace, shard_key
+from kvdepot.repeat_log import RepeatLog
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ class WorkerSide:
         self._client = client
         self.is_producer = is_producer
         self._counters = counters
-        self._warn = RepeatedWarning(logger)
+        self._warn = RepeatLog(logger)
         self._kv: list[torch.Tensor] = []
         self._layer_index: dict[str, int] = {}
         self._block_dim = 0

@@ -67,7 +67,6 @@ from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.cluster import ClusterNode
 
 from kvdepot.errors import CapacityExceeded, InvalidArgument, KVDepotError, Unavailable
-from kvdepot.metadata.failures import RepeatedFailures
 from kvdepot.metadata.index import redis_lua as lua
 from kvdepot.metadata.index.base import (
     IndexBackend,
@@ -94,6 +93,7 @@ from kvdepot.metadata.types import (
     TierUsage,
     TransferRate,
 )
+from kvdepot.repeat_log import RepeatLog
 
 logger = logging.getLogger(__name__)
 
@@ -314,7 +314,7 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
         self._scripts_loaded = False
         # A flush follows every counted call: one line per failed one would
         # flood the log while Redis is down.
-        self._flush_failures = RepeatedFailures(logger, "redis index: counters not flushed")
+        self._flush_failures = RepeatLog(logger)
 
     # -- keys -----------------------------------------------------------------
     def _chunk(self, key: bytes) -> str:
@@ -451,7 +451,12 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
             if failed:
                 self._deltas.update(failed)
                 error = next(r for r in out if isinstance(r, BaseException))
-                self._flush_failures.failed("flush", f"{error}; kept for the next flush")
+                self._flush_failures.warn(
+                    "flush",
+                    "redis index: counters not flushed: %s; kept for the next flush",
+                    error,
+                    extra={"event": "repeated_failure"},
+                )
                 return
         self._flush_failures.flush()
 
