@@ -24,6 +24,42 @@ import time
 from pathlib import Path
 from typing import Any
 
+# What every tiny model shares: small vocabulary and width, 2 KV heads.
+_TINY = {
+    "vocab_size": 1024,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+}
+
+
+def _save_random(
+    path: Path, family: str, config: dict[str, Any], seed: int, dtype: str, config_name: str = ""
+) -> Path:
+    """Save a random-weight ``{family}ForCausalLM`` (no hub access), weights
+    large enough that greedy decoding does not collapse into repeats; the
+    attention biases of a model that has them are random too."""
+    import torch
+    import transformers
+
+    if (path / "config.json").exists():
+        return path
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, config_name or f"{family}Config")(**config)
+    model = getattr(transformers, f"{family}ForCausalLM")(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.25)
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.5)  # q/k/v biases: they must move the KV
+    model.to(getattr(torch, dtype)).save_pretrained(path)
+    return path
+
 
 def build_tiny_llama(
     path: Path,
@@ -34,94 +70,36 @@ def build_tiny_llama(
     kv_heads: int = 2,
     seed: int = 0,
 ) -> Path:
-    """Save a random-weight Llama (no hub access) with weights large enough
-    that greedy decoding does not collapse into repeats."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    if (path / "config.json").exists():
-        return path
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=1024,
-        hidden_size=hidden,
-        intermediate_size=hidden * 2,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=4096,
-        torch_dtype="bfloat16",
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.25)
-    model.to(torch.bfloat16).save_pretrained(path)
-    return path
+    """A random-weight Llama in bfloat16."""
+    config = {
+        **_TINY,
+        "hidden_size": hidden,
+        "intermediate_size": hidden * 2,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "torch_dtype": "bfloat16",
+    }
+    return _save_random(path, "Llama", config, seed, "bfloat16")
 
 
 def build_tiny_gemma3(path: Path, *, sliding_window: int = 256, seed: int = 0) -> Path:
     """A random-weight Gemma3 text model with one sliding-window and one
     full-attention layer: vLLM's hybrid KV cache manager gives it two KV
     cache groups."""
-    import torch
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    if (path / "config.json").exists():
-        return path
-    torch.manual_seed(seed)
-    config = Gemma3TextConfig(
-        vocab_size=1024,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        query_pre_attn_scalar=32,
-        sliding_window=sliding_window,
-        layer_types=["sliding_attention", "full_attention"],
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-    )
-    model = Gemma3ForCausalLM(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.25)
-    model.to(torch.bfloat16).save_pretrained(path)
-    return path
+    config = {
+        **_TINY,
+        "head_dim": 32,
+        "query_pre_attn_scalar": 32,
+        "sliding_window": sliding_window,
+        "layer_types": ["sliding_attention", "full_attention"],
+    }
+    return _save_random(path, "Gemma3", config, seed, "bfloat16", "Gemma3TextConfig")
 
 
 def build_tiny_qwen2(path: Path, *, seed: int = 0) -> Path:
     """A random-weight Qwen2 (attention with bias), saved in float32."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    if (path / "config.json").exists():
-        return path
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=1024,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-    )
-    model = Qwen2ForCausalLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.25)
-            elif name.endswith(".bias"):
-                p.normal_(0.0, 0.5)  # q/k/v biases: they must move the KV
-    model.to(torch.float32).save_pretrained(path)
-    return path
+    return _save_random(path, "Qwen2", dict(_TINY), seed, "float32")
 
 
 def engine_env(tmp: Path) -> dict[str, str]:
