@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from kvdepot.errors import CapacityExceeded, Unavailable
+from kvdepot.metadata.admission import ABSENT, KeyState, admit
 from kvdepot.metadata.index.base import (
     IndexBackend,
     IndexConfig,
@@ -20,7 +20,6 @@ from kvdepot.metadata.index.base import (
     stale_registration,
 )
 from kvdepot.metadata.keys import ChunkKey
-from kvdepot.metadata.placement import choose_node
 from kvdepot.metadata.replica_tiers import ReplicaTierIndex
 from kvdepot.metadata.types import (
     TIER_RANK,
@@ -193,51 +192,30 @@ class MemoryIndex(IndexBackend, ReplicaTierIndex):
         now: float,
         request_id: bytes = b"",
     ) -> list[Allocation]:
-        out: list[Allocation] = []
-        planned: dict[NodeId, int] = {}
-        batch: set[ChunkKey] = set()
-        for key, size in zip(keys, sizes, strict=True):
-            chunk = self._chunks.get(key)
-            pending = self._pending.get(key)
-            if chunk is not None and chunk.replicas:
-                out.append(Allocation(Action.SKIP_EXISTS))
-                self._c.chunks_deduplicated += 1
-                self._c.bytes_saved += size
-                continue
-            live = pending is not None and pending.expires_at > now
-            if live and pending is not None and request_id and pending.request_id == request_id:
-                # A retry of the put that made this allocation (its reply was
-                # lost): the same answer, on the same node if it is still
-                # there, else a new placement below. A key repeated within
-                # the put is skipped, as the first attempt answered.
-                held = self._nodes.get(pending.node_id)
-                if held is not None and key not in batch:
-                    planned[held.info.node_id] = planned.get(held.info.node_id, 0) + size
-                    batch.add(key)
-                    replica = Replica(held.info.node_id, held.info.address, "cpu")
-                    out.append(Allocation(Action.WRITE, replica))
-                    continue
-                live = False
-            if key in batch or live:
-                out.append(Allocation(Action.SKIP_PENDING))
-                self._c.chunks_deduplicated += 1
-                self._c.bytes_saved += size
-                continue
-            infos = [n.info for n in self._nodes.values()]
-            node = choose_node(infos, writer_node_id, size, planned)
-            if node is None:
-                if not infos:
-                    raise Unavailable("no store node is registered to place chunks on")
-                raise CapacityExceeded(
-                    f"a chunk of {size} bytes is larger than any store node's capacity"
-                )
-            planned[node.node_id] = planned.get(node.node_id, 0) + size
-            self._pending[key] = _Pending(
-                node.node_id, size, now + self._config.allocation_ttl_s, request_id
+        nodes = {nid: n.info for nid, n in self._nodes.items()}
+        states = [self._key_state(key, now, request_id) for key in keys]
+        decided = admit(keys, sizes, states, nodes, writer_node_id)
+        # A retried put's allocation on a node that is gone is simply replaced
+        # below: there is nothing of it to revoke elsewhere.
+        expires_at = now + self._config.allocation_ttl_s
+        for i, node in decided.placements:
+            self._pending[keys[i]] = _Pending(node.node_id, sizes[i], expires_at, request_id)
+            decided.allocations[i] = Allocation(
+                Action.WRITE, Replica(node.node_id, node.address, "cpu")
             )
-            batch.add(key)
-            out.append(Allocation(Action.WRITE, Replica(node.node_id, node.address, "cpu")))
-        return out
+        self._c.chunks_deduplicated += decided.deduplicated
+        self._c.bytes_saved += decided.bytes_saved
+        return [a for a in decided.allocations if a is not None]
+
+    def _key_state(self, key: ChunkKey, now: float, request_id: bytes) -> KeyState:
+        chunk = self._chunks.get(key)
+        if chunk is not None and chunk.replicas:
+            return KeyState(exists=True)
+        pending = self._pending.get(key)
+        if pending is None or pending.expires_at <= now:
+            return ABSENT
+        mine = bool(request_id) and pending.request_id == request_id
+        return KeyState(pending=True, retried=pending.node_id if mine else None)
 
     async def put_end(self, node_id: NodeId, keys: Sequence[ChunkKey], sizes: Sequence[int]) -> int:
         entry = self._nodes.get(node_id)

@@ -3,7 +3,8 @@
 Semantics are those of :class:`~kvdepot.metadata.index.memory.MemoryIndex`; what
 differs is that every replica may serve any request at any time, so the state
 lives in Redis and every change that must be atomic is one Lua script on one
-key slot (:mod:`kvdepot.metadata.index.redis_lua`).
+key slot (:mod:`kvdepot.metadata.index.redis_scripts`; how they reach a
+server or a cluster is :mod:`kvdepot.metadata.index.redis_client`).
 
 Key layout (``P`` is the key prefix, ``kvd`` by default; ``{…}`` is the Redis
 Cluster hash tag, so that what one script touches is on one slot)::
@@ -21,6 +22,12 @@ Cluster hash tag, so that what one script touches is on one slot)::
     P:allocs              zset    allocation batches by deadline (to count expired ones)
     P:alloc:<batch>       set     chunk keys of one allocation batch
     P:stats               hash    cluster-wide counters (HINCRBY)
+
+PutStart decides each key in Python with the rule both backends share
+(:func:`kvdepot.metadata.admission.admit`) on the state read in its first
+round trip; what makes it safe among racing replicas is the ALLOC script of
+its second, which lets one allocation per key win (the losers are settled by
+:func:`~kvdepot.metadata.admission.settle_lost`).
 
 A put's request id rides in its batch name, so a pending value keeps the
 format that every script (and an older replica sharing the index) parses; a
@@ -51,31 +58,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Sequence
 from dataclasses import astuple, fields
-from typing import Any, ParamSpec, TypeVar
-from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
+from typing import Any
 
-from redis import exceptions as rx
 from redis.asyncio import Redis, RedisCluster
-from redis.asyncio.cluster import ClusterNode
 
-from kvdepot.errors import CapacityExceeded, InvalidArgument, KVDepotError, Unavailable
-from kvdepot.metadata.index import redis_lua as lua
+from kvdepot.errors import InvalidArgument
+from kvdepot.metadata.admission import Admission, KeyState, admit, settle_lost
+from kvdepot.metadata.index import redis_scripts as scripts
 from kvdepot.metadata.index.base import (
     IndexBackend,
     IndexConfig,
     node_id_taken,
     stale_registration,
 )
+from kvdepot.metadata.index.redis_client import Connection, connect, flat, guarded, split_url
 from kvdepot.metadata.keys import ChunkKey
-from kvdepot.metadata.placement import choose_node
 from kvdepot.metadata.replica_tiers import ReplicaTierIndex
 from kvdepot.metadata.types import (
     TIER_RANK,
@@ -98,13 +102,6 @@ from kvdepot.repeat_log import RepeatLog
 logger = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "kvd"
-# Deadline of one round trip: a stuck server must not hang an RPC for ever.
-_ROUND_TRIP_TIMEOUT_S = 10.0
-# Commands per pipeline, and items per vectorised script call: bound the size
-# of one request and reply (big inventories) and how long one script blocks
-# the server, while keeping round trips few.
-_PIPELINE_MAX = 4096
-_ITEMS_PER_CALL = 1024
 # A lookup prefetches the leases of at most this many known nodes in its one
 # round trip; with more nodes it fetches those its chunks name (two round trips).
 _PREFETCH_NODES = 64
@@ -113,40 +110,6 @@ _KNOWN_MAX = 1024
 _FLUSH_DELAY_S = 0.05
 # The counters IndexStats carries, kept in the P:stats hash under these names.
 _COUNTERS = tuple(f.name for f in fields(IndexStats) if f.name not in ("nodes", "extra"))
-
-_Cmd = lua.Cmd
-_P = ParamSpec("_P")
-_T = TypeVar("_T")
-
-# Errors after which a retry elsewhere or later may succeed.
-_UNAVAILABLE: tuple[type[BaseException], ...] = (
-    rx.ConnectionError,
-    rx.TimeoutError,
-    rx.ClusterDownError,
-    rx.TryAgainError,
-    rx.ReadOnlyError,
-    rx.SlotNotCoveredError,
-    TimeoutError,
-    OSError,
-)
-
-
-def _guarded(fn: Callable[_P, Awaitable[_T]]) -> Callable[_P, Coroutine[Any, Any, _T]]:
-    """Translate redis-py errors into kvdepot's at the boundary of a method."""
-
-    @functools.wraps(fn)
-    async def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _T:
-        try:
-            return await fn(*args, **kwargs)
-        except _UNAVAILABLE as exc:
-            raise Unavailable(f"redis index unavailable: {exc}") from exc
-        except (rx.RedisError, rx.RedisClusterException) as exc:
-            # e.g. "Redis Cluster cannot be connected", raised from a ConnectionError
-            if isinstance(exc.__cause__ or exc.__context__, _UNAVAILABLE):
-                raise Unavailable(f"redis index unavailable: {exc}") from exc
-            raise KVDepotError(f"redis index error: {exc}") from exc
-
-    return wrapper
 
 
 def _tag(node_id: NodeId) -> str:
@@ -183,15 +146,6 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
-def _batched(items: Sequence[_T], size: int) -> list[Sequence[_T]]:
-    return [items[i : i + size] for i in range(0, len(items), size)]
-
-
-def _flat(replies: Sequence[Sequence[int]]) -> list[int]:
-    """One result per item from the replies of :meth:`RedisIndex._vec`'s calls."""
-    return [int(r) for reply in replies for r in reply]
-
-
 def _field_epoch(value: bytes) -> bytes:
     return value.rpartition(b" ")[2]
 
@@ -220,59 +174,6 @@ def _retried(value: bytes | None, request_hex: bytes, now_ms: int) -> NodeId | N
     return rest.partition(b":")[2].decode()
 
 
-def split_url(url: str) -> tuple[str, str | None]:
-    """Split kvdepot's own ``prefix`` query parameter off an index URL.
-
-    Args:
-        url: ``redis://…``, ``rediss://…`` or ``redis+cluster://…``, with
-            optional query parameters, e.g. ``?prefix=kvd-test``.
-
-    Returns:
-        The URL without ``prefix`` (for redis-py) and the prefix, if given.
-    """
-    parts = urlsplit(url)
-    query = parse_qsl(parts.query, keep_blank_values=True)
-    prefix = next((v for k, v in query if k == "prefix"), None)
-    rest = urlencode([(k, v) for k, v in query if k != "prefix"])
-    return urlunsplit(parts._replace(query=rest)), prefix
-
-
-def connect(url: str) -> Redis | RedisCluster:
-    """A redis-py asyncio client for an index URL (without ``prefix``).
-
-    ``redis://host:port/db`` and ``rediss://…`` give a single-server client;
-    ``redis+cluster://[user:password@]host:port[,host:port…]`` a cluster client
-    with those startup nodes.
-    """
-    # No per-read socket timeout: redis-py arms one per reply, which costs more
-    # than the reply itself on a 128-command pipeline. Each index operation
-    # runs under one deadline instead (see RedisIndex._exec).
-    timeouts: dict[str, Any] = {"socket_timeout": None, "socket_connect_timeout": 5.0}
-    parts = urlsplit(url)
-    if parts.scheme != "redis+cluster":
-        try:
-            client: Redis = Redis.from_url(url, **timeouts)
-        except ValueError as exc:
-            raise InvalidArgument(f"bad index url {url!r}: {exc}") from None
-        return client
-    netloc = parts.netloc
-    auth: dict[str, Any] = {}
-    if "@" in netloc:
-        userinfo, netloc = netloc.rsplit("@", 1)
-        user, _, password = userinfo.partition(":")
-        auth = {"username": unquote(user) or None, "password": unquote(password) or None}
-    nodes: list[ClusterNode] = []
-    for hostport in filter(None, netloc.split(",")):
-        host, sep, port = hostport.rpartition(":")
-        if not sep or not port.isdigit():
-            host, port = hostport, "6379"
-        nodes.append(ClusterNode(host.strip("[]") or "127.0.0.1", int(port)))
-    if not nodes:
-        raise InvalidArgument(f"index url {url!r} names no cluster nodes")
-    options = {k: float(v) for k, v in parse_qsl(parts.query) if k in timeouts and v}
-    return RedisCluster(startup_nodes=nodes, **{**timeouts, **options, **auth})
-
-
 class RedisIndex(IndexBackend, ReplicaTierIndex):
     """The index in Redis or Redis Cluster, shared by any number of metadata replicas.
 
@@ -298,7 +199,7 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
             raise InvalidArgument(f"index key prefix {p!r} must not contain braces or spaces")
         self._p = p
         self._r = client if client is not None else connect(url)
-        self._cluster = isinstance(self._r, RedisCluster)
+        self._db = Connection(self._r)
         self._lease_ms = _ms(config.lease_ttl_s)
         self._alloc_ms = _ms(config.allocation_ttl_s)
         # Redis drops a pending key by itself only if no reaper counted it in
@@ -311,7 +212,6 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
         self._deltas: Counter[str] = Counter()
         self._flusher: asyncio.Task[None] | None = None
         self._flush_now = asyncio.Event()
-        self._scripts_loaded = False
         # A flush follows every counted call: one line per failed one would
         # flood the log while Redis is down.
         self._flush_failures = RepeatLog(logger)
@@ -331,90 +231,6 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
         return [n, n + ":epoch", n + ":keys", n + ":gc"]
 
     # -- plumbing -------------------------------------------------------------
-    async def _pipeline(self, cmds: Sequence[_Cmd]) -> list[Any]:
-        pipe = self._r.pipeline(transaction=False)
-        for c in cmds:
-            pipe.execute_command(*c)
-        async with asyncio.timeout(_ROUND_TRIP_TIMEOUT_S):
-            return list(await pipe.execute(raise_on_error=False))
-
-    async def _load_scripts(self) -> None:
-        async with asyncio.timeout(_ROUND_TRIP_TIMEOUT_S):
-            for s in lua.ALL:
-                await self._r.script_load(s.source)  # on every primary of a cluster
-        self._scripts_loaded = True
-
-    async def _exec(self, cmds: Sequence[_Cmd]) -> list[Any]:
-        """Run ``cmds`` as pipelines (one round trip each); raise the first error."""
-        if not self._scripts_loaded:
-            await self._load_scripts()
-        results: list[Any] = []
-        for part in _batched(cmds, _PIPELINE_MAX):
-            out = await self._pipeline(part)
-            missing = [i for i, r in enumerate(out) if isinstance(r, rx.NoScriptError)]
-            if missing:
-                # A server restarted or a replica took over since the scripts
-                # were loaded: load them again and re-run only what did not run.
-                await self._load_scripts()
-                again = await self._pipeline([part[i] for i in missing])
-                for i, r in zip(missing, again, strict=True):
-                    out[i] = r
-            results.extend(out)
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
-        return results
-
-    async def _one(self, cmd: _Cmd) -> Any:
-        return (await self._exec([cmd]))[0]
-
-    async def _read(self, cmds: Sequence[_Cmd]) -> list[Any]:
-        """Run single-key reads (HGETALL, GET, HMGET, HKEYS) in one round trip.
-
-        On a single server as one script call (one reply); on a cluster, whose
-        keys span slots, as a pipeline.
-        """
-        if self._cluster or len(cmds) < 4:
-            return await self._exec(cmds)
-        argv: list[Any] = []
-        shape: tuple[Any, ...] = ()
-        keys: list[str] = []
-        for c in cmds:
-            this = (c[0], *c[2:])
-            if this != shape:
-                if keys:
-                    argv += [*shape[:1], len(shape) - 1, *shape[1:], "\n".join(keys) + "\n"]
-                shape, keys = this, []
-            keys.append(c[1])
-        argv += [*shape[:1], len(shape) - 1, *shape[1:], "\n".join(keys) + "\n"]
-        (out,) = await self._exec([lua.READ_BATCH.cmd([], argv)])
-        return [
-            dict(zip(it := iter(r), it, strict=True)) if c[0] == "HGETALL" else r
-            for c, r in zip(cmds, out, strict=True)
-        ]
-
-    def _vec(
-        self,
-        script: lua.Script,
-        keys: Sequence[Sequence[str]],
-        shared: Sequence[Any],
-        per_item: Sequence[Sequence[Any]] = (),
-    ) -> list[_Cmd]:
-        """Calls of a vectorised script over items (``keys[i]``, ``per_item[i]``).
-
-        One call per item on a cluster (each item is one slot), one per batch
-        of items on a single server. :func:`_flat` turns the replies of either
-        into one result per item.
-        """
-        size = 1 if self._cluster else _ITEMS_PER_CALL
-        return [
-            script.cmd(
-                [k for ks in keys[i : i + size] for k in ks],
-                [*shared, *(a for args in per_item[i : i + size] for a in args)],
-            )
-            for i in range(0, len(keys), size)
-        ]
-
     def _count(self, **deltas: int) -> None:
         """Add to the shared counters without a round trip on the caller's path.
 
@@ -438,7 +254,7 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
         while self._deltas:
             deltas, self._deltas = self._deltas, Counter()
             try:
-                out = await self._pipeline(
+                out = await self._db.pipeline(
                     [("HINCRBY", self._k_stats, k, v) for k, v in deltas.items()]
                 )
             except Exception as exc:  # kept for the next flush, never lost silently
@@ -471,7 +287,7 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
     ) -> dict[NodeId, list[bytes | None] | None]:
         if not node_ids:
             return {}
-        out = await self._read([("HMGET", self._node(n), *fields) for n in node_ids])
+        out = await self._db.read([("HMGET", self._node(n), *fields) for n in node_ids])
         self._remember(node_ids)
         return {n: (r if r[0] is not None else None) for n, r in zip(node_ids, out, strict=True)}
 
@@ -491,19 +307,21 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
         cursor = 0
         dropped = 0
         while True:
-            cursor, members = await self._one(("SSCAN", gc, cursor, "COUNT", 1024))
+            cursor, members = await self._db.one(("SSCAN", gc, cursor, "COUNT", 1024))
             cursor = int(cursor)
             if members:
-                calls = self._vec(lua.DROP, [[self._chunk(m)] for m in members], [field, bound])
-                out = await self._exec([*calls, ("SREM", gc, *members)])
-                results = _flat(out[:-1])
+                calls = self._db.vec(
+                    scripts.DROP, [[self._chunk(m)] for m in members], [field, bound]
+                )
+                out = await self._db.exec([*calls, ("SREM", gc, *members)])
+                results = flat(out[:-1])
                 dropped += sum(1 for r in results if r)
                 self._count(chunks=-results.count(2))
             if cursor == 0:
                 return dropped
 
     # -- nodes ----------------------------------------------------------------
-    @_guarded
+    @guarded
     async def register_node(
         self,
         node: NodeInfo,
@@ -522,7 +340,7 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
             "1" if force else "0",
             *raw,
         ]
-        reply = await self._one(lua.REGISTER.cmd(self._node_keys(node.node_id), args))
+        reply = await self._db.one(scripts.REGISTER.cmd(self._node_keys(node.node_id), args))
         if int(reply[0]) == 0:
             raise node_id_taken(node.node_id, reply[1].decode(), max(0, int(reply[2])) / 1000)
         if int(reply[0]) == 2:
@@ -532,14 +350,16 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
                 reply[2].decode(),
             )
         epoch = int(reply[1])
-        calls = self._vec(
-            lua.ADD,
+        calls = self._db.vec(
+            scripts.ADD,
             [[self._chunk(item.key)] for item in inventory],
             [f"n:{node.node_id}", epoch],
             [(item.size, item.tier) for item in inventory],
         )
-        out = await self._exec([*calls, lua.NODES_SET.cmd([self._k_nodes], [node.node_id, epoch])])
-        self._count(chunks=sum(_flat(out[:-1])))
+        out = await self._db.exec(
+            [*calls, scripts.NODES_SET.cmd([self._k_nodes], [node.node_id, epoch])]
+        )
+        self._count(chunks=sum(flat(out[:-1])))
         self._remember([node.node_id])
         # Fields of the previous registration that the new inventory lacks.
         await self._collect(node.node_id, epoch)
@@ -552,7 +372,7 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
         )
         return epoch
 
-    @_guarded
+    @guarded
     async def heartbeat(
         self,
         node_id: NodeId,
@@ -570,43 +390,43 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
             _transfer_json(transfer) if transfer is not None else "",
             epoch,
         ]
-        current = int(await self._one(lua.HEARTBEAT.cmd([self._node(node_id)], args)) or 0)
+        current = int(await self._db.one(scripts.HEARTBEAT.cmd([self._node(node_id)], args)) or 0)
         if current < 0:
             raise stale_registration(node_id, epoch, -current)
         if not current:
             return False
         # Re-assert the registry entry: on a cluster it may sit on a shard
         # that lost its data while this node's own shard did not.
-        await self._one(lua.NODES_SET.cmd([self._k_nodes], [node_id, current]))
+        await self._db.one(scripts.NODES_SET.cmd([self._k_nodes], [node_id, current]))
         return True
 
-    @_guarded
+    @guarded
     async def set_replica_tier(self, node_id: NodeId, keys: Sequence[ChunkKey], tier: str) -> int:
         if not keys:
             return 0
-        epoch = await self._one(("HGET", self._node(node_id), "epoch"))
+        epoch = await self._db.one(("HGET", self._node(node_id), "epoch"))
         if epoch is None:
             return 0
-        calls = self._vec(
-            lua.RETIER, [[self._chunk(k)] for k in keys], [f"n:{node_id}", int(epoch), tier]
+        calls = self._db.vec(
+            scripts.RETIER, [[self._chunk(k)] for k in keys], [f"n:{node_id}", int(epoch), tier]
         )
-        return sum(_flat(await self._exec(calls)))
+        return sum(flat(await self._db.exec(calls)))
 
-    @_guarded
+    @guarded
     async def remove_replicas(self, node_id: NodeId, keys: Sequence[ChunkKey]) -> int:
         if not keys:
             return 0
         n = self._node(node_id)
-        epoch = await self._one(("HGET", n, "epoch"))
+        epoch = await self._db.one(("HGET", n, "epoch"))
         if epoch is None:
             return 0
         # Chunk fields go before key set entries: an entry without a field is
         # harmless, a field without an entry would never be cleaned up.
-        calls = self._vec(
-            lua.DROP, [[self._chunk(k)] for k in keys], [f"n:{node_id}", int(epoch) + 1]
+        calls = self._db.vec(
+            scripts.DROP, [[self._chunk(k)] for k in keys], [f"n:{node_id}", int(epoch) + 1]
         )
-        out = await self._exec([*calls, lua.FORGET.cmd([n, n + ":keys"], [epoch, *keys])])
-        self._count(chunks=-_flat(out[:-1]).count(2))
+        out = await self._db.exec([*calls, scripts.FORGET.cmd([n, n + ":keys"], [epoch, *keys])])
+        self._count(chunks=-flat(out[:-1]).count(2))
         return int(out[-1])
 
     # -- puts -----------------------------------------------------------------
@@ -630,7 +450,7 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
                 live[nid] = (epoch or b"", info)
         return live
 
-    @_guarded
+    @guarded
     async def put_start(
         self,
         keys: Sequence[ChunkKey],
@@ -643,137 +463,122 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
             raise InvalidArgument(f"{len(keys)} keys but {len(sizes)} sizes")
         if not keys:
             return []
+        request_hex = request_id.hex().encode()
+        states, nodes, now_ms = await self._put_state(keys, request_hex)
+        decided = admit(keys, sizes, states, nodes, writer_node_id)
+        dedup, saved = decided.deduplicated, decided.bytes_saved
+        lost = await self._allocate(keys, decided, request_id, now_ms) if decided.placements else []
+        values: list[bytes | None] = [None] * len(lost)
+        if request_id and lost:
+            # A first attempt of this put, slow rather than dead, may have
+            # allocated the key between the state read and ALLOC.
+            values = await self._db.read([("GET", self._pending(keys[i])) for i in lost])
+        for i, value in zip(lost, values, strict=True):
+            answer = decided.allocations[i] = settle_lost(
+                _retried(value, request_hex, now_ms), nodes
+            )
+            if answer.action is Action.SKIP_PENDING:
+                dedup, saved = dedup + 1, saved + sizes[i]
+        self._count(chunks_deduplicated=dedup, bytes_saved=saved)
+        return [a for a in decided.allocations if a is not None]
+
+    async def _put_state(
+        self, keys: Sequence[ChunkKey], request_hex: bytes
+    ) -> tuple[list[KeyState], dict[NodeId, NodeInfo], int]:
+        """The state of ``keys`` and the live nodes, read in one round trip, and the time."""
         uniq = list(dict.fromkeys(keys))
         u = len(uniq)
         known = list(self._known)
         # One round trip: chunks, pending allocations, the registry, leases.
-        out = await self._read(
+        out = await self._db.read(
             [("HGETALL", self._chunk(k)) for k in uniq]
             + [("GET", self._pending(k)) for k in uniq]
             + [("HKEYS", self._k_nodes)]
             + [("HMGET", self._node(n), "epoch", "address", "grpc", "tiers") for n in known]
         )
-        chunks = dict(zip(uniq, out[:u], strict=True))
-        pending = dict(zip(uniq, out[u : 2 * u], strict=True))
         prefetched = {
             n: (r if r[0] is not None else None)
             for n, r in zip(known, out[2 * u + 1 :], strict=True)
         }
         live = await self._live_nodes(out[2 * u], prefetched)
         epochs = {f"n:{nid}".encode(): epoch for nid, (epoch, _) in live.items()}
-        infos = [info for _, info in live.values()]
         now_ms = _now_ms()
-        request_hex = request_id.hex().encode()
-
-        def on(node_id: NodeId | None) -> Replica | None:
-            # Where a retry of this put writes again: the same node, if alive.
-            if node_id is None or node_id not in live:
-                return None
-            return Replica(node_id, live[node_id][1].address, "cpu")
-
-        decided: list[Allocation | None] = []
-        wanted: list[tuple[int, ChunkKey, NodeInfo]] = []
-        planned: dict[NodeId, int] = {}
-        batch: set[ChunkKey] = set()
-        gone: dict[NodeId, list[ChunkKey]] = {}  # this put's allocations on dead nodes
-        dedup = saved = 0
-        for i, (key, size) in enumerate(zip(keys, sizes, strict=True)):
-            if any(epochs.get(f) == _field_epoch(v) for f, v in chunks[key].items()):
-                decided.append(Allocation(Action.SKIP_EXISTS))
-                dedup, saved = dedup + 1, saved + size
-                continue
-            mine = None if key in batch else _retried(pending[key], request_hex, now_ms)
-            if (same := on(mine)) is not None:
-                # A retry of the put whose reply was lost (the replica that
-                # made the allocation died or timed out): the same answer.
-                planned[same.node_id] = planned.get(same.node_id, 0) + size
-                batch.add(key)
-                decided.append(Allocation(Action.WRITE, same))
-                continue
-            if mine is not None:
-                gone.setdefault(mine, []).append(key)  # revoked, then placed anew
-            elif key in batch or _pending_live(pending[key], now_ms):
-                decided.append(Allocation(Action.SKIP_PENDING))
-                dedup, saved = dedup + 1, saved + size
-                continue
-            node = choose_node(infos, writer_node_id, size, planned)
-            if node is None:
-                if not infos:
-                    raise Unavailable("no store node is registered to place chunks on")
-                raise CapacityExceeded(
-                    f"a chunk of {size} bytes is larger than any store node's capacity"
+        state: dict[ChunkKey, KeyState] = {}
+        for key, chunk, value in zip(uniq, out[:u], out[u : 2 * u], strict=True):
+            if any(epochs.get(f) == _field_epoch(v) for f, v in chunk.items()):
+                state[key] = KeyState(exists=True)
+            else:
+                state[key] = KeyState(
+                    pending=_pending_live(value, now_ms),
+                    retried=_retried(value, request_hex, now_ms),
                 )
-            planned[node.node_id] = planned.get(node.node_id, 0) + size
-            batch.add(key)
-            decided.append(None)
-            wanted.append((i, key, node))
+        nodes = {nid: info for nid, (_, info) in live.items()}
+        return [state[k] for k in keys], nodes, now_ms
 
-        if wanted:
-            # Atomic per key: of all replicas racing for a key, one script
-            # call wins it; the others answer SKIP_PENDING.
-            batch_id = _batch_id(request_id)
-            members = f"{self._p}:alloc:{batch_id}"
-            # Same slot as the ALLOC of the key, so it runs first, on a cluster too.
-            revokes = [
-                c
-                for nid, ks in gone.items()
-                for c in self._vec(lua.REVOKE, [[self._pending(k)] for k in ks], [nid])
+    async def _allocate(
+        self, keys: Sequence[ChunkKey], decided: Admission, request_id: bytes, now_ms: int
+    ) -> list[int]:
+        """Allocate the keys ``decided`` places; return those another put won.
+
+        Atomic per key: of all replicas racing for a key, one script call wins
+        it; the others settle it with :func:`settle_lost`.
+        """
+        wanted = decided.placements
+        batch_id = _batch_id(request_id)
+        members = f"{self._p}:alloc:{batch_id}"
+        # Same slot as the ALLOC of the key, so it runs first, on a cluster too.
+        revokes = [
+            c
+            for nid, ks in decided.revoked.items()
+            for c in self._db.vec(scripts.REVOKE, [[self._pending(k)] for k in ks], [nid])
+        ]
+        calls = self._db.vec(
+            scripts.ALLOC,
+            [[self._pending(keys[i])] for i, _ in wanted],
+            [batch_id, self._alloc_ms, self._backstop_ms],
+            [(n.node_id,) for _, n in wanted],
+        )
+        out = await self._db.exec(
+            [
+                *revokes,
+                *calls,
+                ("SADD", members, *(bytes(keys[i]) for i, _ in wanted)),
+                ("PEXPIRE", members, self._backstop_ms),
+                ("ZADD", self._k_allocs, now_ms + self._alloc_ms, batch_id),
             ]
-            calls = self._vec(
-                lua.ALLOC,
-                [[self._pending(k)] for _, k, _ in wanted],
-                [batch_id, self._alloc_ms, self._backstop_ms],
-                [(n.node_id,) for _, _, n in wanted],
-            )
-            out = await self._exec(
-                [
-                    *revokes,
-                    *calls,
-                    ("SADD", members, *(bytes(k) for _, k, _ in wanted)),
-                    ("PEXPIRE", members, self._backstop_ms),
-                    ("ZADD", self._k_allocs, now_ms + self._alloc_ms, batch_id),
-                ]
-            )
-            won = _flat(out[len(revokes) : len(revokes) + len(calls)])
-            lost = [(i, k) for (i, k, _), w in zip(wanted, won, strict=True) if not w]
-            values: list[bytes | None] = [None] * len(lost)
-            if request_id and lost:
-                # A first attempt of this put, slow rather than dead, may have
-                # allocated the key between the read above and ALLOC.
-                values = await self._read([("GET", self._pending(k)) for _, k in lost])
-            for (i, _, node), w in zip(wanted, won, strict=True):
-                if w:
-                    replica = Replica(node.node_id, node.address, "cpu")
-                    decided[i] = Allocation(Action.WRITE, replica)
-            for (i, _), value in zip(lost, values, strict=True):
-                if (same := on(_retried(value, request_hex, now_ms))) is not None:
-                    decided[i] = Allocation(Action.WRITE, same)
-                else:
-                    decided[i] = Allocation(Action.SKIP_PENDING)
-                    dedup, saved = dedup + 1, saved + sizes[i]
-        self._count(chunks_deduplicated=dedup, bytes_saved=saved)
-        return [a for a in decided if a is not None]
+        )
+        won = flat(out[len(revokes) : len(revokes) + len(calls)])
+        lost: list[int] = []
+        for (i, node), w in zip(wanted, won, strict=True):
+            if w:
+                replica = Replica(node.node_id, node.address, "cpu")
+                decided.allocations[i] = Allocation(Action.WRITE, replica)
+            else:
+                lost.append(i)
+        return lost
 
-    @_guarded
+    @guarded
     async def put_end(self, node_id: NodeId, keys: Sequence[ChunkKey], sizes: Sequence[int]) -> int:
         if len(keys) != len(sizes):
             raise InvalidArgument(f"{len(keys)} keys but {len(sizes)} sizes")
         if not keys:
             return 0
         n = self._node(node_id)
-        epoch = await self._one(lua.CLAIM.cmd([n, n + ":keys"], [bytes(k) for k in keys]))
+        epoch = await self._db.one(scripts.CLAIM.cmd([n, n + ":keys"], [bytes(k) for k in keys]))
         if epoch is None:
             # The node died meanwhile: its bytes are gone with it.
-            await self._exec(self._vec(lua.REVOKE, [[self._pending(k)] for k in keys], [node_id]))
+            await self._db.exec(
+                self._db.vec(scripts.REVOKE, [[self._pending(k)] for k in keys], [node_id])
+            )
             return 0
-        calls = self._vec(
-            lua.COMMIT,
+        calls = self._db.vec(
+            scripts.COMMIT,
             [[self._chunk(k), self._pending(k)] for k in keys],
             [node_id, f"n:{node_id}", b"cpu " + epoch, epoch],
             [(s,) for s in sizes],
         )
         committed = nbytes = created = 0
-        for r, size in zip(_flat(await self._exec(calls)), sizes, strict=True):
+        for r, size in zip(flat(await self._db.exec(calls)), sizes, strict=True):
             created += r >> 1
             if r & 1:
                 committed += 1
@@ -781,13 +586,13 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
         self._count(chunks=created, puts_committed=committed, bytes_committed=nbytes)
         return committed
 
-    @_guarded
+    @guarded
     async def put_revoke(self, node_id: NodeId, keys: Sequence[ChunkKey]) -> int:
-        calls = self._vec(lua.REVOKE, [[self._pending(k)] for k in keys], [node_id])
-        return sum(_flat(await self._exec(calls)))
+        calls = self._db.vec(scripts.REVOKE, [[self._pending(k)] for k in keys], [node_id])
+        return sum(flat(await self._db.exec(calls)))
 
     # -- lookup ---------------------------------------------------------------
-    @_guarded
+    @guarded
     async def lookup(
         self,
         keys: Sequence[ChunkKey],
@@ -797,7 +602,7 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
         known = list(self._known) if len(self._known) <= _PREFETCH_NODES else []
         # One round trip: every chunk's hash and the leases of the known nodes,
         # read together, so that a lease gone makes its replicas vanish.
-        out = await self._read(
+        out = await self._db.read(
             [("HGETALL", self._chunk(k)) for k in keys]
             + [("HMGET", self._node(n), "epoch", "address") for n in known]
         )
@@ -845,9 +650,9 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
         return LookupResult(hits, tuple(locations))
 
     # -- maintenance ----------------------------------------------------------
-    @_guarded
+    @guarded
     async def expire(self, now: float) -> tuple[int, int]:
-        registry, due = await self._exec(
+        registry, due = await self._db.exec(
             [
                 ("HGETALL", self._k_nodes),
                 ("ZRANGEBYSCORE", self._k_allocs, "-inf", _now_ms(), "LIMIT", 0, 1024),
@@ -855,42 +660,42 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
         )
         ids = [n.decode() for n in registry]
         self._remember(ids)
-        alive = await self._exec([("EXISTS", self._node(n)) for n in ids])
+        alive = await self._db.exec([("EXISTS", self._node(n)) for n in ids])
         nodes_expired = 0
         for nid in (n for n, ok in zip(ids, alive, strict=True) if not ok):
-            epoch = int(await self._one(lua.REAP.cmd(self._node_keys(nid), [])))
+            epoch = int(await self._db.one(scripts.REAP.cmd(self._node_keys(nid), [])))
             if epoch < 0:
                 continue  # registered again since
             dropped = await self._collect(nid, epoch + 1)
-            if await self._one(lua.NODES_DEL.cmd([self._k_nodes], [nid, epoch])):
+            if await self._db.one(scripts.NODES_DEL.cmd([self._k_nodes], [nid, epoch])):
                 nodes_expired += 1
                 logger.warning("node %s lease expired: dropped with %d chunks", nid, dropped)
 
         allocations_expired = 0
         if due:
             # ZREM decides which replica handles (and counts) each batch.
-            won = await self._exec([("ZREM", self._k_allocs, b) for b in due])
+            won = await self._db.exec([("ZREM", self._k_allocs, b) for b in due])
             claimed = [b.decode() for b, w in zip(due, won, strict=True) if w]
             sets = [f"{self._p}:alloc:{b}" for b in claimed]
-            members = await self._exec([("SMEMBERS", s) for s in sets])
+            members = await self._db.exec([("SMEMBERS", s) for s in sets])
             calls = [
                 c
                 for b, ks in zip(claimed, members, strict=True)
-                for c in self._vec(lua.EXPIRE_ALLOC, [[self._pending(k)] for k in ks], [b])
+                for c in self._db.vec(scripts.EXPIRE_ALLOC, [[self._pending(k)] for k in ks], [b])
             ]
-            out = await self._exec([*calls, *(("DEL", s) for s in sets)])
-            allocations_expired = sum(_flat(out[: len(calls)]))
+            out = await self._db.exec([*calls, *(("DEL", s) for s in sets)])
+            allocations_expired = sum(flat(out[: len(calls)]))
         self._count(nodes_expired=nodes_expired, allocations_expired=allocations_expired)
         return nodes_expired, allocations_expired
 
-    @_guarded
+    @guarded
     async def stats(self, now: float) -> IndexStats:
         await self._sync_counts()
-        counters, registry = await self._exec(
+        counters, registry = await self._db.exec(
             [("HGETALL", self._k_stats), ("HKEYS", self._k_nodes)]
         )
         ids = [n.decode() for n in registry]
-        out = await self._exec(
+        out = await self._db.exec(
             [
                 c
                 for n in ids
