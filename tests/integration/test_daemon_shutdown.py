@@ -61,9 +61,8 @@ def assert_clean_stderr(stderr: str) -> None:
     assert "never awaited" not in stderr, stderr[-3000:]
 
 
-def start_up(metrics: bool) -> tuple[subprocess.Popen[str], list[int]]:
-    """``kvdepot up`` in its own process group, as from a terminal; its
-    daemons' pids, once it says they all run."""
+def spawn_up(metrics: bool, stdout: int) -> subprocess.Popen[str]:
+    """``kvdepot up`` of 2 stores in its own process group, as from a terminal."""
     cmd = [
         sys.executable, "-m", "kvdepot.cli", "up",
         "--nodes", "2",
@@ -71,14 +70,19 @@ def start_up(metrics: bool) -> tuple[subprocess.Popen[str], list[int]]:
         "--capacity", "16MiB",
         *(["--metrics"] if metrics else []),
     ]  # fmt: skip
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         cmd,
-        stdout=subprocess.PIPE,
+        stdout=stdout,
         stderr=subprocess.PIPE,
         stdin=subprocess.DEVNULL,
         text=True,
         start_new_session=True,
     )
+
+
+def start_up(metrics: bool) -> tuple[subprocess.Popen[str], list[int]]:
+    """``kvdepot up`` and its daemons' pids, once it says they all run."""
+    proc = spawn_up(metrics, subprocess.PIPE)
     assert proc.stdout is not None
     stores = []
     deadline = time.monotonic() + 120
@@ -170,21 +174,7 @@ def test_a_store_signalled_again_while_stopping_frees_its_arena(tmp_path: Path) 
 def test_ctrl_c_while_up_starts_stops_everything_quietly() -> None:
     # At various points of the start: daemons importing, binding, registering.
     for delay in (0.3, 0.8, 1.3, 2.0):
-        cmd = [
-            sys.executable, "-m", "kvdepot.cli", "up",
-            "--nodes", "2",
-            "--metadata-port", str(free_port()),
-            "--capacity", "16MiB",
-            "--metrics",
-        ]  # fmt: skip
-        proc = subprocess.Popen(
-            cmd,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            stdin=subprocess.DEVNULL,
-            text=True,
-            start_new_session=True,
-        )
+        proc = spawn_up(True, subprocess.DEVNULL)
         daemons: set[int] = set()
         deadline = time.monotonic() + delay
         while time.monotonic() < deadline:
