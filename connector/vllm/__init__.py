@@ -268,8 +268,7 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
         self._work().wait_for_save(self._meta())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        recved, failed = self._work().get_finished()
-        return None, (recved | failed or None)
+        return None, (self.get_transfer_results(finished_req_ids).finished_recving or None)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         recved, failed = self._work().get_finished()
