@@ -13,37 +13,32 @@ validating a codec (scheduler configuration, namespaces) does not need it.
 
 from __future__ import annotations
 
-import importlib
-import threading
-
 from kvdepot.connector.codec.base import CodecHeader, CodecSpec, KVCodec
-from kvdepot.errors import InvalidArgument
+from kvdepot.registry import Registry
 
-_lock = threading.Lock()
-# name -> "module:Class", imported on first use.
-_registry: dict[str, str] = {}
+CODECS: Registry[type[KVCodec]] = Registry("kv codec", base=KVCodec)
+"""The codecs, by name; each module is imported when its codec is first made."""
+CODECS.register("none", "kvdepot.connector.codec.none:NoneCodec", needs="torch")
+CODECS.register("fp8_e4m3", "kvdepot.connector.codec.fp8:Fp8E4M3Codec", needs="torch")
 
 
-def register_codec(name: str, target: str) -> None:
-    """Make the codec class at ``"module:Class"`` available under ``name``."""
-    if not name or ":" not in target:
-        raise InvalidArgument("register_codec needs a name and a 'module:Class' target")
-    with _lock:
-        _registry[name] = target
+def register_codec(name: str, target: str | type[KVCodec]) -> None:
+    """Make the codec class (or its ``"module:Class"`` path) available under ``name``.
+
+    Raises:
+        InvalidArgument: A malformed path, or a name registered already.
+    """
+    CODECS.register(name, target)
 
 
 def available_codecs() -> list[str]:
     """Names of the registered codecs, sorted."""
-    with _lock:
-        return sorted(_registry)
+    return CODECS.names()
 
 
 def check_codec_name(name: str) -> None:
-    """Raise :class:`InvalidArgument` unless ``name`` is a registered codec."""
-    with _lock:
-        known = sorted(_registry)
-    if name not in known:
-        raise InvalidArgument(f"unknown kv codec {name!r}; known: {', '.join(known)}")
+    """Raise :class:`InvalidArgument` unless ``name`` is a registered codec (imports nothing)."""
+    CODECS.check(name)
 
 
 def create_codec(spec: CodecSpec) -> KVCodec:
@@ -52,17 +47,11 @@ def create_codec(spec: CodecSpec) -> KVCodec:
     Raises:
         InvalidArgument: If no codec is registered under ``spec.name``.
     """
-    check_codec_name(spec.name)
-    with _lock:
-        module, cls = _registry[spec.name].split(":", 1)
-    codec: KVCodec = getattr(importlib.import_module(module), cls)(spec)
-    return codec
+    return CODECS.get(spec.name)(spec)
 
-
-register_codec("none", "kvdepot.connector.codec.none:NoneCodec")
-register_codec("fp8_e4m3", "kvdepot.connector.codec.fp8:Fp8E4M3Codec")
 
 __all__ = [
+    "CODECS",
     "CodecHeader",
     "CodecSpec",
     "KVCodec",

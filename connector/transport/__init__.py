@@ -11,7 +11,6 @@ otherwise. A transport is created by name from configuration::
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
 from kvdepot.connector.transport.auto import AutoTransport
@@ -24,31 +23,31 @@ from kvdepot.connector.transport.base import (
 )
 from kvdepot.connector.transport.shm import ShmTransport
 from kvdepot.connector.transport.tcp import TcpTransport
-from kvdepot.errors import InvalidArgument, Unavailable
+from kvdepot.registry import Registry
 
 TransportFactory = Callable[..., Transport]
 """Builds a transport from keyword arguments (its constructor, typically)."""
 
-_lock = threading.Lock()
-_registry: dict[str, TransportFactory] = {}
+TRANSPORTS: Registry[TransportFactory] = Registry("transport")
+"""The transports, by name."""
+TRANSPORTS.register("tcp", TcpTransport)
+TRANSPORTS.register("shm", ShmTransport)
+TRANSPORTS.register("auto", AutoTransport)
+TRANSPORTS.register("nixl", "kvdepot.connector.transport.nixl:NixlTransport")
 
 
-def register_transport(name: str, factory: TransportFactory) -> None:
-    """Make a transport available under ``name``; a later registration replaces it.
+def register_transport(name: str, factory: TransportFactory | str) -> None:
+    """Make a transport (a factory, or its ``"module:attr"`` path) available under ``name``.
 
     Raises:
-        InvalidArgument: If ``name`` is empty.
+        InvalidArgument: If ``name`` is empty or registered already.
     """
-    if not name:
-        raise InvalidArgument("transport name must not be empty")
-    with _lock:
-        _registry[name] = factory
+    TRANSPORTS.register(name, factory)
 
 
 def available_transports() -> list[str]:
     """Names of the registered transports, sorted."""
-    with _lock:
-        return sorted(_registry)
+    return TRANSPORTS.names()
 
 
 def create_transport(name: str, **kwargs: object) -> Transport:
@@ -60,29 +59,13 @@ def create_transport(name: str, **kwargs: object) -> Transport:
 
     Raises:
         InvalidArgument: If no transport is registered under ``name``.
+        Unavailable: If the transport's module cannot be loaded.
     """
-    with _lock:
-        factory = _registry.get(name)
-        known = sorted(_registry)
-    if factory is None:
-        raise InvalidArgument(f"unknown transport {name!r}; known: {', '.join(known)}")
-    return factory(**kwargs)
+    return TRANSPORTS.get(name)(**kwargs)
 
-
-def _create_nixl(**kwargs: object) -> Transport:
-    try:
-        from kvdepot.connector.transport.nixl import NixlTransport
-    except ImportError as exc:  # pragma: no cover - the module itself has no hard deps
-        raise Unavailable(f"the nixl transport cannot be loaded: {exc}") from exc
-    return NixlTransport(**kwargs)  # type: ignore[arg-type]
-
-
-register_transport("tcp", TcpTransport)
-register_transport("shm", ShmTransport)
-register_transport("auto", AutoTransport)
-register_transport("nixl", _create_nixl)
 
 __all__ = [
+    "TRANSPORTS",
     "AutoTransport",
     "GetItem",
     "GetOutcome",

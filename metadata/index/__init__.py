@@ -1,4 +1,4 @@
-"""Index backends of the metadata service, chosen by name."""
+"""Index backends of the metadata service, chosen by the scheme of the index URL."""
 
 from __future__ import annotations
 
@@ -6,45 +6,39 @@ from collections.abc import Callable
 
 from kvdepot.errors import InvalidArgument
 from kvdepot.metadata.index.base import IndexBackend, IndexConfig
+from kvdepot.registry import Registry
 
-_REGISTRY: dict[str, Callable[[IndexConfig], IndexBackend]] = {}
+BACKENDS: Registry[Callable[[IndexConfig], IndexBackend]] = Registry(
+    "index backend", missing=InvalidArgument
+)
+"""The index backends, by URL scheme; each entry builds one from its config."""
+BACKENDS.register("memory", "kvdepot.metadata.index.memory:MemoryIndex")
+# redis-py is an optional dependency (kvdepot[redis]): imported on use.
+for _scheme in ("redis", "rediss", "redis+cluster"):
+    BACKENDS.register(
+        _scheme,
+        "kvdepot.metadata.index.redis:RedisIndex",
+        needs="redis-py: pip install 'kvdepot[redis]'",
+    )
 
 
-def register_backend(scheme: str, factory: Callable[[IndexConfig], IndexBackend]) -> None:
-    """Make an index backend available under ``scheme`` (e.g. ``"memory"``)."""
-    _REGISTRY[scheme] = factory
+def register_backend(scheme: str, factory: Callable[[IndexConfig], IndexBackend] | str) -> None:
+    """Make an index backend (a factory, or its ``"module:attr"`` path) available under ``scheme``.
+
+    Raises:
+        InvalidArgument: If ``scheme`` is registered already.
+    """
+    BACKENDS.register(scheme, factory)
 
 
 def create_backend(config: IndexConfig) -> IndexBackend:
-    """Create the backend named by ``config.url``'s scheme."""
-    scheme = config.url.split("://", 1)[0]
-    try:
-        factory = _REGISTRY[scheme]
-    except KeyError:
-        known = ", ".join(sorted(_REGISTRY))
-        raise InvalidArgument(f"unknown index backend {scheme!r} (known: {known})") from None
-    return factory(config)
+    """Create the backend named by ``config.url``'s scheme.
+
+    Raises:
+        InvalidArgument: An unknown scheme, or one whose backend's dependency
+            is not installed.
+    """
+    return BACKENDS.get(config.url.split("://", 1)[0])(config)
 
 
-def _memory(config: IndexConfig) -> IndexBackend:
-    from kvdepot.metadata.index.memory import MemoryIndex
-
-    return MemoryIndex(config)
-
-
-def _redis(config: IndexConfig) -> IndexBackend:
-    # Imported on use: redis-py is an optional dependency (kvdepot[redis]).
-    try:
-        from kvdepot.metadata.index.redis import RedisIndex
-    except ImportError as exc:
-        raise InvalidArgument(
-            f"index {config.url!r} needs redis-py: pip install 'kvdepot[redis]' ({exc})"
-        ) from None
-    return RedisIndex(config)
-
-
-register_backend("memory", _memory)
-for _scheme in ("redis", "rediss", "redis+cluster"):
-    register_backend(_scheme, _redis)
-
-__all__ = ["IndexBackend", "IndexConfig", "create_backend", "register_backend"]
+__all__ = ["BACKENDS", "IndexBackend", "IndexConfig", "create_backend", "register_backend"]

@@ -19,13 +19,13 @@ thread without that lock, on handles the table keeps alive meanwhile.
 from __future__ import annotations
 
 import abc
-import importlib
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvdepot.errors import InvalidArgument
 from kvdepot.metadata.keys import ChunkKey
+from kvdepot.registry import Registry
 
 if TYPE_CHECKING:
     from kvdepot.store.config import StoreConfig
@@ -257,38 +257,31 @@ class Tier(abc.ABC):
 
 # -- registry ---------------------------------------------------------------------
 
-_REGISTRY: dict[str, str | type[Tier]] = {
-    "gpu": "kvdepot.store.tiers.gpu:GpuTier",
-    "cpu": "kvdepot.store.tiers.cpu:CpuTier",
-    "ssd": "kvdepot.store.tiers.ssd:SsdTier",
-}
+TIERS: Registry[type[Tier]] = Registry("tier", base=Tier)
+"""The tier kinds, by name. Modules are imported only when their tier is asked
+for, so a store without a ``gpu`` tier never imports the GPU tier's dependencies."""
+TIERS.register("gpu", "kvdepot.store.tiers.gpu:GpuTier")
+TIERS.register("cpu", "kvdepot.store.tiers.cpu:CpuTier")
+TIERS.register("ssd", "kvdepot.store.tiers.ssd:SsdTier")
 
 
 def register_tier(name: str, target: str | type[Tier]) -> None:
-    """Register a tier class, or its ``"module:Class"`` path (imported on first use)."""
-    _REGISTRY[name] = target
+    """Register a tier class, or its ``"module:Class"`` path (imported on first use).
+
+    Raises:
+        InvalidArgument: If ``name`` is registered already.
+    """
+    TIERS.register(name, target)
 
 
 def tier_class(name: str) -> type[Tier]:
     """The class registered for ``name``, importing its module if needed.
 
-    Modules are imported only when their tier is asked for, so a store
-    without a ``gpu`` tier never imports the GPU tier's dependencies.
-
     Raises:
-        InvalidArgument: If no tier is registered under ``name``.
+        InvalidArgument: If no tier is registered under ``name``, or its
+            target is not a :class:`Tier`.
     """
-    target = _REGISTRY.get(name)
-    if target is None:
-        raise InvalidArgument(f"unknown tier {name!r}; known: {', '.join(sorted(_REGISTRY))}")
-    if isinstance(target, str):
-        module, _, attr = target.partition(":")
-        cls = getattr(importlib.import_module(module), attr)
-        if not (isinstance(cls, type) and issubclass(cls, Tier)):
-            raise InvalidArgument(f"{target} is not a Tier")
-        _REGISTRY[name] = cls
-        return cls
-    return target
+    return TIERS.get(name)
 
 
 class AllocatorSpace:

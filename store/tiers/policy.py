@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from kvdepot.errors import InvalidArgument
 from kvdepot.metadata.keys import ChunkKey
+from kvdepot.registry import Registry
 
 
 class EvictionPolicy(abc.ABC):
@@ -79,12 +80,19 @@ class FifoPolicy(LruPolicy):
         return None
 
 
-_POLICIES: dict[str, Callable[[], EvictionPolicy]] = {"lru": LruPolicy, "fifo": FifoPolicy}
+POLICIES: Registry[Callable[[], EvictionPolicy]] = Registry("eviction policy")
+"""The eviction policies, by name: each entry makes a new, empty policy."""
+POLICIES.register("lru", LruPolicy)
+POLICIES.register("fifo", FifoPolicy)
 
 
 def register_policy(name: str, factory: Callable[[], EvictionPolicy]) -> None:
-    """Make a policy available under ``name`` (for :attr:`TieringOptions.policy`)."""
-    _POLICIES[name] = factory
+    """Make a policy available under ``name`` (for :attr:`TieringOptions.policy`).
+
+    Raises:
+        InvalidArgument: If ``name`` is registered already.
+    """
+    POLICIES.register(name, factory)
 
 
 def create_policy(name: str) -> EvictionPolicy:
@@ -93,17 +101,12 @@ def create_policy(name: str) -> EvictionPolicy:
     Raises:
         InvalidArgument: If no policy has that name.
     """
-    factory = _POLICIES.get(name)
-    if factory is None:
-        raise InvalidArgument(
-            f"unknown eviction policy {name!r}; known: {', '.join(sorted(_POLICIES))}"
-        )
-    return factory()
+    return POLICIES.get(name)()
 
 
 def policy_names() -> list[str]:
     """The registered policy names."""
-    return sorted(_POLICIES)
+    return POLICIES.names()
 
 
 @dataclass(frozen=True, slots=True)

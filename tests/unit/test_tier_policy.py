@@ -55,7 +55,7 @@ def test_policies_plug_in_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
         def coldest(self):  # type: ignore[no-untyped-def]
             return reversed(list(super().coldest()))
 
-    monkeypatch.setattr(policy_module, "_POLICIES", dict(policy_module._POLICIES))
+    monkeypatch.setattr(policy_module, "POLICIES", policy_module.POLICIES.copy())
     register_policy("newest-first", Newest)
     assert "newest-first" in policy_names()
     assert isinstance(create_policy("newest-first"), Newest)
@@ -76,7 +76,7 @@ def test_watermarks_are_validated_and_parsed() -> None:
 
 
 def test_registry_imports_tiers_on_first_use(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(base_module, "_REGISTRY", dict(base_module._REGISTRY))
+    monkeypatch.setattr(base_module, "TIERS", base_module.TIERS.copy())
     assert tier_class("cpu") is CpuTier
     assert tier_class("ssd").name == "ssd"
     with pytest.raises(InvalidArgument, match="unknown tier"):
