@@ -4,7 +4,7 @@ Metadata replicas are stateless over a shared index (Redis), so any of them
 can answer any call: a call that cannot reach the current replica is retried
 once on each of the others before the caller sees ``Unavailable``.
 
-Errors keep the class the service raised (see :func:`kvdepot.errors.from_grpc`)
+Errors keep the class the service raised (see :func:`kvdepot.grpc_errors.from_grpc`)
 and name the replica that answered.
 """
 
@@ -16,7 +16,8 @@ from typing import Any
 
 import grpc
 
-from kvdepot.errors import ClientClosed, InvalidArgument, Unavailable, error_type_name, from_grpc
+from kvdepot.errors import ClientClosed, InvalidArgument, Unavailable
+from kvdepot.grpc_errors import error_type_name, from_grpc
 from kvdepot.proto.gen import metadata_pb2_grpc
 from kvdepot.security import SecurityConfig
 from kvdepot.security import channel as secure_channel

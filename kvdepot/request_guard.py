@@ -9,7 +9,7 @@ other bad field, before a handler sees them.
 A handler's :class:`~kvdepot.errors.KVDepotError` becomes its status here too:
 :func:`abort_with` answers with the class's code, the error's message and the
 class's name in the trailing metadata, so the client raises the same class
-(:func:`kvdepot.errors.from_grpc`). One that escapes a handler is answered
+(:func:`kvdepot.grpc_errors.from_grpc`). One that escapes a handler is answered
 the same way instead of as ``UNKNOWN`` with a traceback in the service's log.
 """
 
@@ -21,7 +21,8 @@ from typing import Any
 
 import grpc
 
-from kvdepot.errors import ERROR_TYPE_KEY, KVDepotError
+from kvdepot.errors import KVDepotError
+from kvdepot.grpc_errors import error_metadata, status_code
 
 
 class _Malformed:
@@ -48,7 +49,7 @@ async def abort_with(
     # collection. Dropping the traceback lets it go at once.
     exc.__traceback__ = None
     await context.abort(
-        exc.grpc_code, str(exc), trailing_metadata=((ERROR_TYPE_KEY, type(exc).__name__), *trailing)
+        status_code(exc), str(exc), trailing_metadata=(*error_metadata(exc), *trailing)
     )
 
 

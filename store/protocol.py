@@ -264,7 +264,7 @@ class ProtocolError(Corrupt):
 class AuthRefused(ProtocolError, Unauthenticated):
     """The connection did not authenticate: no token, or a wrong one (ERROR UNAUTHENTICATED)."""
 
-    grpc_code = Unauthenticated.grpc_code
+    rpc_status = Unauthenticated.rpc_status
 
     def __init__(self, message: str) -> None:
         super().__init__(ErrorCode.UNAUTHENTICATED, message)

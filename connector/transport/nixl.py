@@ -45,7 +45,8 @@ from kvdepot.connector.transport.tcp import (
     PutWork,
     TcpTransport,
 )
-from kvdepot.errors import InvalidArgument, KVDepotError, Unauthenticated, Unavailable, from_grpc
+from kvdepot.errors import InvalidArgument, KVDepotError, Unauthenticated, Unavailable
+from kvdepot.grpc_errors import from_grpc
 from kvdepot.metadata.keys import ChunkKey
 from kvdepot.proto.gen import store_pb2, store_pb2_grpc
 from kvdepot.security import SecurityConfig

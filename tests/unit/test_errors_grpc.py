@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from typing import Any
 
 import grpc
 import pytest
 
 from kvdepot.errors import (
-    ERROR_TYPE_KEY,
     InvalidArgument,
     KVDepotError,
+    NodeIdTaken,
     StaleRegistration,
+    Unauthenticated,
     Unavailable,
-    from_grpc,
 )
+from kvdepot.grpc_errors import ERROR_TYPE_KEY, error_metadata, from_grpc, status_code
+from kvdepot.store.protocol import AuthRefused
 
 
 class FakeRpcError(grpc.RpcError):
@@ -53,3 +57,36 @@ def test_from_grpc_restores_the_class_the_service_named(
     exc = from_grpc(FakeRpcError(code, "why", trailing), "metadata x")
     assert type(exc) is expected
     assert str(exc) == "metadata x: why"
+
+
+@pytest.mark.parametrize(
+    ("exc", "code"),
+    [
+        (KVDepotError("x"), grpc.StatusCode.UNKNOWN),
+        (InvalidArgument("x"), grpc.StatusCode.INVALID_ARGUMENT),
+        (NodeIdTaken("x"), grpc.StatusCode.ALREADY_EXISTS),
+        (StaleRegistration("x"), grpc.StatusCode.FAILED_PRECONDITION),
+        # A Corrupt and an Unauthenticated: answered as the refusal it is.
+        (AuthRefused("wrong token"), grpc.StatusCode.UNAUTHENTICATED),
+    ],
+)
+def test_a_service_answers_each_class_with_its_status(
+    exc: KVDepotError, code: grpc.StatusCode
+) -> None:
+    assert status_code(exc) is code
+    trailing = error_metadata(exc)
+    back = from_grpc(FakeRpcError(code, "why", trailing))
+    expected = Unauthenticated if isinstance(exc, AuthRefused) else type(exc)
+    assert type(back) is expected
+
+
+def test_the_error_classes_load_no_grpc() -> None:
+    # A fresh interpreter: this one has imported grpc long since.
+    probe = (
+        "import sys, kvdepot.errors; "
+        "print(sorted(m for m in sys.modules if m == 'grpc' or m.startswith(('grpc.', 'grpc_'))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert out.stdout.strip() == "[]", out.stdout
