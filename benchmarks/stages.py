@@ -1,0 +1,232 @@
+"""Where the time of a kvdepot put or get goes, stage by stage, in the client.
+
+:class:`StageTimer` wraps the functions a put or get passes through
+(metadata calls, control messages, socket sends and receives, copies,
+hashing, connection checkout) with timers, for the duration of a ``with``
+block. Each stage is timed exclusively: a stage's time excludes the stages
+called inside it, so the stages of an operation add up to at most its wall
+time, and what is left is the client's own Python work (validation,
+building requests, grouping, results). A stage marked opaque (a control
+round trip) keeps the sends and receives inside it as its own time.
+
+Times on the store's side show up as the wait for its reply (``store
+reply``, ``control …``); :func:`profile_env` profiles the daemons themselves.
+
+Used by ``python benchmarks/dataplane.py --stages``; nothing here touches
+kvdepot when it is not in use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import os
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+# (module, attribute path, stage name, opaque). A name of None takes the
+# stage from the first argument (the metadata method).
+_TARGETS: list[tuple[str, str, str | None, bool]] = [
+    ("kvdepot.connector.metadata", "MetadataConnection.call", None, True),
+    ("kvdepot.connector.transport.tcp", "_Pool.checkout", "connection checkout", True),
+    ("kvdepot.connector.transport.control", "ControlPool.checkout", "connection checkout", True),
+    ("kvdepot.connector.transport.control", "ControlConnection.reserve", "control RESERVE", True),
+    (
+        "kvdepot.connector.transport.control",
+        "ControlConnection.send_commit",
+        "control COMMIT",
+        True,
+    ),
+    (
+        "kvdepot.connector.transport.control",
+        "ControlConnection.finish_commits",
+        "control COMMIT",
+        True,
+    ),
+    ("kvdepot.connector.transport.control", "ControlConnection.lease", "control LEASE", True),
+    (
+        "kvdepot.connector.transport.control",
+        "ControlConnection.release_later",
+        "control RELEASE",
+        True,
+    ),
+    ("kvdepot.connector.transport.shm", "copy_hashed", "copy (shm)", False),
+    ("kvdepot.connector.transport.tcp", "send_all", "socket send", False),
+    ("kvdepot.connector.transport.tcp", "send_hashed", "socket send", False),
+    ("kvdepot.store.sockets", "send_all", "socket send", False),
+    ("kvdepot.connector.transport.tcp", "recv_reply_header", "store reply", True),
+    ("kvdepot.connector.transport.tcp", "recv_exact", "socket recv", False),
+    ("kvdepot.connector.transport.tcp", "recv_hashed_into", "socket recv", False),
+    ("kvdepot.store.sockets", "recv_exact_into", "socket recv", False),
+    ("kvdepot.store.xxh3", "BlockHasher.update", "hash", False),
+    ("kvdepot.store.xxh3", "BlockHasher.digest", "hash", False),
+    ("kvdepot.store.sockets", "xxh3_64", "hash", False),
+    ("kvdepot.connector.transport.shm", "xxh3_64", "hash", False),
+]
+
+
+class StageTimer:
+    """Exclusive time per stage, summed over every call made inside :meth:`timing`."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self._local = threading.local()
+        self._lock = threading.Lock()
+
+    def _stack(self) -> list[list[Any]]:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    def _wrap(self, fn: Callable[..., Any], stage: str | None, opaque: bool) -> Callable[..., Any]:
+        timer = self
+
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            stack = timer._stack()
+            if stack and stack[-1][2]:  # inside an opaque stage: its own time
+                return fn(*args, **kwargs)
+            name = stage if stage is not None else f"metadata {args[1]}"
+            frame = [name, 0.0, opaque]  # name, time of the stages inside, opaque
+            stack.append(frame)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                took = time.perf_counter() - t0
+                stack.pop()
+                if stack:
+                    stack[-1][1] += took
+                with timer._lock:
+                    timer.totals[name] += took - frame[1]
+                    timer.calls[name] += 1
+
+        return timed
+
+    @contextlib.contextmanager
+    def timing(self) -> Iterator[StageTimer]:
+        """Wrap the stage functions while the block runs; restore them after."""
+        undo: list[tuple[Any, str, Any]] = []
+        try:
+            for module, path, stage, opaque in _TARGETS:
+                owner: Any = importlib.import_module(module)
+                *parents, attr = path.split(".")
+                for p in parents:
+                    owner = getattr(owner, p)
+                original = owner.__dict__[attr]
+                undo.append((owner, attr, original))
+                setattr(owner, attr, self._wrap(original, stage, opaque))
+            yield self
+        finally:
+            for owner, attr, original in reversed(undo):
+                setattr(owner, attr, original)
+
+    def reset(self) -> None:
+        with self._lock:
+            self.totals.clear()
+            self.calls.clear()
+
+
+def breakdown(
+    timer: StageTimer, run: Callable[[], None], ops: int
+) -> tuple[float, dict[str, float], dict[str, float]]:
+    """Run ``run`` ``ops`` times under ``timer``.
+
+    Returns:
+        Median wall ms per op, mean ms per op of each stage (plus ``client
+        Python``: the rest of the mean wall time), and calls per op of each.
+    """
+    timer.reset()
+    walls: list[float] = []
+    with timer.timing():
+        for _ in range(ops):
+            t0 = time.perf_counter()
+            run()
+            walls.append(time.perf_counter() - t0)
+    mean_ms = sum(walls) / ops * 1e3
+    stages = {k: v / ops * 1e3 for k, v in sorted(timer.totals.items(), key=lambda kv: -kv[1])}
+    stages["client Python"] = max(0.0, mean_ms - sum(stages.values()))
+    calls = {k: v / ops for k, v in timer.calls.items()}
+    walls.sort()
+    return walls[len(walls) // 2] * 1e3, stages, calls
+
+
+_SITE = '''\
+"""Installed by benchmarks/stages.py --profile: profile every thread of this daemon."""
+import atexit, cProfile, os, threading
+
+_dir = os.environ.get("KVBENCH_PROFILE_DIR")
+if _dir:
+    _profiles = []
+    _lock = threading.Lock()
+
+    def _start():
+        p = cProfile.Profile()
+        with _lock:
+            _profiles.append(p)
+        p.enable()
+        return p
+
+    _run = threading.Thread.run
+
+    def _profiled_run(self):
+        p = _start()
+        try:
+            _run(self)
+        finally:
+            p.disable()
+
+    threading.Thread.run = _profiled_run
+    _main = _start()
+
+    def _dump():
+        import pstats
+        _main.disable()
+        with _lock:
+            profs = list(_profiles)
+        stats = None
+        for p in profs:
+            try:
+                stats = pstats.Stats(p) if stats is None else (stats.add(p) or stats)
+            except TypeError:
+                pass  # a profiler that recorded nothing
+        if stats is not None:
+            stats.dump_stats(os.path.join(_dir, f"daemon-{os.getpid()}.prof"))
+
+    atexit.register(_dump)
+'''
+
+
+def profile_env(directory: Path) -> dict[str, str]:
+    """Environment for daemons that profile all their threads into ``directory``.
+
+    Each daemon writes ``daemon-<pid>.prof`` (``pstats``) when it exits.
+    """
+    site = directory / "site"
+    site.mkdir(parents=True, exist_ok=True)
+    (site / "sitecustomize.py").write_text(_SITE)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), env.get("PYTHONPATH", "")) if p)
+    env["KVBENCH_PROFILE_DIR"] = str(directory)
+    return env
+
+
+def top_functions(path: Path, n: int = 12) -> list[str]:
+    """The ``n`` functions of a profile with the most time of their own, as lines."""
+    import pstats
+
+    stats = pstats.Stats(str(path))
+    rows = []
+    for (file, line, name), (_, ncalls, tottime, cumtime, _) in stats.stats.items():  # type: ignore[attr-defined]
+        rows.append((tottime, ncalls, cumtime, f"{Path(file).name}:{line}({name})"))
+    rows.sort(reverse=True)
+    return [
+        f"{t * 1e3:9.1f} ms own {c * 1e3:9.1f} ms cum {k:8d} calls  {w}" for t, k, c, w in rows[:n]
+    ]
