@@ -54,6 +54,7 @@ from kvdepot.connector.vllm.plan import KVDepotConnectorMetadata
 from kvdepot.connector.vllm.scheduler import PD_TOKENS_PARAM, SchedulerSide
 from kvdepot.connector.vllm.settings import ConnectorSettings
 from kvdepot.connector.vllm.stats import (
+    ENGINE_STATS,
     PROCESS_STATS,
     Counters,
     KVDepotConnectorStats,
@@ -127,8 +128,8 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
         self.groups = cache_groups(kv_cache_config, self.layout)
         self.is_producer = bool(tc.is_kv_producer)
         self.is_consumer = bool(tc.is_kv_consumer)
-        self._counters = Counters()
         scheduler = role == KVConnectorRole.SCHEDULER
+        self._counters = Counters(scheduler)
         s = self.settings
         self._client = KVDepotClient(
             ClientConfig(
@@ -223,6 +224,7 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
             set(connector_output.finished_recving or ()),
             set(connector_output.failed_recving or ()),
             set(connector_output.invalid_block_ids or ()),
+            getattr(connector_output.kv_connector_stats, "data", None),
         )
 
     def request_finished(
@@ -285,6 +287,7 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
 
 
 __all__ = [
+    "ENGINE_STATS",
     "PD_TOKENS_PARAM",
     "PROCESS_STATS",
     "ConnectorSettings",

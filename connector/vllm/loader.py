@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -73,6 +74,9 @@ class LoadJob:
     layer_ok: list[list[int]] = field(default_factory=list)  # ok as of each layer
     events: list[threading.Event] = field(default_factory=list)
     error: str = ""
+    deadline: float = 0.0  # time.monotonic() by which every layer must arrive
+    started: float = 0.0
+    fetch_s: float = 0.0  # set when every layer arrived
 
     def wait_layer(self, layer: int, timeout_s: float) -> list[int] | None:
         """Block until ``layer`` arrived; the leading good chunks per request,
@@ -101,7 +105,8 @@ class LayerLoader:
     def chunk_bytes(self) -> int:
         return self._header + self._layers * self._layer_bytes
 
-    def start(self, keys: Sequence[Sequence[ChunkKey]]) -> LoadJob:
+    def start(self, keys: Sequence[Sequence[ChunkKey]], timeout_s: float) -> LoadJob:
+        now = time.monotonic()
         job = LoadJob(
             keys=[list(k) for k in keys],
             staging=[np.empty((len(k), self.chunk_bytes), dtype=np.uint8) for k in keys],
@@ -109,6 +114,8 @@ class LayerLoader:
             ok=[len(k) for k in keys],
             layer_ok=[[] for _ in range(self._layers)],
             events=[threading.Event() for _ in range(self._layers)],
+            deadline=now + timeout_s,
+            started=now,
         )
         self._pool.submit(self._run, job)
         return job
@@ -161,6 +168,8 @@ class LayerLoader:
                         job.ok[r] = c  # the usable prefix ends before this chunk
                         break
             job.layer_ok[layer] = list(job.ok)
+            if layer == self._layers - 1:
+                job.fetch_s = time.monotonic() - job.started
             job.events[layer].set()
 
     @staticmethod

@@ -66,6 +66,8 @@ class LoadPlan:
         wait_for_commit: The objects may still be being published (a
             prefill's ``kv_transfer_params`` announced them): poll the
             lookup until they are all there, within the load's deadline.
+        deadline_s: An in-step load's deadline from the start of its step
+            (given up and recomputed after it); 0: ``load_timeout_s``.
     """
 
     req_id: str
@@ -73,6 +75,7 @@ class LoadPlan:
     first_block: int = 0
     asynchronous: bool = True
     wait_for_commit: bool = False
+    deadline_s: float = 0.0
 
     def loaded_positions(self, objects: Sequence[KVObject]) -> list[tuple[int, int]]:
         """``(position, group-0 block)`` of ``objects``' blocks this load writes."""

@@ -3,9 +3,10 @@
 Nothing here waits on kvdepot for longer than ``lookup_timeout_s``: a new
 request's lookup has that deadline, and after a failure a breaker keeps
 later requests from calling at all for ``lookup_breaker_s`` (doubling while
-failures continue). Loads larger than ``sync_load_max_tokens`` are
-asynchronous: the request waits in ``WAITING_FOR_REMOTE_KVS`` while the
-batch keeps running, and the workers report it in ``get_finished``.
+failures continue). Loads are asynchronous (the request waits in
+``WAITING_FOR_REMOTE_KVS`` while the batch keeps running, and the workers
+report it in ``get_finished``) unless :class:`LoadPacer` expects one to take
+less than a step; such a load runs inside the step, with a deadline of two.
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from kvdepot.connector.client import KVDepotClient
 from kvdepot.connector.vllm.layout import CacheGroups, KVLayout
+from kvdepot.connector.vllm.pacing import LoadPacer
 from kvdepot.connector.vllm.plan import (
     KVDepotConnectorMetadata,
     KVObject,
@@ -130,7 +132,8 @@ class _Request:
     hit_tokens: int = 0  # tokens the last lookup found
     looked_up: float = -1e9
     wait_for_commit: bool = False
-    load: tuple[int, int, bool] | None = None  # (first token, end token, async)
+    # (first token, end token, in-step deadline or None: asynchronous)
+    load: tuple[int, int, float | None] | None = None
     loading: frozenset[int] = frozenset()  # blocks of the load under way
     load_failed: bool = False  # then the request recomputes: no second try
     skip_counted: bool = False
@@ -165,6 +168,7 @@ class SchedulerSide:
         self._breaker = LookupBreaker(client, settings.lookup_breaker_s, self._warn, shards)
         self._requests: dict[str, _Request] = {}
         self._loads: list[LoadPlan] = []
+        self._pacer = LoadPacer(settings.sync_load_tokens(), settings.load_timeout_s)
         # Connected at engine start, so the first lookups' short deadline is
         # not spent on the connection; a service down now is a miss later.
         if not client.connect(_CONNECT_S):
@@ -229,14 +233,8 @@ class SchedulerSide:
             state.saved_tail = max(state.saved_tail, tail)
         if not self.is_consumer:
             return 0, False
-        asynchronous = (
-            hit - num_computed_tokens > self.settings.sync_load_max_tokens
-            or state.wait_for_commit
-            # With several KV cache groups vLLM takes a failed load only
-            # as a whole request (failed_recving), which in-step loads lack.
-            or self.groups.count > 1
-        )
-        if not asynchronous:
+        deadline = self._in_step(state, hit, num_computed_tokens, len(tokens), now)
+        if deadline is not None:
             # Inside the step whole chunks are loaded, and one prompt token
             # must be left for the engine to compute.
             c = self.ns.chunk_tokens
@@ -245,8 +243,26 @@ class SchedulerSide:
         if external <= 0:
             state.load = None
             return 0, False
-        state.load = (num_computed_tokens, hit, asynchronous)
-        return external, asynchronous
+        state.load = (num_computed_tokens, hit, deadline)
+        return external, deadline is None
+
+    def _in_step(
+        self, state: _Request, hit: int, computed: int, num_tokens: int, now: float
+    ) -> float | None:
+        """The deadline of loading ``computed..hit`` inside the step, or None
+        to load it asynchronously."""
+        # With several KV cache groups vLLM takes a failed load only as a
+        # whole request (failed_recving), which in-step loads lack.
+        if state.wait_for_commit or self.groups.count > 1:
+            return None
+        c = self.ns.chunk_tokens
+        whole = min(hit // c, (num_tokens - 1) // c) * c
+        if whole <= computed:
+            return None
+        if whole < hit and self.settings.sync_load_tokens() is None:
+            # In the step the tail blocks would be recomputed: not worth it.
+            return None
+        return self._pacer.in_step(whole - computed, now)
 
     def _announced(self, request: Request, num_tokens: int) -> int:
         """Tokens a prefill engine said it published for this request."""
@@ -265,12 +281,13 @@ class SchedulerSide:
         state = self._requests.get(request.request_id)
         if state is None or num_external_tokens <= 0 or state.load is None:
             return
-        first, _, asynchronous = state.load
+        first, _, deadline = state.load
+        asynchronous = deadline is None
         state.load = None
         # The scheduler may have trimmed the hit (to a block boundary, say).
         end = first + num_external_tokens
         state.block_ids = [list(g) for g in blocks.get_block_ids()]
-        plan = self._load_plan(state, first, end, asynchronous)
+        plan = self._load_plan(state, first, end, deadline)
         if asynchronous:
             # A synchronous load's failed blocks are simply recomputed in its
             # step; an asynchronous one's failure makes vLLM ask again.
@@ -285,7 +302,7 @@ class SchedulerSide:
         groups = tuple(tuple(ids[position : position + n]) for ids in state.block_ids)
         return KVObject(key, position, groups)
 
-    def _load_plan(self, state: _Request, first: int, end: int, asynchronous: bool) -> LoadPlan:
+    def _load_plan(self, state: _Request, first: int, end: int, deadline: float | None) -> LoadPlan:
         c, bs, bpc = self.ns.chunk_tokens, self.layout.block_size, self.layout.blocks_per_chunk
         tokens = list(state.request.all_token_ids)
         objects: list[KVObject] = []
@@ -302,12 +319,14 @@ class SchedulerSide:
             state.request.request_id,
             tuple(objects),
             first // bs,
-            asynchronous,
+            deadline is None,
             state.wait_for_commit,
+            deadline or 0.0,
         )
 
     # ---------------------------------------------------------------- steps
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVDepotConnectorMetadata:
+        self._pacer.step(time.monotonic(), scheduler_output.total_num_scheduled_tokens)
         meta = KVDepotConnectorMetadata(loads=self._loads)
         self._loads = []
         scheduled: list[tuple[str, int]] = []
@@ -394,9 +413,26 @@ class SchedulerSide:
         return SavePlan(request.request_id, tuple(objects))
 
     def update_connector_output(
-        self, finished_recving: set[str], failed: set[str], invalid_blocks: set[int]
+        self,
+        finished_recving: set[str],
+        failed: set[str],
+        invalid_blocks: set[int],
+        stats: Mapping[str, int] | None = None,
     ) -> None:
-        """Note which loads failed, from the workers' report of a step."""
+        """Note which loads failed, and how long loads took, from the
+        workers' report of a step."""
+        now = time.monotonic()
+        if failed or invalid_blocks:
+            self._pacer.failed(now)
+        if stats:
+            self._counters.add_workers(dict(stats))
+            if stats.get("loads_timed_out", 0) or stats.get("load_errors", 0):
+                self._pacer.failed(now)
+            self._pacer.observe(
+                stats.get("load_timed", 0),
+                stats.get("load_timed_us", 0) / 1e6,
+                stats.get("load_timed_tokens", 0),
+            )
         for req_id in (*finished_recving, *failed):
             state = self._requests.get(req_id)
             if state is None or not state.loading:

@@ -42,10 +42,13 @@ class ConnectorSettings:
         load_timeout_s: Deadline of one request's load, from when the worker
             starts it: a load not done by then is given up and its tokens
             are recomputed.
-        sync_load_max_tokens: Loads of at most this many tokens run inside
-            the engine step, layer by layer beside the forward pass; larger
-            ones are asynchronous (the request waits while the batch runs).
-            0: every load is asynchronous.
+        sync_load_max_tokens: Which loads run inside the engine step, layer
+            by layer beside the forward pass, instead of asynchronously (the
+            request waits while the batch runs). ``"auto"``: those expected
+            to take less than a step, from the step and load times measured
+            so far (an in-step load then gets two steps before it is given
+            up and recomputed). A number: loads of at most that many tokens
+            (0: every load is asynchronous).
         io_timeout_s: Deadline of a stalled data-plane transfer.
         rpc_timeout_s: Deadline of each metadata call of the workers (loads
             and publishing, all off the engine's thread).
@@ -83,7 +86,7 @@ class ConnectorSettings:
     lookup_timeout_s: float = 0.05
     lookup_breaker_s: float = 1.0
     load_timeout_s: float = 5.0
-    sync_load_max_tokens: int = 0
+    sync_load_max_tokens: int | str = "auto"
     io_timeout_s: float = 5.0
     rpc_timeout_s: float = 2.0
     save_decode: bool | None = None
@@ -112,16 +115,26 @@ class ConnectorSettings:
                 raise InvalidArgument(f"{name} must be a positive number of seconds")
         if not isinstance(self.lookup_breaker_s, int | float) or self.lookup_breaker_s < 0:
             raise InvalidArgument("lookup_breaker_s must not be negative")
-        for name in ("sync_load_max_tokens", "save_buffer_bytes"):
-            value = getattr(self, name)
+        if self.sync_load_max_tokens != "auto":
+            value = self.sync_load_max_tokens
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise InvalidArgument(f"{name} must be a non-negative integer")
+                raise InvalidArgument(
+                    'sync_load_max_tokens must be "auto" or a non-negative integer'
+                )
+        value = self.save_buffer_bytes
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise InvalidArgument("save_buffer_bytes must be a non-negative integer")
         check_codec_name(self.kv_codec)
         self.codec_spec()  # validates the block size
 
     def security(self, env: Mapping[str, str]) -> SecurityConfig:
         """The client's token and TLS: these settings over ``KVDEPOT_*`` in ``env``."""
         return client_security(env, self)
+
+    def sync_load_tokens(self) -> int | None:
+        """The fixed in-step load threshold, or None for ``"auto"``."""
+        value = self.sync_load_max_tokens
+        return None if value == "auto" else int(value)
 
     def codec_spec(self) -> CodecSpec:
         return CodecSpec(self.kv_codec, self.kv_codec_block)

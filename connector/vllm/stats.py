@@ -18,7 +18,10 @@ STAT_KEYS = (
     "load_errors",  # objects planned for a load that did not arrive verified
     "loads_async",  # requests loaded while the batch kept running
     "loads_sync",  # requests loaded inside the step (small loads)
-    "loads_timed_out",  # asynchronous loads given up at their deadline
+    "loads_timed_out",  # loads given up at their deadline
+    "load_timed",  # loads fetched whole: how long fetching took, for the
+    "load_timed_us",  # scheduler's choice of in-step or asynchronous loads
+    "load_timed_tokens",
     "chunks_saved",  # objects published
     "bytes_saved",
     "chunks_skipped",  # objects not sent: the cluster had them
@@ -29,6 +32,10 @@ STAT_KEYS = (
 # Cumulative counters of this process (tests and operators read them; vLLM's
 # own stats interface gets per-interval deltas).
 PROCESS_STATS: dict[str, int] = dict.fromkeys(STAT_KEYS, 0)
+# The engine's totals as its scheduler sees them: its own counts and those the
+# workers report with each step, whichever process they run in (with tensor
+# parallelism each rank counts its own shard objects, and they add up).
+ENGINE_STATS: dict[str, int] = dict.fromkeys(STAT_KEYS, 0)
 _lock = threading.Lock()
 
 
@@ -58,14 +65,26 @@ class KVDepotConnectorStats(KVConnectorStats):
 class Counters:
     """One side's counters: the process totals and vLLM's current interval."""
 
-    def __init__(self) -> None:
+    def __init__(self, scheduler: bool = False) -> None:
         self._interval = KVDepotConnectorStats()
+        self._scheduler = scheduler
 
     def add(self, **deltas: int) -> None:
         with _lock:
             for k, v in deltas.items():
                 PROCESS_STATS[k] += v
                 self._interval.data[k] += v
+                if self._scheduler:
+                    ENGINE_STATS[k] += v
+
+    @staticmethod
+    def add_workers(data: dict[str, int]) -> None:
+        """Count what the workers reported for a step into ``ENGINE_STATS``."""
+        with _lock:
+            for k in STAT_KEYS:
+                v = data.get(k, 0)
+                if isinstance(v, int) and not isinstance(v, bool):
+                    ENGINE_STATS[k] += v
 
     def take(self) -> KVDepotConnectorStats | None:
         """The counts since the last call, or None when nothing happened."""

@@ -47,6 +47,7 @@ class FetchJob:
     ok: int = 0  # leading objects fetched and verified
     timed_out: bool = False
     error: str = ""
+    fetch_s: float = 0.0  # how long fetching and verifying took
 
 
 class Fetcher:
@@ -109,6 +110,7 @@ class Fetcher:
         try:
             if plan.wait_for_commit and not self._wait_committed(keys, job.deadline):
                 return 0
+            started = time.monotonic()
             rows: list[np.ndarray | None] = [None] * len(keys)
             for g in job.groups:
                 for pos, i in enumerate(g.index):
@@ -129,6 +131,7 @@ class Fetcher:
                 self._warn.warn("verify", "kvdepot: an object of %s fails its checks", plan.req_id)
                 break
             ok += 1
+        job.fetch_s = time.monotonic() - started
         return ok
 
     def _wait_committed(self, keys: list[ChunkKey], deadline: float) -> bool:

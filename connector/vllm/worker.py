@@ -142,19 +142,21 @@ class WorkerSide:
             # Fetched layer by layer on a background thread; each attention
             # layer waits only for its own layer (wait_for_layer_load).
             self._sync_plans = sync
-            self._sync_job = self._loader.start([[o.key for o in p.objects] for p in sync])
+            timeout = min(p.deadline_s or self.settings.load_timeout_s for p in sync)
+            self._sync_job = self._loader.start([[o.key for o in p.objects] for p in sync], timeout)
             self._scattered = set()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._forward_ran = True
         job = self._sync_job
         li = self._layer_index.get(layer_name)
-        if job is None or li is None or li in self._scattered:
+        if job is None or li is None or li in self._scattered or job.error:
             return
-        ok = job.wait_layer(li, self.settings.load_timeout_s)
+        ok = job.wait_layer(li, max(0.0, job.deadline - time.monotonic()))
         if ok is None:
+            # Every later layer is given up too: the step waits once.
             self._warn.warn("layer", "kvdepot: layer %s did not arrive in time", layer_name)
-            job.error = job.error or "timeout"
+            job.error = "timeout"
             return
         self._scattered.add(li)
         geo = self._chunk_geometry()
@@ -178,17 +180,26 @@ class WorkerSide:
         job, self._sync_job = self._sync_job, None
         if job is None:
             return
-        for li in range(len(self._kv)):
-            if li not in self._scattered:
-                # Its attention ran without the loaded KV (or the layer never
-                # came): nothing of this step's loads can be trusted.
-                job.wait_layer(li, self.settings.load_timeout_s)
-                job.ok = [0] * len(job.ok)
-        if job.error:
+        if job.error or len(self._scattered) < len(self._kv):
+            # An attention layer ran without the loaded KV (or it never
+            # came): nothing of this step's loads can be trusted.
             job.ok = [0] * len(job.ok)
+        if job.error == "timeout":
+            self._counters.add(loads_timed_out=1)
+        whole = all(n == len(p.objects) for p, n in zip(self._sync_plans, job.ok, strict=True))
+        if whole and job.fetch_s > 0:
+            # The step's loads were fetched together: one timed load.
+            self._timed(1, job.fetch_s, self._sync_plans)
         for plan, loaded in zip(self._sync_plans, job.ok, strict=True):
             self._account(plan, loaded)
         self._sync_plans = []
+
+    def _timed(self, loads: int, seconds: float, plans: Sequence[LoadPlan]) -> None:
+        """Report how long whole loads took (the scheduler paces loads by it)."""
+        tokens = sum(len(p.loaded_positions(p.objects)) for p in plans) * self.layout.block_size
+        self._counters.add(
+            load_timed=loads, load_timed_us=int(seconds * 1e6), load_timed_tokens=tokens
+        )
 
     def _account(self, plan: LoadPlan, loaded: int) -> None:
         """Count a finished load; blocks from its first missing object are recomputed."""
@@ -244,6 +255,8 @@ class WorkerSide:
                     "decode", "kvdepot: a load of %s does not decode: %s", job.plan.req_id, exc
                 )
                 ok = 0
+        if ok == len(job.plan.objects) and job.fetch_s > 0:
+            self._timed(1, job.fetch_s, [job.plan])
         self._account(job.plan, ok)
         self._recved.add(job.plan.req_id)
 

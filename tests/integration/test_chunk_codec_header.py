@@ -29,7 +29,7 @@ def chunks(n: int, headers: list[bytes], seed: int) -> np.ndarray:
 def load(client: KVDepotClient, keys: list[ChunkKey], header: bytes) -> tuple[int, np.ndarray]:
     loader = LayerLoader(client, LAYERS, LAYER_BYTES, header)
     try:
-        job = loader.start([keys])
+        job = loader.start([keys], 10.0)
         for layer in range(LAYERS):
             assert job.wait_layer(layer, 30) is not None
         return job.ok[0], job.staging[0]

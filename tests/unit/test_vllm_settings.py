@@ -32,6 +32,8 @@ def test_defaults_are_the_clients() -> None:
         ({"lookup_breaker_s": -1}, "lookup_breaker_s"),
         ({"save_buffer_bytes": -5}, "save_buffer_bytes"),
         ({"sync_load_max_tokens": True}, "sync_load_max_tokens"),
+        ({"sync_load_max_tokens": "always"}, "sync_load_max_tokens"),
+        ({"sync_load_max_tokens": -1}, "sync_load_max_tokens"),
         ({"no_such_key": 1}, "no_such_key"),
         ({"kv_codec": "zip"}, "zip"),
     ],

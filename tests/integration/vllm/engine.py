@@ -200,16 +200,19 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0]
         outputs.append(_output(out, ttft))
     stats: dict[str, int] = {}
+    engine_stats: dict[str, int] = {}
     if kv:
-        from kvdepot.connector.vllm import PROCESS_STATS, wait_published
+        from kvdepot.connector.vllm import ENGINE_STATS, PROCESS_STATS, wait_published
 
         # Publishing runs behind the engine: count what it did once it is done.
         wait_published(30.0)
         stats = dict(PROCESS_STATS)
+        engine_stats = dict(ENGINE_STATS)
     config = llm.llm_engine.vllm_config
     return {
         "outputs": outputs,
         "connector": stats,
+        "engine_connector": engine_stats,
         "hybrid": not config.scheduler_config.disable_hybrid_kv_cache_manager,
         "preemptions": _metric(llm, "vllm:num_preemptions") if spec.get("num_blocks") else None,
     }

@@ -175,6 +175,17 @@ def test_consumer_in_another_process_matches_a_plain_run(
         assert got["tokens"] == want["tokens"]
         assert got["logprobs"] == want["logprobs"]
 
+    # The same loads inside the engine step, layer by layer beside the forward pass.
+    in_step = kv("kv_consumer", meta, "store-1", sync_load_max_tokens=100_000)
+    cons = run_engine(workdir, spec(model, [PROMPT_A, PROMPT_B], in_step), "consumer-in-step")
+    c = cons["connector"]
+    assert (c["loads_sync"], c["loads_async"]) == (2, 0), c
+    assert c["chunks_loaded"] == 2 + 3 and c["tokens_hit"] == 5 * CHUNK, c
+    assert c["load_errors"] == 0 and c["load_timed"] >= 1, c
+    for got, want in zip(cons["outputs"], plain, strict=False):
+        assert got["tokens"] == want["tokens"]
+        assert got["logprobs"] == want["logprobs"]
+
 
 def test_random_kv_under_the_right_keys_changes_the_output(
     model: str, workdir: Path, plain: list[dict[str, Any]], cluster: LocalCluster
@@ -234,6 +245,13 @@ def test_corrupt_chunk_and_dead_store_are_recomputed(
         out = run_engine(
             workdir, spec(model, [PROMPT_C], kv("kv_consumer", meta, "store-1")), "dead-store"
         )
+        assert out["connector"]["chunks_loaded"] == 0
+        assert out["connector"]["load_errors"] == 3
+        assert same(out["outputs"][0], plain[2])
+        # Loaded inside the step instead: recomputed there, within the step.
+        in_step = kv("kv_consumer", meta, "store-1", sync_load_max_tokens=100_000)
+        out = run_engine(workdir, spec(model, [PROMPT_C], in_step), "dead-store-in-step")
+        assert out["connector"]["loads_sync"] == 1, out["connector"]
         assert out["connector"]["chunks_loaded"] == 0
         assert out["connector"]["load_errors"] == 3
         assert same(out["outputs"][0], plain[2])
@@ -583,3 +601,8 @@ def test_tensor_parallel_ranks_each_store_and_load_their_shard(
     assert all(same(x, y) for x, y in zip(cons["outputs"], plain, strict=True))
     # A hit is one where every rank holds its shard: A's 2 chunks, B's 3.
     assert store_bytes(cluster) == (2 * 3 * shard, 2 * 5 * shard)
+    # The ranks' counters reach the engine with its steps, summed over ranks.
+    e = cons["engine_connector"]
+    assert (e["chunks_loaded"], e["bytes_loaded"]) == (2 * 5, 2 * 5 * shard), e
+    assert e["tokens_hit"] == 2 * 5 * CHUNK and e["load_errors"] == 0, e
+    assert e["loads_async"] == 2, e  # the scheduler's own count, once per request

@@ -1,0 +1,115 @@
+"""Whether a load runs inside the engine step or beside it.
+
+An in-step load is fetched layer by layer while the forward pass runs, so the
+request computes in the step it is scheduled; it costs the batch whatever the
+fetch takes beyond the layers it overlaps. An asynchronous load costs the
+batch nothing, but the request waits at least one step in
+``WAITING_FOR_REMOTE_KVS``. So a load belongs inside the step only when it is
+expected to take less than a step.
+
+The scheduler sees the steps (the time between its ``build_connector_meta``
+calls while tokens are scheduled); the workers time their fetches and report
+them in the connector's stats (``load_timed*``). From those, :class:`LoadPacer`
+fits the time of a load as ``fixed + per_token * tokens`` and gives an in-step
+load a deadline of two steps: a store that stalls costs the batch at most that,
+once, and then every load is asynchronous for a while.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+
+_STEPS = 16  # recent steps whose median is the step time
+_SAMPLES = 32  # recent reports of timed loads
+_MIN_STEPS = 4
+_MIN_SAMPLES = 2
+_IDLE_S = 30.0  # longer gaps between steps are idle time, not a step
+_MARGIN = 1.5  # an estimate within this factor of a step stays asynchronous
+_DEADLINE_STEPS = 2.0
+_COOLDOWN_S = 30.0  # after a failed or late load, every load is asynchronous
+
+
+class LoadPacer:
+    """Chooses in-step or asynchronous loads and the in-step deadline.
+
+    Args:
+        max_tokens: ``None``: decide from the measured step and load times
+            (``sync_load_max_tokens`` ``"auto"``). Otherwise loads of at most
+            this many tokens run inside the step (0: none do).
+        timeout_s: Deadline of a load; an in-step load never gets more.
+    """
+
+    def __init__(self, max_tokens: int | None, timeout_s: float) -> None:
+        self._max_tokens = max_tokens
+        self._timeout_s = timeout_s
+        self._steps: deque[float] = deque(maxlen=_STEPS)
+        self._samples: deque[tuple[float, float, int]] = deque(maxlen=_SAMPLES)
+        self._last_step: float | None = None
+        self._failed_at = -1e18
+        self._granted = 0  # tokens loaded inside the coming step so far
+
+    def step(self, now: float, scheduled_tokens: int) -> None:
+        """An engine step started; ``scheduled_tokens`` is what it computes."""
+        last, self._last_step = self._last_step, now if scheduled_tokens > 0 else None
+        self._granted = 0
+        if last is not None and 0 < now - last <= _IDLE_S:
+            self._steps.append(now - last)
+
+    def observe(self, loads: int, seconds: float, tokens: int) -> None:
+        """Workers fetched ``loads`` whole loads of ``tokens`` in ``seconds``."""
+        if loads > 0 and seconds >= 0 and tokens > 0:
+            self._samples.append((tokens / loads, seconds / loads, loads))
+
+    def failed(self, now: float) -> None:
+        """A load failed or ran late: the store may be stalled."""
+        self._failed_at = now
+
+    def step_s(self) -> float | None:
+        """The median of the recent steps, or None before enough were seen."""
+        if len(self._steps) < _MIN_STEPS:
+            return None
+        return statistics.median(self._steps)
+
+    def estimate_s(self, tokens: int) -> float | None:
+        """Expected seconds to fetch a load of ``tokens``, or None if unknown."""
+        if len(self._samples) < _MIN_SAMPLES:
+            return None
+        fixed, per_token = _fit(list(self._samples))
+        return fixed + per_token * tokens
+
+    def in_step(self, tokens: int, now: float) -> float | None:
+        """The deadline in seconds of an in-step load of ``tokens``, or None
+        when the load should be asynchronous."""
+        if self._max_tokens is not None:
+            if 0 < tokens <= self._max_tokens:
+                return self._timeout_s
+            return None
+        if now - self._failed_at < _COOLDOWN_S:
+            return None
+        # The step's in-step loads are fetched together: their sum counts.
+        step, estimate = self.step_s(), self.estimate_s(self._granted + tokens)
+        if step is None or estimate is None or estimate * _MARGIN > step:
+            return None
+        self._granted += tokens
+        return min(self._timeout_s, _DEADLINE_STEPS * step)
+
+
+def _fit(samples: list[tuple[float, float, int]]) -> tuple[float, float]:
+    """``(fixed, per_token)`` seconds from ``(tokens, seconds, weight)`` samples:
+    weighted least squares, both terms non-negative; proportional when the
+    samples' sizes do not spread enough to tell the terms apart."""
+    w = sum(n for _, _, n in samples)
+    mt = sum(t * n for t, _, n in samples) / w
+    ms = sum(s * n for _, s, n in samples) / w
+    var = sum(n * (t - mt) ** 2 for t, _, n in samples) / w
+    if var <= (0.05 * mt) ** 2:
+        return 0.0, ms / mt
+    cov = sum(n * (t - mt) * (s - ms) for t, s, n in samples) / w
+    per_token = cov / var
+    fixed = ms - per_token * mt
+    if per_token < 0:
+        return ms, 0.0
+    if fixed < 0:
+        return 0.0, ms / mt
+    return fixed, per_token
