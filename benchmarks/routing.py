@@ -56,7 +56,8 @@ from typing import Any
 from kvdepot.metadata.index import IndexBackend, IndexConfig, create_backend
 from kvdepot.metadata.keys import ChunkKey, Namespace, chunk_keys
 from kvdepot.metadata.routing import Candidate, RoutingWeights, best, score_candidates
-from kvdepot.metadata.types import NodeInfo, TierUsage
+from kvdepot.metadata.types import NodeInfo
+from kvdepot.records import TierStats
 
 # -- model constants (an 8B-class model in bf16 on one accelerator each) -------
 CHUNK_TOKENS = 256
@@ -160,7 +161,7 @@ class Fleet:
     async def start(self) -> None:
         for e in (*self.prefill, *self.decode):
             self.lru[e.node] = OrderedDict()
-            info = NodeInfo(e.node, f"{e.node}:1", "", (TierUsage("cpu", 1 << 40),))
+            info = NodeInfo(e.node, f"{e.node}:1", "", (TierStats("cpu", 1 << 40),))
             await self.index.register_node(info, [], 0.0)
 
     async def store(self, node: str, keys: list[ChunkKey], totals: Totals) -> None:

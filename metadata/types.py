@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from kvdepot.metadata.keys import ChunkKey
+from kvdepot.records import TierStats, TransferRate
 
 NodeId = str
 
@@ -17,28 +18,11 @@ instance holds: the milliseconds left of that instance's lease."""
 TIER_RANK = {"gpu": 0, "cpu": 1, "ssd": 2}
 
 
-@dataclass(frozen=True, slots=True)
-class TierUsage:
-    """Usage of one tier of one node, as the node reports it."""
-
-    name: str
-    capacity_bytes: int = 0
-    used_bytes: int = 0
-    chunks: int = 0
-    hits: int = 0
-    misses: int = 0
-    evictions: int = 0
-    promotions: int = 0
-    demotions: int = 0
+TierUsage = TierStats
+"""The old name of :class:`~kvdepot.records.TierStats` (metadata/service.py still spells it)."""
 
 
-@dataclass(frozen=True, slots=True)
-class TransferRate:
-    """Recent data-plane throughput of one node, as the node reports it."""
-
-    bytes_in_per_s: float = 0.0
-    bytes_out_per_s: float = 0.0
-    window_s: float = 0.0
+_NO_TRANSFER = TransferRate()  # frozen: one instance serves as every default
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,8 +32,8 @@ class NodeInfo:
     node_id: NodeId
     address: str
     grpc_address: str = ""
-    tiers: tuple[TierUsage, ...] = ()
-    transfer: TransferRate = TransferRate()
+    tiers: tuple[TierStats, ...] = ()
+    transfer: TransferRate = _NO_TRANSFER
 
     @property
     def capacity_bytes(self) -> int:

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 from kvdepot.errors import CapacityExceeded, Corrupt, InvalidArgument, Unavailable
 from kvdepot.metadata.keys import KEY_BYTES, ChunkKey
+from kvdepot.records import TierStats
 from kvdepot.store.arena import Arena
 from kvdepot.store.chunk_types import (
     ChunkStoreStats,
@@ -55,7 +56,7 @@ from kvdepot.store.chunk_types import (
 )
 from kvdepot.store.placement import MovedListener, RemovedListener, TierPlacement
 from kvdepot.store.tiering import Copy, Entry, Level, Mover, State
-from kvdepot.store.tiers.base import TIER_ORDER, Tier, TierLimits, TierStats
+from kvdepot.store.tiers.base import TIER_ORDER, Tier, TierLimits
 from kvdepot.store.tiers.cpu import CpuTier
 from kvdepot.store.tiers.policy import TieringOptions
 

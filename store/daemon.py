@@ -24,6 +24,7 @@ from kvdepot.health import HealthState
 from kvdepot.metadata.keys import ChunkKey
 from kvdepot.metrics import MetricsServer, StoreCollector, on_loop
 from kvdepot.proto.gen import common_pb2, metadata_pb2, metadata_pb2_grpc, store_pb2, store_pb2_grpc
+from kvdepot.record_wire import tier_stats_to_proto, transfer_to_proto
 from kvdepot.security import NO_SECURITY, SecurityConfig, add_port, aio_channel, aio_server
 from kvdepot.shutdown import finish, uninterrupted
 from kvdepot.store.chunks import ChunkStore
@@ -330,20 +331,7 @@ class StoreDaemon:
 
     # -- metadata lease -------------------------------------------------------
     def _tiers(self) -> list[common_pb2.TierStats]:
-        return [
-            common_pb2.TierStats(
-                name=t.name,
-                capacity_bytes=t.capacity_bytes,
-                used_bytes=t.used_bytes,
-                chunks=t.chunks,
-                hits=t.hits,
-                misses=t.misses,
-                evictions=t.evictions,
-                promotions=t.promotions,
-                demotions=t.demotions,
-            )
-            for t in self.chunks.tier_stats()
-        ]
+        return tier_stats_to_proto(self.chunks.tier_stats())
 
     def _registration(self) -> metadata_pb2.RegisterNodeRequest:
         inventory = [
@@ -484,10 +472,7 @@ class StoreDaemon:
         return reply
 
     def _transfer(self) -> common_pb2.TransferRate:
-        r = self._meter.rate()
-        return common_pb2.TransferRate(
-            bytes_in_per_s=r.bytes_in_per_s, bytes_out_per_s=r.bytes_out_per_s, window_s=r.window_s
-        )
+        return transfer_to_proto(self._meter.rate())
 
     async def current_stats(self) -> store_pb2.StoreStats:
         """:meth:`stats_proto`, as a coroutine for readers on other threads."""

@@ -13,19 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from kvdepot.errors import InvalidArgument
-
-
-@dataclass(frozen=True, slots=True)
-class Throughput:
-    """Bytes per second in each direction over the last ``window_s`` seconds.
-
-    ``window_s`` is shorter than the meter's window while the meter is young,
-    and 0 before it has two samples (then both rates are 0).
-    """
-
-    bytes_in_per_s: float = 0.0
-    bytes_out_per_s: float = 0.0
-    window_s: float = 0.0
+from kvdepot.records import TransferRate
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,15 +48,15 @@ class ThroughputMeter:
             while len(s) > 2 and s[1].t <= now - self.window_s:
                 s.popleft()
 
-    def rate(self) -> Throughput:
+    def rate(self) -> TransferRate:
         """The rates between the oldest and the newest sample in the window."""
         with self._lock:
             if len(self._samples) < 2:
-                return Throughput()
+                return TransferRate()
             first, last = self._samples[0], self._samples[-1]
         span = last.t - first.t
         # A counter that went backwards (a restart) reads as no traffic.
-        return Throughput(
+        return TransferRate(
             bytes_in_per_s=max(0, last.bytes_in - first.bytes_in) / span,
             bytes_out_per_s=max(0, last.bytes_out - first.bytes_out) / span,
             window_s=span,

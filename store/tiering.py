@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING
 
 from kvdepot.errors import CapacityExceeded, KVDepotError, Unavailable
 from kvdepot.metadata.keys import ChunkKey
-from kvdepot.store.tiers.base import Tier, TierStats
+from kvdepot.records import TierStats
+from kvdepot.store.tiers.base import Tier
 from kvdepot.store.tiers.policy import create_policy
 
 if TYPE_CHECKING:

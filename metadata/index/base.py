@@ -16,9 +16,8 @@ from kvdepot.metadata.types import (
     LookupResult,
     NodeId,
     NodeInfo,
-    TierUsage,
-    TransferRate,
 )
+from kvdepot.records import TierStats, TransferRate
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +110,7 @@ class IndexBackend(abc.ABC):
     async def heartbeat(
         self,
         node_id: NodeId,
-        tiers: Sequence[TierUsage],
+        tiers: Sequence[TierStats],
         now: float,
         transfer: TransferRate | None = None,
         epoch: int = 0,

@@ -34,9 +34,8 @@ from kvdepot.metadata.types import (
     NodeInfo,
     NodeStatus,
     Replica,
-    TierUsage,
-    TransferRate,
 )
+from kvdepot.records import TierStats, TransferRate
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +147,7 @@ class MemoryIndex(IndexBackend, ReplicaTierIndex):
     async def heartbeat(
         self,
         node_id: NodeId,
-        tiers: Sequence[TierUsage],
+        tiers: Sequence[TierStats],
         now: float,
         transfer: TransferRate | None = None,
         epoch: int = 0,

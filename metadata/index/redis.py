@@ -94,9 +94,8 @@ from kvdepot.metadata.types import (
     NodeInfo,
     NodeStatus,
     Replica,
-    TierUsage,
-    TransferRate,
 )
+from kvdepot.records import TierStats, TransferRate
 from kvdepot.repeat_log import RepeatLog
 
 logger = logging.getLogger(__name__)
@@ -118,14 +117,14 @@ def _tag(node_id: NodeId) -> str:
     return node_id.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
 
 
-def _tiers_json(tiers: Sequence[TierUsage]) -> str:
+def _tiers_json(tiers: Sequence[TierStats]) -> str:
     return json.dumps([list(astuple(t)) for t in tiers], separators=(",", ":"))
 
 
-def _tiers_parse(raw: bytes | None) -> tuple[TierUsage, ...]:
+def _tiers_parse(raw: bytes | None) -> tuple[TierStats, ...]:
     if not raw:
         return ()
-    return tuple(TierUsage(*row) for row in json.loads(raw))
+    return tuple(TierStats(*row) for row in json.loads(raw))
 
 
 def _transfer_json(transfer: TransferRate) -> str:
@@ -376,7 +375,7 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
     async def heartbeat(
         self,
         node_id: NodeId,
-        tiers: Sequence[TierUsage],
+        tiers: Sequence[TierStats],
         now: float,
         transfer: TransferRate | None = None,
         epoch: int = 0,

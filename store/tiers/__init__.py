@@ -1,11 +1,11 @@
 """Storage tiers of a store node (GPU, DRAM, SSD) and the policy that orders chunks in them."""
 
+from kvdepot.records import TierStats
 from kvdepot.store.tiers.base import (
     TIER_ORDER,
     RecoveredChunk,
     Tier,
     TierLimits,
-    TierStats,
     register_tier,
     tier_class,
 )

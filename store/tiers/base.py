@@ -81,41 +81,6 @@ class TierLimits:
 
 
 @dataclass(frozen=True, slots=True)
-class TierStats:
-    """A snapshot of one tier's usage and counters.
-
-    Moves are counted on the tier a chunk leaves: ``promotions`` of the
-    ``ssd`` tier are chunks it handed up to DRAM, ``demotions`` of ``cpu``
-    are chunks it handed down to SSD. ``evictions`` are chunks the tier
-    dropped from the store for room (the lowest tier, or when the tier
-    below could not take them).
-
-    Attributes:
-        name: ``gpu``, ``cpu`` or ``ssd``.
-        capacity_bytes: Bytes the tier may use.
-        used_bytes: Bytes it uses now (allocation rounding, and for ``ssd``
-            the segment files on disk, dead records included).
-        chunks: Committed chunks it holds.
-        hits: Reads served from this tier.
-        misses: Reads that reached this tier and did not find the chunk in
-            it (it was in a slower tier, or nowhere).
-        evictions: Chunks dropped from the store to make room in this tier.
-        promotions: Chunks moved from this tier to a faster one.
-        demotions: Chunks moved from this tier to a slower one.
-    """
-
-    name: str
-    capacity_bytes: int
-    used_bytes: int
-    chunks: int
-    hits: int = 0
-    misses: int = 0
-    evictions: int = 0
-    promotions: int = 0
-    demotions: int = 0
-
-
-@dataclass(frozen=True, slots=True)
 class RecoveredChunk:
     """A chunk a persistent tier found (and verified) when it was opened.
 

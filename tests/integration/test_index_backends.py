@@ -24,8 +24,8 @@ from kvdepot.metadata.types import (
     InventoryItem,
     LookupCounting,
     NodeInfo,
-    TierUsage,
 )
+from kvdepot.records import TierStats
 from tests.conftest import free_port
 
 BACKENDS = [
@@ -46,7 +46,7 @@ def key(i: int) -> ChunkKey:
 
 
 def node(name: str, cap: int = 1 << 30, used: int = 0) -> NodeInfo:
-    return NodeInfo(name, f"{name}:1", "", (TierUsage("cpu", cap, used),))
+    return NodeInfo(name, f"{name}:1", "", (TierStats("cpu", cap, used),))
 
 
 def now() -> float:
@@ -244,7 +244,7 @@ def test_placement_prefers_writer_then_free_space(make_index: MakeIndex) -> None
         with pytest.raises(CapacityExceeded):
             await index.put_start([key(5)], [1000], "a", now())
         # Heartbeats update what placement sees.
-        assert await index.heartbeat("b", [TierUsage("cpu", 100, 100)], now())
+        assert await index.heartbeat("b", [TierStats("cpu", 100, 100)], now())
         allocs = await index.put_start([key(6)], [50], "", now())
         assert [a.node.node_id for a in allocs if a.node] == ["a"]
 
@@ -414,7 +414,7 @@ def test_lookup_without_prefetched_leases(
 
 
 def test_heartbeat_carries_transfer_rates(make_index: MakeIndex) -> None:
-    from kvdepot.metadata.types import TransferRate
+    from kvdepot.records import TransferRate
 
     async def body(index: IndexBackend) -> None:
         await index.register_node(node("a"), [], now())
@@ -423,10 +423,10 @@ def test_heartbeat_carries_transfer_rates(make_index: MakeIndex) -> None:
         rate = TransferRate(bytes_in_per_s=1.5e9, bytes_out_per_s=2.5e8, window_s=10.0)
         assert await index.heartbeat("a", [], now(), rate)
         # Tiers only, as an older store sends: the rates stay.
-        assert await index.heartbeat("a", [TierUsage("cpu", 100, 7)], now())
+        assert await index.heartbeat("a", [TierStats("cpu", 100, 7)], now())
         (status,) = (await index.stats(now())).nodes
         assert status.info.transfer == rate
-        assert status.info.tiers == (TierUsage("cpu", 100, 7),)
+        assert status.info.tiers == (TierStats("cpu", 100, 7),)
 
     run(make_index, body)
 

@@ -9,7 +9,8 @@ import pytest
 from kvdepot.errors import CapacityExceeded, Unavailable
 from kvdepot.metadata.admission import ABSENT, KeyState, admit, settle_lost
 from kvdepot.metadata.keys import ChunkKey
-from kvdepot.metadata.types import Action, Allocation, NodeInfo, Replica, TierUsage
+from kvdepot.metadata.types import Action, Allocation, NodeInfo, Replica
+from kvdepot.records import TierStats
 
 
 def key(i: int) -> ChunkKey:
@@ -17,7 +18,7 @@ def key(i: int) -> ChunkKey:
 
 
 def node(node_id: str, capacity: int = 1000, used: int = 0) -> NodeInfo:
-    return NodeInfo(node_id, f"{node_id}:1", f"{node_id}:2", (TierUsage("cpu", capacity, used),))
+    return NodeInfo(node_id, f"{node_id}:1", f"{node_id}:2", (TierStats("cpu", capacity, used),))
 
 
 A, B = node("a"), node("b", used=500)

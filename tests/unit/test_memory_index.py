@@ -9,7 +9,8 @@ import pytest
 from kvdepot.errors import Unavailable
 from kvdepot.metadata.index import IndexConfig, create_backend
 from kvdepot.metadata.keys import ChunkKey
-from kvdepot.metadata.types import Action, InventoryItem, NodeInfo, TierUsage
+from kvdepot.metadata.types import Action, InventoryItem, NodeInfo
+from kvdepot.records import TierStats
 
 
 def key(i: int) -> ChunkKey:
@@ -17,7 +18,7 @@ def key(i: int) -> ChunkKey:
 
 
 def node(name: str, cap: int = 1 << 30, used: int = 0) -> NodeInfo:
-    return NodeInfo(name, f"{name}:1", "", (TierUsage("cpu", cap, used),))
+    return NodeInfo(name, f"{name}:1", "", (TierStats("cpu", cap, used),))
 
 
 def run(coro):  # type: ignore[no-untyped-def]
@@ -205,7 +206,7 @@ def test_lookup_orders_replicas_and_follows_every_change(index) -> None:  # type
         await index.remove_replicas("a", [key(1)])
         assert [x[0] for x in order(await index.lookup([key(1)], "", 0))] == ["b", "c"]
         # A node that comes back at another address (its chunks re-announced).
-        moved = NodeInfo("b", "b:2", "", (TierUsage("cpu", 1 << 30, 0),))
+        moved = NodeInfo("b", "b:2", "", (TierStats("cpu", 1 << 30, 0),))
         await index.register_node(moved, [InventoryItem(key(1), 10, "gpu")], now=1)
         assert order(await index.lookup([key(1)], "", 0))[0] == ("b", "gpu", "b:2")
         # A node that dies takes its replicas along.

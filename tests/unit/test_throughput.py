@@ -5,14 +5,15 @@ from __future__ import annotations
 import pytest
 
 from kvdepot.errors import InvalidArgument
-from kvdepot.store.throughput import Throughput, ThroughputMeter
+from kvdepot.records import TransferRate
+from kvdepot.store.throughput import ThroughputMeter
 
 
 def test_no_rate_before_two_samples() -> None:
     m = ThroughputMeter(10.0)
-    assert m.rate() == Throughput()
+    assert m.rate() == TransferRate()
     m.sample(100.0, 5, 5)
-    assert m.rate() == Throughput()
+    assert m.rate() == TransferRate()
 
 
 def test_rate_spans_the_window_and_forgets_older_traffic() -> None:
