@@ -254,6 +254,8 @@ class KVDepotClient:
             raise InvalidArgument("chunks must not be empty")
         if not ckeys:
             return PutResult(0, 0, 0, 0, 0)
+        sizes = [v.nbytes for v in views]
+        written = self._write_local(ckeys, views)
         # One id per put, sent again on each failover retry of this request
         # (the connection resends the same message): if a replica allocated
         # the keys and died before answering, the next one hands the same
@@ -262,55 +264,94 @@ class KVDepotClient:
             "PutStart",
             metadata_pb2.PutStartRequest(
                 keys=ckeys,
-                sizes=[v.nbytes for v in views],
+                sizes=sizes,
                 writer_node_id=self.config.node_id,
                 request_id=os.urandom(16),
+                written=written,
             ),
         )
-        groups: dict[tuple[str, str], list[int]] = defaultdict(list)
-        skipped = bytes_skipped = 0
         self._learn_local(a.node for a in reply.allocations)
+        if written and not reply.written_committed:
+            # This node is no live node of the index: its store's copies are
+            # not indexed. Send them where the allocations say instead.
+            logger.warning("put: node %s is not registered; placing elsewhere", self.config.node_id)
+            written = []
+        tally = _PutTally()
+        groups: dict[tuple[str, str], list[int]] = defaultdict(list)
         for i, alloc in enumerate(reply.allocations):
-            if alloc.action == metadata_pb2.Allocation.WRITE:
+            if written and written[i]:
+                # Written and committed by PutStart itself: new (WRITE) or
+                # already stored elsewhere (now with this node as a replica).
+                tally.add(sizes[i], alloc.action == metadata_pb2.Allocation.WRITE)
+            elif alloc.action == metadata_pb2.Allocation.WRITE:
                 groups[(alloc.node.node_id, alloc.node.address)].append(i)
             else:
-                skipped += 1
-                bytes_skipped += views[i].nbytes
-        stored = failed = bytes_sent = 0
+                tally.skipped += 1
+                tally.bytes_skipped += sizes[i]
         for (node_id, address), idx in groups.items():
-            # The checksum is left to the transport, which computes it while
-            # it reads the bytes anyway (sending or copying them): one pass
-            # over memory instead of two. The store verifies it either way.
-            items = [PutItem(ckeys[i], views[i]) for i in idx]
-            statuses = self._transport.put(address, items)
-            done = [i for i, s in zip(idx, statuses, strict=True) if s in _WRITTEN]
-            lost = [i for i, s in zip(idx, statuses, strict=True) if s not in _WRITTEN]
-            if done:
-                self._call(
-                    "PutEnd",
-                    metadata_pb2.PutEndRequest(
-                        keys=[ckeys[i] for i in done],
-                        node_id=node_id,
-                        sizes=[views[i].nbytes for i in done],
-                    ),
-                )
-            if lost:
-                logger.warning(
-                    "put of %d chunks to %s failed: %s",
-                    len(lost),
-                    address,
-                    sorted({s.name for s in statuses if s not in _WRITTEN}),
-                )
-                self._call(
-                    "PutRevoke",
-                    metadata_pb2.PutRevokeRequest(keys=[ckeys[i] for i in lost], node_id=node_id),
-                )
-            stored += len(done)
-            failed += len(lost)
-            bytes_sent += sum(
-                views[i].nbytes for i, s in zip(idx, statuses, strict=True) if s is PutStatus.OK
+            self._put_to(node_id, address, [ckeys[i] for i in idx], [views[i] for i in idx], tally)
+        return PutResult(
+            tally.stored, tally.skipped, tally.failed, tally.bytes_sent, tally.bytes_skipped
+        )
+
+    def _write_local(self, keys: list[ChunkKey], views: list[memoryview]) -> list[bool]:
+        """Write the chunks into this node's store first; per key, whether it took them.
+
+        A publish into the writer's own node moves no byte over the network,
+        so the bytes go first and PutStart then commits them: one metadata
+        round trip instead of two. What the store already holds (EXISTS) or
+        refused is left to the general path. Empty when nothing was written.
+        """
+        local = self._local_address
+        if local is None:
+            return []
+        statuses = self._transport.put(
+            local, [PutItem(k, v) for k, v in zip(keys, views, strict=True)]
+        )
+        written = [s is PutStatus.OK for s in statuses]
+        return written if any(written) else []
+
+    def _put_to(
+        self,
+        node_id: str,
+        address: str,
+        keys: list[ChunkKey],
+        views: list[memoryview],
+        tally: _PutTally,
+    ) -> None:
+        """Send chunks allocated to one store, then commit (PutEnd) or revoke them."""
+        # The checksum is left to the transport, which computes it while
+        # it reads the bytes anyway (sending or copying them): one pass
+        # over memory instead of two. The store verifies it either way.
+        items = [PutItem(k, v) for k, v in zip(keys, views, strict=True)]
+        statuses = self._transport.put(address, items)
+        done = [i for i, s in enumerate(statuses) if s in _WRITTEN]
+        lost = [i for i, s in enumerate(statuses) if s not in _WRITTEN]
+        if done:
+            self._call(
+                "PutEnd",
+                metadata_pb2.PutEndRequest(
+                    keys=[keys[i] for i in done],
+                    node_id=node_id,
+                    sizes=[views[i].nbytes for i in done],
+                ),
             )
-        return PutResult(stored, skipped, failed, bytes_sent, bytes_skipped)
+        if lost:
+            logger.warning(
+                "put of %d chunks to %s failed: %s",
+                len(lost),
+                address,
+                sorted({s.name for s in statuses if s not in _WRITTEN}),
+            )
+            self._call(
+                "PutRevoke",
+                metadata_pb2.PutRevokeRequest(keys=[keys[i] for i in lost], node_id=node_id),
+            )
+        tally.stored += len(done)
+        tally.failed += len(lost)
+        tally.bytes_sent += sum(
+            v.nbytes for v, s in zip(views, statuses, strict=True) if s is PutStatus.OK
+        )
 
     # -- lookup -----------------------------------------------------------------
     def _lookup(
@@ -545,6 +586,26 @@ class KVDepotClient:
         """Cluster-wide statistics from the metadata service."""
         self._check_open()
         return self._call("GetStats", metadata_pb2.GetStatsRequest())
+
+
+@dataclass(slots=True)
+class _PutTally:
+    """What one ``put`` did so far."""
+
+    stored: int = 0
+    skipped: int = 0
+    failed: int = 0
+    bytes_sent: int = 0
+    bytes_skipped: int = 0
+
+    def add(self, size: int, new: bool) -> None:
+        """A chunk this put wrote: new in the cluster, or stored there already."""
+        if new:
+            self.stored += 1
+            self.bytes_sent += size
+        else:
+            self.skipped += 1
+            self.bytes_skipped += size
 
 
 class _Pull:

@@ -292,14 +292,18 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
     async def PutStart(
         self, request: metadata_pb2.PutStartRequest, context: grpc.aio.ServicerContext
     ) -> metadata_pb2.PutStartResponse:
+        committed = False
         try:
             keys = self._keys(request.keys)
             sizes = self._sizes(keys, request.sizes)
-            writer = self._node_id(request.writer_node_id, required=False)
+            writer = self._node_id(request.writer_node_id, required=bool(request.written))
             request_id = check_request_id(request.request_id)
+            written = self._written(keys, request.written)
             allocations = await self._index.put_start(
                 keys, sizes, writer, time.monotonic(), request_id
             )
+            if written:
+                committed = await self._commit_written(writer, keys, sizes, written)
         except KVDepotError as exc:
             await self._guard(context, exc)
         return metadata_pb2.PutStartResponse(
@@ -311,7 +315,30 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
                 for a in allocations
             ],
             allocation_ttl_ms=int(self._config.allocation_ttl_s * 1000),
+            written_committed=committed,
         )
+
+    @staticmethod
+    def _written(keys: Sequence[ChunkKey], written: Sequence[bool]) -> list[int]:
+        """Indexes of the keys a PutStart says are written already."""
+        if written and len(written) != len(keys):
+            raise InvalidArgument(f"{len(keys)} keys but {len(written)} written flags")
+        return [i for i, w in enumerate(written) if w]
+
+    async def _commit_written(
+        self, writer: str, keys: Sequence[ChunkKey], sizes: Sequence[int], written: list[int]
+    ) -> bool:
+        # Their bytes are readable on the writer's store already: commit them
+        # as PutEnd does, after admission counted what was stored before (a
+        # key stored elsewhere gets this node as one more replica: its bytes
+        # are here anyway, and never crossed the network).
+        done = [keys[i] for i in written]
+        committed = await self._index.put_end(writer, done, [sizes[i] for i in written])
+        if committed and self._events is not None:
+            self._events.stored(writer, done)
+        # 0 when the writer is no live node (its replicas already listed
+        # would count 0 too: a written key is one its store did not hold).
+        return committed > 0
 
     async def PutEnd(
         self, request: metadata_pb2.PutEndRequest, context: grpc.aio.ServicerContext

@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from kvdepot.proto.gen import common_pb2 as kvdepot_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvdepot/v1/metadata.proto\x12\nkvdepot.v1\x1a\x17kvdepot/v1/common.proto\"\xc0\x01\n\x13RegisterNodeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x03 \x01(\t\x12$\n\x05tiers\x18\x04 \x03(\x0b\x32\x15.kvdepot.v1.TierStats\x12\'\n\tinventory\x18\x05 \x03(\x0b\x32\x14.kvdepot.v1.ChunkRef\x12\x13\n\x0binstance_id\x18\x06 \x01(\t\x12\r\n\x05\x66orce\x18\x07 \x01(\x08\"Z\n\x14RegisterNodeResponse\x12\x14\n\x0clease_ttl_ms\x18\x01 \x01(\r\x12\x1d\n\x15heartbeat_interval_ms\x18\x02 \x01(\r\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\"\x84\x01\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12$\n\x05tiers\x18\x02 \x03(\x0b\x32\x15.kvdepot.v1.TierStats\x12*\n\x08transfer\x18\x03 \x01(\x0b\x32\x18.kvdepot.v1.TransferRate\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\")\n\x11HeartbeatResponse\x12\x14\n\x0clease_ttl_ms\x18\x01 \x01(\r\"5\n\x14ReportRemovedRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"(\n\x15ReportRemovedResponse\x12\x0f\n\x07removed\x18\x01 \x01(\r\"A\n\x12ReportMovedRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x0c\n\x04tier\x18\x03 \x01(\t\"6\n\x13ReportMovedResponse\x12\r\n\x05moved\x18\x01 \x01(\r\x12\x10\n\x08recorded\x18\x02 \x01(\x08\"Z\n\x0fPutStartRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\r\n\x05sizes\x18\x02 \x03(\x04\x12\x16\n\x0ewriter_node_id\x18\x03 \x01(\t\x12\x12\n\nrequest_id\x18\x04 \x01(\x0c\"\xae\x01\n\nAllocation\x12-\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32\x1d.kvdepot.v1.Allocation.Action\x12!\n\x04node\x18\x02 \x01(\x0b\x32\x13.kvdepot.v1.Replica\"N\n\x06\x41\x63tion\x12\x16\n\x12\x41\x43TION_UNSPECIFIED\x10\x00\x12\t\n\x05WRITE\x10\x01\x12\x0f\n\x0bSKIP_EXISTS\x10\x02\x12\x10\n\x0cSKIP_PENDING\x10\x03\"Z\n\x10PutStartResponse\x12+\n\x0b\x61llocations\x18\x01 \x03(\x0b\x32\x16.kvdepot.v1.Allocation\x12\x19\n\x11\x61llocation_ttl_ms\x18\x02 \x01(\r\"=\n\rPutEndRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\r\n\x05sizes\x18\x03 \x03(\x04\"#\n\x0ePutEndResponse\x12\x11\n\tcommitted\x18\x01 \x01(\r\"1\n\x10PutRevokeRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x0f\n\x07node_id\x18\x02 \x01(\t\"$\n\x11PutRevokeResponse\x12\x0f\n\x07revoked\x18\x01 \x01(\r\"\xd9\x01\n\rLookupRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x16\n\x0e\x63lient_node_id\x18\x02 \x01(\t\x12\x16\n\x0etokens_per_key\x18\x03 \x01(\r\x12\x0e\n\x06packed\x18\x04 \x01(\x08\x12\x12\n\nkey_tokens\x18\x05 \x03(\r\x12.\n\x05\x63ount\x18\x06 \x01(\x0e\x32\x1f.kvdepot.v1.LookupRequest.Count\"6\n\x05\x43ount\x12\r\n\tCOUNT_ALL\x10\x00\x12\x0e\n\nCOUNT_HITS\x10\x01\x12\x0e\n\nCOUNT_NONE\x10\x02\"B\n\x0bKeyLocation\x12\x0c\n\x04size\x18\x01 \x01(\x04\x12%\n\x08replicas\x18\x02 \x03(\x0b\x32\x13.kvdepot.v1.Replica\"\xb3\x01\n\x0eLookupResponse\x12\x0c\n\x04hits\x18\x01 \x01(\r\x12*\n\tlocations\x18\x02 \x03(\x0b\x32\x17.kvdepot.v1.KeyLocation\x12*\n\rreplica_table\x18\x03 \x03(\x0b\x32\x13.kvdepot.v1.Replica\x12\r\n\x05sizes\x18\x04 \x03(\x04\x12\x16\n\x0ereplica_counts\x18\x05 \x03(\r\x12\x14\n\x0creplica_refs\x18\x06 \x03(\r\"\x11\n\x0fGetStatsRequest\"\xc8\x01\n\tNodeStats\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x03 \x01(\t\x12$\n\x05tiers\x18\x04 \x03(\x0b\x32\x15.kvdepot.v1.TierStats\x12\x16\n\x0e\x63hunks_indexed\x18\x05 \x01(\x04\x12\x19\n\x11lease_remaining_s\x18\x06 \x01(\x01\x12*\n\x08transfer\x18\x07 \x01(\x0b\x32\x18.kvdepot.v1.TransferRate\"\xba\x02\n\x0c\x43lusterStats\x12$\n\x05nodes\x18\x01 \x03(\x0b\x32\x15.kvdepot.v1.NodeStats\x12\x0e\n\x06\x63hunks\x18\x02 \x01(\x04\x12\x0f\n\x07lookups\x18\x03 \x01(\x04\x12\x10\n\x08hit_keys\x18\x04 \x01(\x04\x12\x11\n\tmiss_keys\x18\x05 \x01(\x04\x12\x12\n\nhit_tokens\x18\x06 \x01(\x04\x12\x13\n\x0bmiss_tokens\x18\x07 \x01(\x04\x12\x16\n\x0eputs_committed\x18\x08 \x01(\x04\x12\x1b\n\x13\x63hunks_deduplicated\x18\t \x01(\x04\x12\x13\n\x0b\x62ytes_saved\x18\n \x01(\x04\x12\x17\n\x0f\x62ytes_committed\x18\x0b \x01(\x04\x12\x15\n\rnodes_expired\x18\x0c \x01(\x04\x12\x1b\n\x13\x61llocations_expired\x18\r \x01(\x04\";\n\x0eRouteCandidate\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0c\n\x04load\x18\x03 \x01(\x01\"\xb4\x01\n\x0cRouteRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x16\n\x0etokens_per_key\x18\x02 \x01(\r\x12.\n\ncandidates\x18\x03 \x03(\x0b\x32\x1a.kvdepot.v1.RouteCandidate\x12\x18\n\x10link_bytes_per_s\x18\x04 \x01(\x01\x12\x1c\n\x14prefill_tokens_per_s\x18\x05 \x01(\x01\x12\x16\n\x0eload_penalty_s\x18\x06 \x01(\x01\"\x9e\x01\n\nRouteScore\x12\x14\n\x0c\x63\x61ndidate_id\x18\x01 \x01(\t\x12\x14\n\x0clocal_tokens\x18\x02 \x01(\x04\x12\x15\n\rremote_tokens\x18\x03 \x01(\x04\x12\x13\n\x0bnone_tokens\x18\x04 \x01(\x04\x12\x14\n\x0cremote_bytes\x18\x05 \x01(\x04\x12\x13\n\x0b\x65stimated_s\x18\x06 \x01(\x01\x12\r\n\x05score\x18\x07 \x01(\x01\"S\n\rRouteResponse\x12\x0c\n\x04hits\x18\x01 \x01(\r\x12&\n\x06scores\x18\x02 \x03(\x0b\x32\x16.kvdepot.v1.RouteScore\x12\x0c\n\x04\x62\x65st\x18\x03 \x01(\r2\xe1\x05\n\x08Metadata\x12Q\n\x0cRegisterNode\x12\x1f.kvdepot.v1.RegisterNodeRequest\x1a .kvdepot.v1.RegisterNodeResponse\x12H\n\tHeartbeat\x12\x1c.kvdepot.v1.HeartbeatRequest\x1a\x1d.kvdepot.v1.HeartbeatResponse\x12T\n\rReportRemoved\x12 .kvdepot.v1.ReportRemovedRequest\x1a!.kvdepot.v1.ReportRemovedResponse\x12N\n\x0bReportMoved\x12\x1e.kvdepot.v1.ReportMovedRequest\x1a\x1f.kvdepot.v1.ReportMovedResponse\x12\x45\n\x08PutStart\x12\x1b.kvdepot.v1.PutStartRequest\x1a\x1c.kvdepot.v1.PutStartResponse\x12?\n\x06PutEnd\x12\x19.kvdepot.v1.PutEndRequest\x1a\x1a.kvdepot.v1.PutEndResponse\x12H\n\tPutRevoke\x12\x1c.kvdepot.v1.PutRevokeRequest\x1a\x1d.kvdepot.v1.PutRevokeResponse\x12?\n\x06Lookup\x12\x19.kvdepot.v1.LookupRequest\x1a\x1a.kvdepot.v1.LookupResponse\x12\x41\n\x08GetStats\x12\x1b.kvdepot.v1.GetStatsRequest\x1a\x18.kvdepot.v1.ClusterStats\x12<\n\x05Route\x12\x18.kvdepot.v1.RouteRequest\x1a\x19.kvdepot.v1.RouteResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvdepot/v1/metadata.proto\x12\nkvdepot.v1\x1a\x17kvdepot/v1/common.proto\"\xc0\x01\n\x13RegisterNodeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x03 \x01(\t\x12$\n\x05tiers\x18\x04 \x03(\x0b\x32\x15.kvdepot.v1.TierStats\x12\'\n\tinventory\x18\x05 \x03(\x0b\x32\x14.kvdepot.v1.ChunkRef\x12\x13\n\x0binstance_id\x18\x06 \x01(\t\x12\r\n\x05\x66orce\x18\x07 \x01(\x08\"Z\n\x14RegisterNodeResponse\x12\x14\n\x0clease_ttl_ms\x18\x01 \x01(\r\x12\x1d\n\x15heartbeat_interval_ms\x18\x02 \x01(\r\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\"\x84\x01\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12$\n\x05tiers\x18\x02 \x03(\x0b\x32\x15.kvdepot.v1.TierStats\x12*\n\x08transfer\x18\x03 \x01(\x0b\x32\x18.kvdepot.v1.TransferRate\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\")\n\x11HeartbeatResponse\x12\x14\n\x0clease_ttl_ms\x18\x01 \x01(\r\"5\n\x14ReportRemovedRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"(\n\x15ReportRemovedResponse\x12\x0f\n\x07removed\x18\x01 \x01(\r\"A\n\x12ReportMovedRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x0c\n\x04tier\x18\x03 \x01(\t\"6\n\x13ReportMovedResponse\x12\r\n\x05moved\x18\x01 \x01(\r\x12\x10\n\x08recorded\x18\x02 \x01(\x08\"k\n\x0fPutStartRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\r\n\x05sizes\x18\x02 \x03(\x04\x12\x16\n\x0ewriter_node_id\x18\x03 \x01(\t\x12\x12\n\nrequest_id\x18\x04 \x01(\x0c\x12\x0f\n\x07written\x18\x05 \x03(\x08\"\xae\x01\n\nAllocation\x12-\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32\x1d.kvdepot.v1.Allocation.Action\x12!\n\x04node\x18\x02 \x01(\x0b\x32\x13.kvdepot.v1.Replica\"N\n\x06\x41\x63tion\x12\x16\n\x12\x41\x43TION_UNSPECIFIED\x10\x00\x12\t\n\x05WRITE\x10\x01\x12\x0f\n\x0bSKIP_EXISTS\x10\x02\x12\x10\n\x0cSKIP_PENDING\x10\x03\"u\n\x10PutStartResponse\x12+\n\x0b\x61llocations\x18\x01 \x03(\x0b\x32\x16.kvdepot.v1.Allocation\x12\x19\n\x11\x61llocation_ttl_ms\x18\x02 \x01(\r\x12\x19\n\x11written_committed\x18\x03 \x01(\x08\"=\n\rPutEndRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\r\n\x05sizes\x18\x03 \x03(\x04\"#\n\x0ePutEndResponse\x12\x11\n\tcommitted\x18\x01 \x01(\r\"1\n\x10PutRevokeRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x0f\n\x07node_id\x18\x02 \x01(\t\"$\n\x11PutRevokeResponse\x12\x0f\n\x07revoked\x18\x01 \x01(\r\"\xd9\x01\n\rLookupRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x16\n\x0e\x63lient_node_id\x18\x02 \x01(\t\x12\x16\n\x0etokens_per_key\x18\x03 \x01(\r\x12\x0e\n\x06packed\x18\x04 \x01(\x08\x12\x12\n\nkey_tokens\x18\x05 \x03(\r\x12.\n\x05\x63ount\x18\x06 \x01(\x0e\x32\x1f.kvdepot.v1.LookupRequest.Count\"6\n\x05\x43ount\x12\r\n\tCOUNT_ALL\x10\x00\x12\x0e\n\nCOUNT_HITS\x10\x01\x12\x0e\n\nCOUNT_NONE\x10\x02\"B\n\x0bKeyLocation\x12\x0c\n\x04size\x18\x01 \x01(\x04\x12%\n\x08replicas\x18\x02 \x03(\x0b\x32\x13.kvdepot.v1.Replica\"\xb3\x01\n\x0eLookupResponse\x12\x0c\n\x04hits\x18\x01 \x01(\r\x12*\n\tlocations\x18\x02 \x03(\x0b\x32\x17.kvdepot.v1.KeyLocation\x12*\n\rreplica_table\x18\x03 \x03(\x0b\x32\x13.kvdepot.v1.Replica\x12\r\n\x05sizes\x18\x04 \x03(\x04\x12\x16\n\x0ereplica_counts\x18\x05 \x03(\r\x12\x14\n\x0creplica_refs\x18\x06 \x03(\r\"\x11\n\x0fGetStatsRequest\"\xc8\x01\n\tNodeStats\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x03 \x01(\t\x12$\n\x05tiers\x18\x04 \x03(\x0b\x32\x15.kvdepot.v1.TierStats\x12\x16\n\x0e\x63hunks_indexed\x18\x05 \x01(\x04\x12\x19\n\x11lease_remaining_s\x18\x06 \x01(\x01\x12*\n\x08transfer\x18\x07 \x01(\x0b\x32\x18.kvdepot.v1.TransferRate\"\xba\x02\n\x0c\x43lusterStats\x12$\n\x05nodes\x18\x01 \x03(\x0b\x32\x15.kvdepot.v1.NodeStats\x12\x0e\n\x06\x63hunks\x18\x02 \x01(\x04\x12\x0f\n\x07lookups\x18\x03 \x01(\x04\x12\x10\n\x08hit_keys\x18\x04 \x01(\x04\x12\x11\n\tmiss_keys\x18\x05 \x01(\x04\x12\x12\n\nhit_tokens\x18\x06 \x01(\x04\x12\x13\n\x0bmiss_tokens\x18\x07 \x01(\x04\x12\x16\n\x0eputs_committed\x18\x08 \x01(\x04\x12\x1b\n\x13\x63hunks_deduplicated\x18\t \x01(\x04\x12\x13\n\x0b\x62ytes_saved\x18\n \x01(\x04\x12\x17\n\x0f\x62ytes_committed\x18\x0b \x01(\x04\x12\x15\n\rnodes_expired\x18\x0c \x01(\x04\x12\x1b\n\x13\x61llocations_expired\x18\r \x01(\x04\";\n\x0eRouteCandidate\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0c\n\x04load\x18\x03 \x01(\x01\"\xb4\x01\n\x0cRouteRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x16\n\x0etokens_per_key\x18\x02 \x01(\r\x12.\n\ncandidates\x18\x03 \x03(\x0b\x32\x1a.kvdepot.v1.RouteCandidate\x12\x18\n\x10link_bytes_per_s\x18\x04 \x01(\x01\x12\x1c\n\x14prefill_tokens_per_s\x18\x05 \x01(\x01\x12\x16\n\x0eload_penalty_s\x18\x06 \x01(\x01\"\x9e\x01\n\nRouteScore\x12\x14\n\x0c\x63\x61ndidate_id\x18\x01 \x01(\t\x12\x14\n\x0clocal_tokens\x18\x02 \x01(\x04\x12\x15\n\rremote_tokens\x18\x03 \x01(\x04\x12\x13\n\x0bnone_tokens\x18\x04 \x01(\x04\x12\x14\n\x0cremote_bytes\x18\x05 \x01(\x04\x12\x13\n\x0b\x65stimated_s\x18\x06 \x01(\x01\x12\r\n\x05score\x18\x07 \x01(\x01\"S\n\rRouteResponse\x12\x0c\n\x04hits\x18\x01 \x01(\r\x12&\n\x06scores\x18\x02 \x03(\x0b\x32\x16.kvdepot.v1.RouteScore\x12\x0c\n\x04\x62\x65st\x18\x03 \x01(\r2\xe1\x05\n\x08Metadata\x12Q\n\x0cRegisterNode\x12\x1f.kvdepot.v1.RegisterNodeRequest\x1a .kvdepot.v1.RegisterNodeResponse\x12H\n\tHeartbeat\x12\x1c.kvdepot.v1.HeartbeatRequest\x1a\x1d.kvdepot.v1.HeartbeatResponse\x12T\n\rReportRemoved\x12 .kvdepot.v1.ReportRemovedRequest\x1a!.kvdepot.v1.ReportRemovedResponse\x12N\n\x0bReportMoved\x12\x1e.kvdepot.v1.ReportMovedRequest\x1a\x1f.kvdepot.v1.ReportMovedResponse\x12\x45\n\x08PutStart\x12\x1b.kvdepot.v1.PutStartRequest\x1a\x1c.kvdepot.v1.PutStartResponse\x12?\n\x06PutEnd\x12\x19.kvdepot.v1.PutEndRequest\x1a\x1a.kvdepot.v1.PutEndResponse\x12H\n\tPutRevoke\x12\x1c.kvdepot.v1.PutRevokeRequest\x1a\x1d.kvdepot.v1.PutRevokeResponse\x12?\n\x06Lookup\x12\x19.kvdepot.v1.LookupRequest\x1a\x1a.kvdepot.v1.LookupResponse\x12\x41\n\x08GetStats\x12\x1b.kvdepot.v1.GetStatsRequest\x1a\x18.kvdepot.v1.ClusterStats\x12<\n\x05Route\x12\x18.kvdepot.v1.RouteRequest\x1a\x19.kvdepot.v1.RouteResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -50,43 +50,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REPORTMOVEDRESPONSE']._serialized_start=695
   _globals['_REPORTMOVEDRESPONSE']._serialized_end=749
   _globals['_PUTSTARTREQUEST']._serialized_start=751
-  _globals['_PUTSTARTREQUEST']._serialized_end=841
-  _globals['_ALLOCATION']._serialized_start=844
-  _globals['_ALLOCATION']._serialized_end=1018
-  _globals['_ALLOCATION_ACTION']._serialized_start=940
-  _globals['_ALLOCATION_ACTION']._serialized_end=1018
-  _globals['_PUTSTARTRESPONSE']._serialized_start=1020
-  _globals['_PUTSTARTRESPONSE']._serialized_end=1110
-  _globals['_PUTENDREQUEST']._serialized_start=1112
-  _globals['_PUTENDREQUEST']._serialized_end=1173
-  _globals['_PUTENDRESPONSE']._serialized_start=1175
-  _globals['_PUTENDRESPONSE']._serialized_end=1210
-  _globals['_PUTREVOKEREQUEST']._serialized_start=1212
-  _globals['_PUTREVOKEREQUEST']._serialized_end=1261
-  _globals['_PUTREVOKERESPONSE']._serialized_start=1263
-  _globals['_PUTREVOKERESPONSE']._serialized_end=1299
-  _globals['_LOOKUPREQUEST']._serialized_start=1302
-  _globals['_LOOKUPREQUEST']._serialized_end=1519
-  _globals['_LOOKUPREQUEST_COUNT']._serialized_start=1465
-  _globals['_LOOKUPREQUEST_COUNT']._serialized_end=1519
-  _globals['_KEYLOCATION']._serialized_start=1521
-  _globals['_KEYLOCATION']._serialized_end=1587
-  _globals['_LOOKUPRESPONSE']._serialized_start=1590
-  _globals['_LOOKUPRESPONSE']._serialized_end=1769
-  _globals['_GETSTATSREQUEST']._serialized_start=1771
-  _globals['_GETSTATSREQUEST']._serialized_end=1788
-  _globals['_NODESTATS']._serialized_start=1791
-  _globals['_NODESTATS']._serialized_end=1991
-  _globals['_CLUSTERSTATS']._serialized_start=1994
-  _globals['_CLUSTERSTATS']._serialized_end=2308
-  _globals['_ROUTECANDIDATE']._serialized_start=2310
-  _globals['_ROUTECANDIDATE']._serialized_end=2369
-  _globals['_ROUTEREQUEST']._serialized_start=2372
-  _globals['_ROUTEREQUEST']._serialized_end=2552
-  _globals['_ROUTESCORE']._serialized_start=2555
-  _globals['_ROUTESCORE']._serialized_end=2713
-  _globals['_ROUTERESPONSE']._serialized_start=2715
-  _globals['_ROUTERESPONSE']._serialized_end=2798
-  _globals['_METADATA']._serialized_start=2801
-  _globals['_METADATA']._serialized_end=3538
+  _globals['_PUTSTARTREQUEST']._serialized_end=858
+  _globals['_ALLOCATION']._serialized_start=861
+  _globals['_ALLOCATION']._serialized_end=1035
+  _globals['_ALLOCATION_ACTION']._serialized_start=957
+  _globals['_ALLOCATION_ACTION']._serialized_end=1035
+  _globals['_PUTSTARTRESPONSE']._serialized_start=1037
+  _globals['_PUTSTARTRESPONSE']._serialized_end=1154
+  _globals['_PUTENDREQUEST']._serialized_start=1156
+  _globals['_PUTENDREQUEST']._serialized_end=1217
+  _globals['_PUTENDRESPONSE']._serialized_start=1219
+  _globals['_PUTENDRESPONSE']._serialized_end=1254
+  _globals['_PUTREVOKEREQUEST']._serialized_start=1256
+  _globals['_PUTREVOKEREQUEST']._serialized_end=1305
+  _globals['_PUTREVOKERESPONSE']._serialized_start=1307
+  _globals['_PUTREVOKERESPONSE']._serialized_end=1343
+  _globals['_LOOKUPREQUEST']._serialized_start=1346
+  _globals['_LOOKUPREQUEST']._serialized_end=1563
+  _globals['_LOOKUPREQUEST_COUNT']._serialized_start=1509
+  _globals['_LOOKUPREQUEST_COUNT']._serialized_end=1563
+  _globals['_KEYLOCATION']._serialized_start=1565
+  _globals['_KEYLOCATION']._serialized_end=1631
+  _globals['_LOOKUPRESPONSE']._serialized_start=1634
+  _globals['_LOOKUPRESPONSE']._serialized_end=1813
+  _globals['_GETSTATSREQUEST']._serialized_start=1815
+  _globals['_GETSTATSREQUEST']._serialized_end=1832
+  _globals['_NODESTATS']._serialized_start=1835
+  _globals['_NODESTATS']._serialized_end=2035
+  _globals['_CLUSTERSTATS']._serialized_start=2038
+  _globals['_CLUSTERSTATS']._serialized_end=2352
+  _globals['_ROUTECANDIDATE']._serialized_start=2354
+  _globals['_ROUTECANDIDATE']._serialized_end=2413
+  _globals['_ROUTEREQUEST']._serialized_start=2416
+  _globals['_ROUTEREQUEST']._serialized_end=2596
+  _globals['_ROUTESCORE']._serialized_start=2599
+  _globals['_ROUTESCORE']._serialized_end=2757
+  _globals['_ROUTERESPONSE']._serialized_start=2759
+  _globals['_ROUTERESPONSE']._serialized_end=2842
+  _globals['_METADATA']._serialized_start=2845
+  _globals['_METADATA']._serialized_end=3582
 # @@protoc_insertion_point(module_scope)

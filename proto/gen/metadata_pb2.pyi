@@ -88,16 +88,18 @@ class ReportMovedResponse(_message.Message):
     def __init__(self, moved: _Optional[int] = ..., recorded: bool = ...) -> None: ...
 
 class PutStartRequest(_message.Message):
-    __slots__ = ("keys", "sizes", "writer_node_id", "request_id")
+    __slots__ = ("keys", "sizes", "writer_node_id", "request_id", "written")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     SIZES_FIELD_NUMBER: _ClassVar[int]
     WRITER_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     sizes: _containers.RepeatedScalarFieldContainer[int]
     writer_node_id: str
     request_id: bytes
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., sizes: _Optional[_Iterable[int]] = ..., writer_node_id: _Optional[str] = ..., request_id: _Optional[bytes] = ...) -> None: ...
+    written: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., sizes: _Optional[_Iterable[int]] = ..., writer_node_id: _Optional[str] = ..., request_id: _Optional[bytes] = ..., written: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class Allocation(_message.Message):
     __slots__ = ("action", "node")
@@ -118,12 +120,14 @@ class Allocation(_message.Message):
     def __init__(self, action: _Optional[_Union[Allocation.Action, str]] = ..., node: _Optional[_Union[_common_pb2.Replica, _Mapping]] = ...) -> None: ...
 
 class PutStartResponse(_message.Message):
-    __slots__ = ("allocations", "allocation_ttl_ms")
+    __slots__ = ("allocations", "allocation_ttl_ms", "written_committed")
     ALLOCATIONS_FIELD_NUMBER: _ClassVar[int]
     ALLOCATION_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_COMMITTED_FIELD_NUMBER: _ClassVar[int]
     allocations: _containers.RepeatedCompositeFieldContainer[Allocation]
     allocation_ttl_ms: int
-    def __init__(self, allocations: _Optional[_Iterable[_Union[Allocation, _Mapping]]] = ..., allocation_ttl_ms: _Optional[int] = ...) -> None: ...
+    written_committed: bool
+    def __init__(self, allocations: _Optional[_Iterable[_Union[Allocation, _Mapping]]] = ..., allocation_ttl_ms: _Optional[int] = ..., written_committed: bool = ...) -> None: ...
 
 class PutEndRequest(_message.Message):
     __slots__ = ("keys", "node_id", "sizes")
