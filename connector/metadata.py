@@ -16,7 +16,8 @@ from typing import Any
 
 import grpc
 
-from kvdepot.errors import ClientClosed, InvalidArgument, Unavailable
+from kvdepot.endpoints import parse_endpoints
+from kvdepot.errors import ClientClosed, Unavailable
 from kvdepot.grpc_errors import error_type_name, from_grpc
 from kvdepot.proto.gen import metadata_pb2_grpc
 from kvdepot.security import SecurityConfig
@@ -30,22 +31,6 @@ _RETRYABLE = (
     grpc.StatusCode.DEADLINE_EXCEEDED,
     grpc.StatusCode.CANCELLED,
 )
-
-
-def parse_endpoints(spec: str) -> list[str]:
-    """Split ``"host:port[,host:port…]"`` into addresses, validating each."""
-    if not isinstance(spec, str):
-        raise InvalidArgument(
-            f"metadata address must be host:port[,host:port...], not {type(spec).__name__}"
-        )
-    endpoints = [e.strip() for e in spec.split(",") if e.strip()]
-    if not endpoints:
-        raise InvalidArgument("no metadata address given")
-    for e in endpoints:
-        host, sep, port = e.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise InvalidArgument(f"metadata address {e!r} must be host:port")
-    return endpoints
 
 
 class MetadataConnection:

@@ -23,6 +23,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from kvdepot.endpoints import split_endpoint
 from kvdepot.errors import InvalidArgument
 
 logger = logging.getLogger(__name__)
@@ -266,10 +267,8 @@ def peer_host(peer: str) -> str:
         if peer.startswith(prefix):
             peer = peer[len(prefix) :]
             break
-    host, sep, port = peer.rpartition(":")
-    if sep and port.isdigit():
-        peer = host
-    return peer.strip("[]")
+    host, port = split_endpoint(peer)
+    return host if port is not None else peer.strip("[]")
 
 
 def is_loopback(host: str) -> bool:

@@ -452,20 +452,3 @@ def check_environment(env: Mapping[str, str], scopes: Mapping[str, type]) -> Non
         close = difflib.get_close_matches(key, sorted(known), n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
         raise InvalidSetting(key, f"names no kvdepot setting{hint}; unset it or fix its name")
-
-
-def split_address(address: str, default_port: int | None = None) -> tuple[str, int]:
-    """Split ``"host:port"`` (or ``"[v6]:port"``) into host and port."""
-    host, sep, port = address.rpartition(":")
-    if not sep:
-        if default_port is None:
-            raise InvalidArgument(f"address {address!r} has no port")
-        return address, default_port
-    host = host.strip("[]")
-    try:
-        p = int(port)
-    except ValueError:
-        raise InvalidArgument(f"bad port in address {address!r}") from None
-    if not host or not 0 < p < 65536:
-        raise InvalidArgument(f"bad address {address!r}")
-    return host, p

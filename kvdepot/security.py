@@ -53,6 +53,7 @@ from kvdepot.auth import (
     tenant_key,
 )
 from kvdepot.config import InvalidSetting, load_config, validate
+from kvdepot.endpoints import split_endpoint
 from kvdepot.errors import InvalidArgument, Unavailable
 from kvdepot.request_guard import MalformedRequestGuard
 
@@ -580,7 +581,7 @@ def add_port(
     security = security or NO_SECURITY
     if security.tls_enabled and not security.tls_cert:
         raise InvalidArgument("a daemon speaks TLS only with tls_cert and tls_key")
-    host = address.rpartition(":")[0].strip("[]")
+    host = split_endpoint(address)[0]
     if not security.auth and not is_loopback(host):
         logger.warning(
             "listening on %s without an auth token: anyone who can reach it can read and "
@@ -607,11 +608,9 @@ def check_port_free(address: str, what: str = "") -> None:
     Raises:
         Unavailable: The port is in use, or the address cannot be bound.
     """
-    host, _, port_text = address.rpartition(":")
-    host = host.strip("[]")
-    if not port_text.isdigit() or int(port_text) == 0:
+    host, port = split_endpoint(address)
+    if not port:
         return
-    port = int(port_text)
     label = f" ({what})" if what else ""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
@@ -643,7 +642,9 @@ def explain_refusal(target: str, security: SecurityConfig | None, timeout_s: flo
     import ssl
 
     security = security or NO_SECURITY
-    host, _, port = target.rpartition(":")
+    host, port = split_endpoint(target)
+    if port is None:
+        return ""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.check_hostname = False
     if security.tls_ca:
@@ -654,7 +655,7 @@ def explain_refusal(target: str, security: SecurityConfig | None, timeout_s: flo
     try:
         if security.tls_cert:
             ctx.load_cert_chain(security.tls_cert, security.tls_key)
-        raw = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s)
+        raw = socket.create_connection((host, port), timeout=timeout_s)
     except (OSError, ValueError):
         return ""
     with raw:

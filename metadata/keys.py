@@ -15,7 +15,7 @@ strings, so the keys depend on nothing but the inputs: not on
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NewType
 
@@ -123,11 +123,31 @@ def chunk_keys(
     return keys
 
 
-def validate_key(key: bytes) -> ChunkKey:
-    """Return ``key`` as a :data:`ChunkKey`, or raise if it has the wrong size."""
-    if not isinstance(key, bytes | bytearray) or len(key) != KEY_BYTES:
-        raise InvalidArgument(f"chunk keys are {KEY_BYTES} bytes")
+def validate_key(key: object, index: int | None = None) -> ChunkKey:
+    """``key`` as a :data:`ChunkKey` (bytes), or a clear error.
+
+    Args:
+        key: Bytes, or a bytearray or memoryview (copied).
+        index: The key's place in a request, to name it in the error.
+
+    Raises:
+        InvalidArgument: ``key`` is not bytes-like or not :data:`KEY_BYTES` long.
+    """
+    if type(key) is bytes and len(key) == KEY_BYTES:
+        return ChunkKey(key)  # the common case, on every put and get
+    which = "a key" if index is None else f"key {index}"
+    if not isinstance(key, bytes | bytearray | memoryview):
+        raise InvalidArgument(
+            f"{which} is a {type(key).__name__}; chunk keys are {KEY_BYTES} bytes"
+        )
+    if len(key) != KEY_BYTES:
+        raise InvalidArgument(f"{which} is {len(key)} bytes; chunk keys are {KEY_BYTES}")
     return ChunkKey(bytes(key))
+
+
+def validate_keys(keys: Iterable[object]) -> list[ChunkKey]:
+    """:func:`validate_key` of each of ``keys``, naming a bad one by its index."""
+    return [validate_key(k, i) for i, k in enumerate(keys)]
 
 
 # Distinct from a chunk's input by length (a tag of 5 bytes cannot make up a

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from kvdepot.endpoints import check_endpoint
 from kvdepot.errors import InvalidArgument
 from kvdepot.metadata.types import TIER_RANK
 from kvdepot.proto.gen import common_pb2
@@ -53,10 +54,7 @@ def check_address(address: str, what: str, *, required: bool = True) -> str:
     check_text(address, what, required=required)
     if not address:
         return address
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise InvalidArgument(f"{what} must be host:port, got {address!r}")
-    return address
+    return check_endpoint(address, what)
 
 
 def check_sizes(sizes: Sequence[int], count: int) -> list[int]:

@@ -43,7 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvdepot.errors import CapacityExceeded, Corrupt, InvalidArgument, Unavailable
-from kvdepot.metadata.keys import KEY_BYTES, ChunkKey
+from kvdepot.metadata.keys import ChunkKey, validate_key
 from kvdepot.records import TierStats
 from kvdepot.store.arena import Arena
 from kvdepot.store.chunk_types import (
@@ -247,8 +247,7 @@ class ChunkStore(TierPlacement):
                 from every chunk that may be moved or evicted.
             Unavailable: If the store is closed.
         """
-        if len(key) != KEY_BYTES:
-            raise InvalidArgument(f"chunk keys are {KEY_BYTES} bytes, got {len(key)}")
+        key = validate_key(key)
         if size <= 0:
             raise InvalidArgument(f"chunk size must be positive, got {size}")
         if size > self.capacity:

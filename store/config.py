@@ -16,6 +16,7 @@ from kvdepot.config import (
     setting,
     validate,
 )
+from kvdepot.endpoints import parse_endpoints
 
 FSYNC_POLICIES = ("always", "segment", "never")
 """When the SSD tier syncs its files (see ``kvdepot.store.tiers.ssd``)."""
@@ -23,12 +24,6 @@ FSYNC_POLICIES = ("always", "segment", "never")
 
 # The parsers live with the code that uses the values; imported on use, as
 # those modules import this one.
-def _metadata_endpoints(spec: str) -> None:
-    from kvdepot.connector.metadata import parse_endpoints
-
-    parse_endpoints(spec)
-
-
 def _watermarks(text: str) -> None:
     from kvdepot.store.tiers.base import TierLimits
 
@@ -135,7 +130,7 @@ class StoreConfig:
     port: int = setting(7800, Port())
     grpc_port: int = setting(0, Port())
     advertise_host: str = ""
-    metadata: str = setting("127.0.0.1:7700", Parsed(_metadata_endpoints))
+    metadata: str = setting("127.0.0.1:7700", Parsed(parse_endpoints))
     capacity_bytes: int = setting(1 << 30, Number(low=4096))
     arena_path: str = setting("", FilePath())
     shm: bool = True

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import grpc
 
-from kvdepot.connector.metadata import parse_endpoints
+from kvdepot.endpoints import parse_endpoints
 from kvdepot.errors import InvalidArgument, Unavailable
 from kvdepot.health import HealthState
 from kvdepot.metadata.keys import ChunkKey

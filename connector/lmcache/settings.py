@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from kvdepot.connector.metadata import parse_endpoints
+from kvdepot.endpoints import parse_endpoints
 from kvdepot.errors import InvalidArgument
 from kvdepot.security import SecurityConfig, client_security
 

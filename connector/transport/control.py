@@ -21,6 +21,7 @@ import socket
 import threading
 from collections.abc import Sequence
 
+from kvdepot.endpoints import parse_endpoint
 from kvdepot.errors import InvalidArgument, KVDepotError, Unavailable
 from kvdepot.metadata.keys import ChunkKey
 from kvdepot.store.handshake import authenticate
@@ -65,15 +66,7 @@ def parse_address(address: str) -> tuple[str, int]:
     Raises:
         InvalidArgument: If the address is malformed.
     """
-    host, sep, port_text = address.rpartition(":")
-    if not sep or not host or not port_text.isdigit():
-        raise InvalidArgument(f"data plane address must be host:port, got {address!r}")
-    port = int(port_text)
-    if not 0 < port < 65536:
-        raise InvalidArgument(f"bad port in data plane address {address!r}")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    return host, port
+    return parse_endpoint(address, "data plane address")
 
 
 def connect(

@@ -39,7 +39,7 @@ from kvdepot.connector.transport.base import (
 )
 from kvdepot.connector.transport.control import connect, looks_alive, parse_address
 from kvdepot.errors import InvalidArgument, KVDepotError, Unauthenticated
-from kvdepot.metadata.keys import KEY_BYTES, ChunkKey
+from kvdepot.metadata.keys import ChunkKey, validate_key
 from kvdepot.security import SecurityConfig
 from kvdepot.store.protocol import (
     GET_REPLY_ENTRY,
@@ -100,12 +100,6 @@ GetWork = tuple[int, GetEntry, memoryview]
 """An item to get: its index, entry and destination."""
 
 
-def _check_key(key: bytes) -> ChunkKey:
-    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
-        raise InvalidArgument(f"chunk keys are {KEY_BYTES} bytes")
-    return ChunkKey(key)
-
-
 def check_put_items(
     items: Sequence[PutItem], limits: ProtocolLimits
 ) -> tuple[list[PutStatus], list[PutWork]]:
@@ -118,7 +112,7 @@ def check_put_items(
     statuses = [PutStatus.FAILED] * len(items)
     todo: list[PutWork] = []
     for i, item in enumerate(items):
-        key = _check_key(item.key)
+        key = validate_key(item.key)
         view = byte_view(item.data)
         if view.nbytes == 0 or view.nbytes > limits.largest_chunk:
             statuses[i] = PutStatus.INVALID
@@ -136,7 +130,7 @@ def check_get_items(items: Sequence[GetItem]) -> list[GetWork]:
     """
     todo: list[GetWork] = []
     for i, item in enumerate(items):
-        key = _check_key(item.key)
+        key = validate_key(item.key)
         buf = byte_view(item.buffer)
         if buf.readonly:
             raise InvalidArgument("get buffers must be writable")
@@ -341,7 +335,7 @@ class TcpTransport(Transport):
     def delete(self, address: str, keys: Sequence[ChunkKey]) -> list[bool]:
         """Delete chunks; see :meth:`Transport.delete`."""
         self._check_usable(address)
-        todo = [(i, _check_key(k)) for i, k in enumerate(keys)]
+        todo = [(i, validate_key(k, i)) for i, k in enumerate(keys)]
         removed = [False] * len(keys)
         for batch in split_batches(todo, lambda _: 0, self._limits):
             try:

@@ -20,6 +20,7 @@ from redis import exceptions as rx
 from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.cluster import ClusterNode
 
+from kvdepot.endpoints import split_endpoint
 from kvdepot.errors import InvalidArgument, KVDepotError, Unavailable
 from kvdepot.metadata.index import redis_scripts as scripts
 from kvdepot.metadata.index.redis_scripts import Cmd
@@ -118,10 +119,10 @@ def connect(url: str) -> Redis | RedisCluster:
         auth = {"username": unquote(user) or None, "password": unquote(password) or None}
     nodes: list[ClusterNode] = []
     for hostport in filter(None, netloc.split(",")):
-        host, sep, port = hostport.rpartition(":")
-        if not sep or not port.isdigit():
-            host, port = hostport, "6379"
-        nodes.append(ClusterNode(host.strip("[]") or "127.0.0.1", int(port)))
+        host, port = split_endpoint(hostport)
+        if port is None:
+            host, port = hostport.strip("[]"), 6379
+        nodes.append(ClusterNode(host or "127.0.0.1", port))
     if not nodes:
         raise InvalidArgument(f"index url {url!r} names no cluster nodes")
     options = {k: float(v) for k, v in parse_qsl(parts.query) if k in timeouts and v}

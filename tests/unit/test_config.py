@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvdepot.config import load_config, parse_size, split_address
+from kvdepot.config import load_config, parse_size
 from kvdepot.errors import InvalidArgument
 from kvdepot.metadata.config import MetadataConfig
 from kvdepot.store.config import StoreConfig
@@ -46,11 +46,3 @@ def test_unknown_keys_and_bad_values_are_refused(tmp_path: Path) -> None:
         MetadataConfig(lease_ttl_s=1.0, heartbeat_interval_s=1.0)
     with pytest.raises(InvalidArgument):
         StoreConfig(capacity_bytes=10)
-
-
-def test_split_address() -> None:
-    assert split_address("127.0.0.1:7700") == ("127.0.0.1", 7700)
-    assert split_address("[::1]:80") == ("::1", 80)
-    for bad in ("nohost", "h:0", "h:x", ":80"):
-        with pytest.raises(InvalidArgument):
-            split_address(bad)

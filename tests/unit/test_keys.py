@@ -20,6 +20,7 @@ from kvdepot.metadata.keys import (
     encode_tokens,
     shard_key,
     validate_key,
+    validate_keys,
 )
 
 NS = Namespace(
@@ -180,3 +181,14 @@ def test_each_tensor_parallel_rank_has_its_own_shard_keys() -> None:
     golden = dataclasses.replace(NS, tp_rank=0)
     first = chunk_keys(golden, list(range(10)))[0]
     assert shard_key(NS, first).hex() == "3e6bb5c61d2a13354621cdddea4d3630"
+
+
+def test_one_key_check_names_the_bad_key() -> None:
+    good = validate_keys([bytes(16), bytearray(16), memoryview(bytes(16))])
+    assert good == [bytes(16)] * 3 and all(type(k) is bytes for k in good)
+    with pytest.raises(InvalidArgument, match=r"^key 1 is 3 bytes; chunk keys are 16$"):
+        validate_keys([bytes(16), b"abc"])
+    with pytest.raises(InvalidArgument, match=r"^key 0 is a str; chunk keys are 16 bytes$"):
+        validate_keys(["x" * 16])
+    with pytest.raises(InvalidArgument, match=r"^a key is a NoneType"):
+        validate_key(None)
