@@ -52,6 +52,7 @@ from typing import Any
 
 import grpc
 import numpy as np
+from stages import client_profiler, print_profiles, profile_env, run_stages
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -388,6 +389,41 @@ class KVDepot(System):
         self._client.close()
 
 
+class KVDepotRemote(KVDepot):
+    """Chunks on another node's store: puts from a client with no store of its
+    own (PutStart, the bytes, PutEnd), gets by a client of node 0 of chunks
+    that node 1 holds (its own store misses, a lookup, then node 1), over tcp."""
+
+    def __init__(self, cluster: Any) -> None:
+        from kvdepot.connector.client import ClientConfig, KVDepotClient
+
+        self.name = "kvdepot-tcp-remote"
+        nodes = [s.info["node_id"] for s in cluster.stores]
+        address = cluster.metadata_address
+        self._client = KVDepotClient(ClientConfig(metadata=address, transport="tcp"))
+        self._holder = KVDepotClient(ClientConfig(metadata=address, node_id=nodes[1]))
+        self._reader = KVDepotClient(
+            ClientConfig(metadata=address, node_id=nodes[0], transport="tcp")
+        )
+        self._reader.put([os.urandom(16)], [np.ones(4096, dtype=np.uint8)])  # learns node 0
+        self._n = 0
+
+    def before_get(self) -> None:
+        self._keys = self._fresh_keys(len(self._src))
+        result = self._holder.put(self._keys, self._src)
+        if result.stored != len(self._src):
+            raise RuntimeError(f"{self.name}: setup put stored {result.stored} of {len(self._src)}")
+
+    def get(self) -> None:
+        result = self._reader.get_into(self._keys, self._dst)
+        if result.leading != len(self._keys):
+            raise RuntimeError(f"{self.name}: get loaded {result.leading} of {len(self._keys)}")
+
+    def close(self) -> None:
+        for c in (self._client, self._holder, self._reader):
+            c.close()
+
+
 class RssSampler:
     """Samples a process's resident memory in the background (max seen)."""
 
@@ -458,11 +494,12 @@ def _measure(
     return rows
 
 
-def _metadata_round_trips(address: str, node_id: str, size: int, batch: int) -> float:
-    """p50 ms of the two metadata calls around a put's transfer, without the transfer.
+def _metadata_round_trip(address: str, node_id: str, size: int, batch: int) -> float:
+    """p50 ms of the metadata call of a put into the writer's own node, without the transfer.
 
-    ``PutStart`` of ``batch`` new keys, then ``PutRevoke`` of them (a call of
-    the same shape as ``PutEnd`` that leaves nothing behind in the index).
+    ``PutStart`` of ``batch`` new keys, timed alone (a put into the writer's
+    own store makes this one call); a ``PutRevoke`` after it, untimed,
+    leaves nothing behind in the index.
     """
     from kvdepot.proto.gen import metadata_pb2, metadata_pb2_grpc
 
@@ -478,8 +515,8 @@ def _metadata_round_trips(address: str, node_id: str, size: int, batch: int) -> 
                 ),
                 timeout=10,
             )
-            stub.PutRevoke(metadata_pb2.PutRevokeRequest(keys=keys, node_id=node_id), timeout=10)
             times.append(time.perf_counter() - t0)
+            stub.PutRevoke(metadata_pb2.PutRevokeRequest(keys=keys, node_id=node_id), timeout=10)
     return statistics.median(times[1:]) * 1e3
 
 
@@ -488,23 +525,21 @@ def _put_ceilings(
 ) -> list[str]:
     """What kvdepot-tcp/raw-tcp put could reach with a transport as fast as raw-tcp.
 
-    A put is ``PutStart`` (so an already stored chunk is never sent), the
-    transfer, then ``PutEnd`` (so a lookup never names a chunk not yet
-    readable): the two round trips add to raw-tcp's batch time.
+    A put into the writer's own node is the transfer, then ``PutStart``
+    (which commits what was written, and says what was stored already): the
+    round trip adds to raw-tcp's batch time.
     """
     raw = {r.size: r.p50_ms for r in rows if r.system == "raw-tcp" and r.op == "put"}
     lines = []
-    for size in (4 * MiB, 16 * MiB):
-        if size not in raw:
-            continue
+    for size in sorted(raw):
         batch = batch_of(size)
         try:
-            md = _metadata_round_trips(address, node_id, size, batch)
+            md = _metadata_round_trip(address, node_id, size, batch)
         except grpc.RpcError as exc:
-            lines.append(f"  {size // MiB:2d} MiB: not measured ({exc.code().name})")
+            lines.append(f"  {size // KiB:5d} KiB: not measured ({exc.code().name})")
             continue
         lines.append(
-            f"  {size // MiB:2d} MiB x {batch}: PutStart + PutEnd {md:5.2f} ms, raw-tcp batch "
+            f"  {size // KiB:5d} KiB x {batch}: PutStart {md:5.2f} ms, raw-tcp batch "
             f"{raw[size]:6.2f} ms -> kvdepot-tcp/raw-tcp put <= {raw[size] / (raw[size] + md):.2f}"
         )
     return lines
@@ -527,6 +562,7 @@ def _ratios(rows: list[Row]) -> list[tuple[str, float, str]]:
         ("kvdepot-tcp", "raw-tcp", 0.9),
         ("kvdepot-shm", "raw-shm", 0.9),
         ("kvdepot-nixl", "raw-tcp", 0.0),
+        ("kvdepot-tcp-remote", "raw-tcp", 0.0),
     ]
     for size in SIZES:
         label = f"{size // MiB} MiB" if size >= MiB else f"{size // KiB} KiB"
@@ -547,76 +583,6 @@ def _ratios(rows: list[Row]) -> list[tuple[str, float, str]]:
                 target = 1.3 if size == 4 * MiB else 2.0
                 out.append((f"kvdepot-tcp/redis {op} {label}", r, f"target >= {target}"))
     return out
-
-
-def _stages(
-    systems: list[System],
-    sizes: tuple[int, ...],
-    batch_of: Callable[[int], int],
-    trials: int,
-    log: Callable[[str], None],
-) -> list[dict[str, Any]]:
-    """Per-stage breakdown of the kvdepot puts and gets (see benchmarks/stages.py),
-    each next to the raw system of its kind timed in the same round."""
-    from stages import StageTimer, breakdown
-
-    timer = StageTimer()
-    out: list[dict[str, Any]] = []
-    by_name = {s.name: s for s in systems}
-    log("\nstages (ms per batch; exclusive; mean over the batches):")
-    for size in sizes:
-        batch = batch_of(size)
-        for name in ("kvdepot-tcp", "kvdepot-shm"):
-            s = by_name.get(name)
-            if s is None:
-                continue
-            raw = by_name.get("raw-" + name.split("-")[1])
-            s.prepare(size, batch)
-            if raw is not None:
-                raw.prepare(size, batch)
-            for op in ("put", "get"):
-                s.before_get()
-                ops = max(trials, 20)
-                wall, stages, calls = breakdown(timer, getattr(s, op), ops)
-                ref = ""
-                if raw is not None:
-                    ts = []
-                    for _ in range(ops):
-                        t0 = time.perf_counter()
-                        getattr(raw, op)()
-                        ts.append(time.perf_counter() - t0)
-                    ref_ms = statistics.median(ts) * 1e3
-                    ref = f", {raw.name} {ref_ms:.2f} ms: {wall / ref_ms:.2f}x"
-                log(f"  {name} {op} {batch} x {size // KiB} KiB: p50 {wall:.2f} ms{ref}")
-                for stage, ms in stages.items():
-                    n = calls.get(stage)
-                    per = f"  ({n:.1f} calls)" if n else ""
-                    log(f"      {stage:26s} {ms:7.3f} ms{per}")
-                    out.append(
-                        {"system": name, "op": op, "size": size, "stage": stage,
-                         "ms_per_op": round(ms, 4), "calls_per_op": round(n or 0.0, 2)}
-                    )  # fmt: skip
-    return out
-
-
-def _client_profiler(directory: Path | None) -> Any:
-    if directory is None:
-        return None
-    import cProfile
-
-    directory.mkdir(parents=True, exist_ok=True)
-    profiler = cProfile.Profile()
-    profiler.enable()
-    return profiler
-
-
-def _print_profiles(directory: Path, log: Callable[[str], None]) -> None:
-    from stages import top_functions
-
-    for path in sorted(directory.glob("*.prof")):
-        log(f"\nprofile {path.name} (own time):")
-        for line in top_functions(path):
-            log("  " + line)
 
 
 def _plot(rows: list[Row], path: Path) -> bool:
@@ -646,10 +612,10 @@ def _plot(rows: list[Row], path: Path) -> bool:
 
 
 @contextlib.contextmanager
-def _cluster(capacity: str, env: dict[str, str] | None) -> Iterator[Any]:
+def _cluster(capacity: str, env: dict[str, str] | None, nodes: int = 1) -> Iterator[Any]:
     from kvdepot.cluster import LocalCluster
 
-    c = LocalCluster(nodes=1, capacity=capacity, env=env, stderr=subprocess.DEVNULL)
+    c = LocalCluster(nodes=nodes, capacity=capacity, env=env, stderr=subprocess.DEVNULL)
     c.start()
     try:
         yield c
@@ -671,7 +637,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", type=Path, default=Path("benchmarks/dataplane.png"))
     ap.add_argument("--capacity", default="1GiB", help="arena of the store (default 1GiB)")
     ap.add_argument(
-        "--systems", default="memcpy,raw-tcp,raw-shm,redis,kvdepot-tcp,kvdepot-shm,kvdepot-nixl"
+        "--systems",
+        default="memcpy,raw-tcp,raw-shm,redis,kvdepot-tcp,kvdepot-shm,kvdepot-tcp-remote,kvdepot-nixl",
     )
     ap.add_argument(
         "--sizes", help="chunk sizes in KiB, comma-separated (default 256,1024,4096,16384)"
@@ -710,17 +677,18 @@ def main(argv: list[str] | None = None) -> int:
                 except Exception as exc:
                     log(f"{cls.name}: not run ({exc})")
         kv = [w for w in wanted if w in ("kvdepot-tcp", "kvdepot-shm")]
-        if kv:
+        remote = "kvdepot-tcp-remote" in wanted
+        if kv or remote:
             env = None
             if args.profile is not None:
-                from stages import profile_env
-
                 env = profile_env(args.profile)
-            cluster = stack.enter_context(_cluster(args.capacity, env))
+            cluster = stack.enter_context(_cluster(args.capacity, env, 2 if remote else 1))
             store = cluster.stores[0]
             rss = RssSampler(store.pid)
             for w in kv:
                 systems.append(KVDepot(w.split("-", 1)[1], cluster, store.info["node_id"]))
+            if remote:
+                systems.append(KVDepotRemote(cluster))
         if "kvdepot-nixl" in wanted:
             from kvdepot.store.nixl_agent import nixl_available
 
@@ -739,11 +707,11 @@ def main(argv: list[str] | None = None) -> int:
             + ", ".join(f"{batch_of(s)} x {s // KiB} KiB" for s in sizes)
             + f"; {trials} timed batches per system/op/size, round-robin"
         )
-        profiler = _client_profiler(args.profile)
+        profiler = client_profiler(args.profile)
         rows = _measure(systems, sizes, batch_of, trials, log)
         stage_rows: list[dict[str, Any]] = []
         if args.stages:
-            stage_rows = _stages(systems, sizes, batch_of, trials, log)
+            stage_rows = run_stages(systems, sizes, batch_of, trials, log)
         if profiler is not None:
             profiler.disable()
             profiler.dump_stats(str(args.profile / "client.prof"))
@@ -763,7 +731,10 @@ def main(argv: list[str] | None = None) -> int:
     for label, ratio, goal in _ratios(rows):
         log(f"  {label:34s} {ratio:5.2f}  ({goal})")
     if ceilings:
-        log("\nmetadata round trips of a put (p50, same run), and the put ratio they leave:")
+        log(
+            "\nthe metadata round trip of a put into its own node (p50, same run),"
+            " and the put ratio it leaves:"
+        )
         for line in ceilings:
             log(line)
     if rss is not None:
@@ -780,7 +751,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"plot: {args.plot}")
     log(f"elapsed {elapsed:.1f} s")
     if args.profile is not None:
-        _print_profiles(args.profile, log)
+        print_profiles(args.profile, log)
     if args.json:
         print(json.dumps([asdict(r) for r in rows] + stage_rows))
     return 0

@@ -22,12 +22,15 @@ import contextlib
 import functools
 import importlib
 import os
+import statistics
 import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+KiB = 1 << 10
 
 # (module, attribute path, stage name, opaque). A name of None takes the
 # stage from the first argument (the metadata method).
@@ -230,3 +233,69 @@ def top_functions(path: Path, n: int = 12) -> list[str]:
     return [
         f"{t * 1e3:9.1f} ms own {c * 1e3:9.1f} ms cum {k:8d} calls  {w}" for t, k, c, w in rows[:n]
     ]
+
+
+def run_stages(
+    systems: list[Any],
+    sizes: tuple[int, ...],
+    batch_of: Callable[[int], int],
+    trials: int,
+    log: Callable[[str], None],
+) -> list[dict[str, Any]]:
+    """Per-stage breakdown of the kvdepot puts and gets (see benchmarks/stages.py),
+    each next to the raw system of its kind timed in the same round."""
+    timer = StageTimer()
+    out: list[dict[str, Any]] = []
+    by_name = {s.name: s for s in systems}
+    log("\nstages (ms per batch; exclusive; mean over the batches):")
+    for size in sizes:
+        batch = batch_of(size)
+        for name in ("kvdepot-tcp", "kvdepot-shm", "kvdepot-tcp-remote"):
+            s = by_name.get(name)
+            if s is None:
+                continue
+            raw = by_name.get("raw-" + name.split("-")[1])
+            s.prepare(size, batch)
+            if raw is not None:
+                raw.prepare(size, batch)
+            for op in ("put", "get"):
+                s.before_get()
+                ops = max(trials, 20)
+                wall, stages, calls = breakdown(timer, getattr(s, op), ops)
+                ref = ""
+                if raw is not None:
+                    ts = []
+                    for _ in range(ops):
+                        t0 = time.perf_counter()
+                        getattr(raw, op)()
+                        ts.append(time.perf_counter() - t0)
+                    ref_ms = statistics.median(ts) * 1e3
+                    ref = f", {raw.name} {ref_ms:.2f} ms: {wall / ref_ms:.2f}x"
+                log(f"  {name} {op} {batch} x {size // KiB} KiB: p50 {wall:.2f} ms{ref}")
+                for stage, ms in stages.items():
+                    n = calls.get(stage)
+                    per = f"  ({n:.1f} calls)" if n else ""
+                    log(f"      {stage:26s} {ms:7.3f} ms{per}")
+                    out.append(
+                        {"system": name, "op": op, "size": size, "stage": stage,
+                         "ms_per_op": round(ms, 4), "calls_per_op": round(n or 0.0, 2)}
+                    )  # fmt: skip
+    return out
+
+
+def client_profiler(directory: Path | None) -> Any:
+    if directory is None:
+        return None
+    import cProfile
+
+    directory.mkdir(parents=True, exist_ok=True)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    return profiler
+
+
+def print_profiles(directory: Path, log: Callable[[str], None]) -> None:
+    for path in sorted(directory.glob("*.prof")):
+        log(f"\nprofile {path.name} (own time):")
+        for line in top_functions(path):
+            log("  " + line)
