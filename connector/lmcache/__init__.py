@@ -17,8 +17,14 @@ loads; :mod:`.settings` parses the ``kvdepot://`` URL.
 from __future__ import annotations
 
 from kvdepot.connector.lmcache.adapter import KVDepotConnectorAdapter
-from kvdepot.connector.lmcache.connector import KVDepotConnector
+from kvdepot.connector.lmcache.connector import KVDepotConnector, KVDepotLMCacheConnector
 from kvdepot.connector.lmcache.keys import chunk_key
 from kvdepot.connector.lmcache.settings import PluginSettings
 
-__all__ = ["KVDepotConnector", "KVDepotConnectorAdapter", "PluginSettings", "chunk_key"]
+__all__ = [
+    "KVDepotConnector",
+    "KVDepotConnectorAdapter",
+    "KVDepotLMCacheConnector",
+    "PluginSettings",
+    "chunk_key",
+]

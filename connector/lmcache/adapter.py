@@ -14,14 +14,14 @@ from typing import Any
 
 from lmcache.v1.storage_backend.connector import ConnectorAdapter
 
-from kvdepot.connector.lmcache.connector import KVDepotConnector
+from kvdepot.connector.lmcache.connector import KVDepotLMCacheConnector
 from kvdepot.connector.lmcache.settings import SCHEME, is_plugin_url, resolve
 
 logger = logging.getLogger(__name__)
 
 
 class KVDepotConnectorAdapter(ConnectorAdapter):
-    """Builds a :class:`KVDepotConnector` for LMCache's remote backend."""
+    """Builds a :class:`KVDepotLMCacheConnector` for LMCache's remote backend."""
 
     def __init__(self) -> None:
         super().__init__(f"{SCHEME}://")
@@ -29,7 +29,7 @@ class KVDepotConnectorAdapter(ConnectorAdapter):
     def can_parse(self, url: str) -> bool:
         return url.startswith(self.schema) or is_plugin_url(url)
 
-    def create_connector(self, context: Any) -> KVDepotConnector:
+    def create_connector(self, context: Any) -> KVDepotLMCacheConnector:
         """Create the connector from LMCache's ``ConnectorContext``.
 
         Raises:
@@ -41,7 +41,7 @@ class KVDepotConnectorAdapter(ConnectorAdapter):
             getattr(config, "extra_config", None),
             plugin_name=context.plugin_name,
         )
-        return KVDepotConnector(
+        return KVDepotLMCacheConnector(
             loop=context.loop,
             local_cpu_backend=context.local_cpu_backend,
             config=config,

@@ -1,4 +1,4 @@
-"""``KVDepotConnector``: LMCache's remote connector interface on kvdepot.
+"""``KVDepotLMCacheConnector``: LMCache's remote connector interface on kvdepot.
 
 LMCache's ``RemoteBackend`` calls a remote connector's coroutines on its own
 event loop thread. Every kvdepot call blocks (gRPC to the metadata service,
@@ -52,7 +52,7 @@ _SOFT_ERRORS = (KVDepotError, OSError)
 _WARN_INTERVAL_S = 10.0
 
 
-class KVDepotConnector(RemoteConnector):
+class KVDepotLMCacheConnector(RemoteConnector):
     """LMCache remote connector storing chunks in a kvdepot cluster."""
 
     def __init__(
@@ -132,7 +132,7 @@ class KVDepotConnector(RemoteConnector):
         )
 
     def __repr__(self) -> str:
-        return f"<KVDepotConnector {self.settings.metadata}>"
+        return f"<KVDepotLMCacheConnector {self.settings.metadata}>"
 
     # -- plumbing -----------------------------------------------------------------
     def _allocate(self, shapes: Any, dtypes: Any, fmt: Any) -> MemoryObj | None:
@@ -322,3 +322,8 @@ class KVDepotConnector(RemoteConnector):
         # Waits for puts in flight; off the loop, which they may still need.
         await asyncio.get_running_loop().run_in_executor(None, self._close)
         logger.info("kvdepot LMCache connector closed")
+
+
+# The class's name before vLLM's connector took the same one; LMCache configs
+# written then still say ``class_name: KVDepotConnector``.
+KVDepotConnector = KVDepotLMCacheConnector

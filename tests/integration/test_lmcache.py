@@ -39,7 +39,7 @@ from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend  # noqa
 from lmcache.v1.storage_backend.remote_backend import RemoteBackend  # noqa: E402
 
 from kvdepot.cluster import LocalCluster  # noqa: E402
-from kvdepot.connector.lmcache import KVDepotConnector, chunk_key  # noqa: E402
+from kvdepot.connector.lmcache import KVDepotLMCacheConnector, chunk_key  # noqa: E402
 from kvdepot.connector.lmcache.settings import PluginSettings, resolve  # noqa: E402
 from kvdepot.errors import InvalidArgument  # noqa: E402
 
@@ -94,10 +94,10 @@ class Engine:
         self.owned: list[Any] = []
 
     @property
-    def connector(self) -> KVDepotConnector:
+    def connector(self) -> KVDepotLMCacheConnector:
         assert self.remote.connection is not None, "LMCache did not create the connector"
         inner = self.remote.connection.getWrappedConnector()
-        assert isinstance(inner, KVDepotConnector)
+        assert isinstance(inner, KVDepotLMCacheConnector)
         return inner
 
     def key(self, chunk_hash: int, **tags: str) -> Any:
@@ -500,16 +500,18 @@ def test_other_ways_to_load_the_plugin(shared_cluster: LocalCluster, tmp_path: P
         config = load_engine_config_with_overrides(config_file_path=str(path))
         conn = CreateConnector("plugin://kvdepot", e.loop, e.cpu, config, e.metadata, "kvdepot")
         inner = conn.getWrappedConnector()
-        assert isinstance(inner, KVDepotConnector) and inner.settings.node_id == "store-0"
+        assert isinstance(inner, KVDepotLMCacheConnector) and inner.settings.node_id == "store-0"
         e.call(conn.close())
-        # class_name may name the connector class itself (LMCache wraps it).
-        config = plugin_config(
-            f"kvdepot://{shared_cluster.metadata_address}",
-            extra_config={"remote_storage_plugin.kvdepot.class_name": "KVDepotConnector"},
-        )
-        conn = CreateConnector("plugin://kvdepot", e.loop, e.cpu, config, e.metadata, "kvdepot")
-        assert isinstance(conn.getWrappedConnector(), KVDepotConnector)
-        e.call(conn.close())
+        # class_name may name the connector class itself (LMCache wraps it), by
+        # its name or by the one it had before (configs written then).
+        for class_name in ("KVDepotLMCacheConnector", "KVDepotConnector"):
+            config = plugin_config(
+                f"kvdepot://{shared_cluster.metadata_address}",
+                extra_config={"remote_storage_plugin.kvdepot.class_name": class_name},
+            )
+            conn = CreateConnector("plugin://kvdepot", e.loop, e.cpu, config, e.metadata, "kvdepot")
+            assert isinstance(conn.getWrappedConnector(), KVDepotLMCacheConnector)
+            e.call(conn.close())
         # Without a URL the plugin says which key is missing.
         config = plugin_config("")
         with pytest.raises(InvalidArgument, match=r"remote_storage_plugin\.kvdepot\.url"):
