@@ -389,6 +389,20 @@ class KVDepot(System):
         self._client.close()
 
 
+class KVDepotTwoTrips(KVDepot):
+    """The reference put path, for comparison in the same run: PutStart, the
+    bytes, PutEnd (a client that forgets its node's store before each put;
+    gets as :class:`KVDepot`)."""
+
+    def __init__(self, transport: str, cluster: Any, node_id: str) -> None:
+        super().__init__(transport, cluster, node_id)
+        self.name = f"kvdepot-{transport}-2rt"
+
+    def put(self) -> None:
+        self._client._local_address = None
+        super().put()
+
+
 class KVDepotRemote(KVDepot):
     """Chunks on another node's store: puts from a client with no store of its
     own (PutStart, the bytes, PutEnd), gets by a client of node 0 of chunks
@@ -563,6 +577,8 @@ def _ratios(rows: list[Row]) -> list[tuple[str, float, str]]:
         ("kvdepot-shm", "raw-shm", 0.9),
         ("kvdepot-nixl", "raw-tcp", 0.0),
         ("kvdepot-tcp-remote", "raw-tcp", 0.0),
+        ("kvdepot-tcp-2rt", "raw-tcp", 0.0),
+        ("kvdepot-shm-2rt", "raw-shm", 0.0),
     ]
     for size in SIZES:
         label = f"{size // MiB} MiB" if size >= MiB else f"{size // KiB} KiB"
@@ -677,8 +693,9 @@ def main(argv: list[str] | None = None) -> int:
                 except Exception as exc:
                     log(f"{cls.name}: not run ({exc})")
         kv = [w for w in wanted if w in ("kvdepot-tcp", "kvdepot-shm")]
+        two = [w for w in wanted if w in ("kvdepot-tcp-2rt", "kvdepot-shm-2rt")]
         remote = "kvdepot-tcp-remote" in wanted
-        if kv or remote:
+        if kv or two or remote:
             env = None
             if args.profile is not None:
                 env = profile_env(args.profile)
@@ -687,6 +704,8 @@ def main(argv: list[str] | None = None) -> int:
             rss = RssSampler(store.pid)
             for w in kv:
                 systems.append(KVDepot(w.split("-", 1)[1], cluster, store.info["node_id"]))
+            for w in two:
+                systems.append(KVDepotTwoTrips(w.split("-")[1], cluster, store.info["node_id"]))
             if remote:
                 systems.append(KVDepotRemote(cluster))
         if "kvdepot-nixl" in wanted:

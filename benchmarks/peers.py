@@ -95,7 +95,7 @@ class Mooncake(System):
             subprocess.Popen(
                 [binary, "--enable_http_metadata_server=true",
                  "--http_metadata_server_host=127.0.0.1", f"--http_metadata_server_port={http}",
-                 f"--rpc_port={rpc}", "--default_kv_lease_ttl=100"],
+                 f"--rpc_port={rpc}"],
                 stdout=subprocess.DEVNULL, stderr=open(Path(self._dir) / "master.log", "wb"),  # noqa: SIM115
             )
         )  # fmt: skip

@@ -137,28 +137,17 @@ class StageTimer:
             self.calls.clear()
 
 
-def breakdown(
-    timer: StageTimer, run: Callable[[], None], ops: int
+def summarize(
+    timer: StageTimer, walls: list[float]
 ) -> tuple[float, dict[str, float], dict[str, float]]:
-    """Run ``run`` ``ops`` times under ``timer``.
-
-    Returns:
-        Median wall ms per op, mean ms per op of each stage (plus ``client
-        Python``: the rest of the mean wall time), and calls per op of each.
-    """
-    timer.reset()
-    walls: list[float] = []
-    with timer.timing():
-        for _ in range(ops):
-            t0 = time.perf_counter()
-            run()
-            walls.append(time.perf_counter() - t0)
+    """Median wall ms per op, mean ms per op of each stage (plus ``client
+    Python``: the rest of the mean wall time), and calls per op of each."""
+    ops = len(walls)
     mean_ms = sum(walls) / ops * 1e3
     stages = {k: v / ops * 1e3 for k, v in sorted(timer.totals.items(), key=lambda kv: -kv[1])}
     stages["client Python"] = max(0.0, mean_ms - sum(stages.values()))
     calls = {k: v / ops for k, v in timer.calls.items()}
-    walls.sort()
-    return walls[len(walls) // 2] * 1e3, stages, calls
+    return statistics.median(walls) * 1e3, stages, calls
 
 
 _SITE = '''\
@@ -235,6 +224,9 @@ def top_functions(path: Path, n: int = 12) -> list[str]:
     ]
 
 
+_STAGED = ("kvdepot-tcp", "kvdepot-tcp-2rt", "kvdepot-shm", "kvdepot-shm-2rt", "kvdepot-tcp-remote")
+
+
 def run_stages(
     systems: list[Any],
     sizes: tuple[int, ...],
@@ -242,42 +234,41 @@ def run_stages(
     trials: int,
     log: Callable[[str], None],
 ) -> list[dict[str, Any]]:
-    """Per-stage breakdown of the kvdepot puts and gets (see benchmarks/stages.py),
-    each next to the raw system of its kind timed in the same round."""
-    timer = StageTimer()
+    """Per-stage breakdown of the kvdepot puts and gets, round-robin with the raw
+    systems: each round times one batch of every system, so the breakdowns and
+    the raw references compare runs under the same load."""
     out: list[dict[str, Any]] = []
-    by_name = {s.name: s for s in systems}
-    log("\nstages (ms per batch; exclusive; mean over the batches):")
+    staged = [s for s in systems if s.name in _STAGED]
+    raws = [s for s in systems if s.name in ("raw-tcp", "raw-shm")]
+    log("\nstages (ms per batch; exclusive; mean over the batches; round-robin):")
     for size in sizes:
         batch = batch_of(size)
-        for name in ("kvdepot-tcp", "kvdepot-shm", "kvdepot-tcp-remote"):
-            s = by_name.get(name)
-            if s is None:
-                continue
-            raw = by_name.get("raw-" + name.split("-")[1])
+        for s in staged + raws:
             s.prepare(size, batch)
-            if raw is not None:
-                raw.prepare(size, batch)
-            for op in ("put", "get"):
+        for op in ("put", "get"):
+            timers = {s.name: StageTimer() for s in staged}
+            walls: dict[str, list[float]] = {s.name: [] for s in staged + raws}
+            for s in staged + raws:
                 s.before_get()
-                ops = max(trials, 20)
-                wall, stages, calls = breakdown(timer, getattr(s, op), ops)
-                ref = ""
-                if raw is not None:
-                    ts = []
-                    for _ in range(ops):
+            for _ in range(max(trials, 20)):
+                for s in staged + raws:
+                    timer = timers.get(s.name)
+                    with timer.timing() if timer else contextlib.nullcontext():
                         t0 = time.perf_counter()
-                        getattr(raw, op)()
-                        ts.append(time.perf_counter() - t0)
-                    ref_ms = statistics.median(ts) * 1e3
-                    ref = f", {raw.name} {ref_ms:.2f} ms: {wall / ref_ms:.2f}x"
-                log(f"  {name} {op} {batch} x {size // KiB} KiB: p50 {wall:.2f} ms{ref}")
+                        getattr(s, op)()
+                        walls[s.name].append(time.perf_counter() - t0)
+            refs = {r.name: statistics.median(walls[r.name]) * 1e3 for r in raws}
+            for s in staged:
+                wall, stages, calls = summarize(timers[s.name], walls[s.name])
+                raw = "raw-" + s.name.split("-")[1]
+                ref = f", {raw} {refs[raw]:.2f} ms: {wall / refs[raw]:.2f}x" if raw in refs else ""
+                log(f"  {s.name} {op} {batch} x {size // KiB} KiB: p50 {wall:.2f} ms{ref}")
                 for stage, ms in stages.items():
                     n = calls.get(stage)
                     per = f"  ({n:.1f} calls)" if n else ""
                     log(f"      {stage:26s} {ms:7.3f} ms{per}")
                     out.append(
-                        {"system": name, "op": op, "size": size, "stage": stage,
+                        {"system": s.name, "op": op, "size": size, "stage": stage,
                          "ms_per_op": round(ms, 4), "calls_per_op": round(n or 0.0, 2)}
                     )  # fmt: skip
     return out
