@@ -3,7 +3,7 @@
 Every engine is a real ``vllm serve`` (the CPU build here) started as a
 process group on 127.0.0.1 with the kvdepot connector configured by
 ``--kv-transfer-config``; kvdepot is a real local cluster (a metadata service
-and two store daemons, :class:`kvdepot.cluster.LocalCluster`); the load comes
+and two store daemons, :class:`kvdepot.apps.cluster.LocalCluster`); the load comes
 from ``vllm bench serve`` run through the venv's ``vllm`` command. The model is
 a random-weight Llama built here, saved with a word-level tokenizer trained on
 nothing (token ``i`` is the word ``t<i>``, so text and token ids map one to one
@@ -46,28 +46,35 @@ bfloat16 matmuls fall back to a slow path on CPUs without AVX-512 BF16, and
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
-import re
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-log = sys.stderr
-VOCAB = 1024
+from vllm_servers import (
+    VOCAB,
+    Processes,
+    Server,
+    bench,
+    build_model,
+    cluster_stats,
+    complete,
+    delta,
+    kv_config,
+    log,
+    metrics,
+    random_args,
+    reset_prefix_cache,
+    start_engine,
+    start_proxy,
+    vllm_command,
+    wait_saves_settled,
+    warm,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,408 +152,6 @@ FULL = replace(
     pd_rate=0.125,
     pd_probe_lengths=(700, 1001, 1500),
 )
-
-
-# --------------------------------------------------------------------------- model
-
-
-def build_model(path: Path, layers: int, hidden: int) -> Path:
-    """A random Llama with a word-level tokenizer (``t<i>`` is token ``i``)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    from tests.integration.vllm.engine import build_tiny_llama
-
-    build_tiny_llama(path, layers=layers, hidden=hidden, heads=16, kv_heads=4)
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    vocab.update({f"t{i}": i for i in range(3, VOCAB)})
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
-    )
-    fast.save_pretrained(str(path))
-    return path
-
-
-# --------------------------------------------------------------------------- processes
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def vllm_command() -> list[str]:
-    """The venv's ``vllm`` command (``python -m kvdepot.vllm_cli`` where the
-    venv's script is missing)."""
-    script = Path(sys.executable).parent / "vllm"
-    if script.exists():
-        return [str(script)]
-    return [sys.executable, "-m", "kvdepot.vllm_cli"]
-
-
-def engine_env(work: Path, cores: str) -> dict[str, str]:
-    from tests.integration.vllm.engine import engine_env as base
-
-    env = base(work / "engine-tmp")
-    # One compile/kernel cache for every engine of the run; cores by role.
-    env.update(
-        VLLM_CPU_OMP_THREADS_BIND=cores,
-        VLLM_SERVER_DEV_MODE="1",  # /reset_prefix_cache
-        VLLM_LOGGING_LEVEL="INFO",
-        PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
-    )
-    return env
-
-
-@dataclass
-class Server:
-    """A ``vllm serve`` (or the proxy) in its own process group."""
-
-    name: str
-    proc: subprocess.Popen[bytes]
-    port: int
-    log_path: Path
-    started: float = field(default_factory=time.monotonic)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        # Children left in the group (engine core, workers).
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-
-    def tail(self, n: int = 30) -> str:
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return ""
-        return "\n".join(lines[-n:])
-
-
-class Processes:
-    """Everything this run starts; all stopped at exit, also on failure."""
-
-    def __init__(self) -> None:
-        self.servers: list[Server] = []
-
-    def add(self, s: Server) -> Server:
-        self.servers.append(s)
-        return s
-
-    def stop(self, s: Server) -> None:
-        s.stop()
-        with contextlib.suppress(ValueError):
-            self.servers.remove(s)
-
-    def stop_all(self) -> None:
-        for s in list(reversed(self.servers)):
-            s.stop()
-        self.servers.clear()
-
-
-def kv_config(role: str, meta: str, node: str, chunk: int) -> dict[str, Any]:
-    return {
-        "kv_connector": "KVDepotConnector",
-        "kv_connector_module_path": "kvdepot.connector.vllm",
-        "kv_role": role,
-        "kv_connector_extra_config": {"metadata": meta, "chunk_tokens": chunk, "node_id": node},
-    }
-
-
-def start_engine(
-    procs: Processes,
-    work: Path,
-    name: str,
-    model: Path,
-    *,
-    cores: str,
-    kv: dict[str, Any] | None,
-    prefix_caching: bool = True,
-    max_model_len: int = 4096,
-) -> Server:
-    port = free_port()
-    log_path = work / f"{name}.log"
-    cmd = [
-        *vllm_command(),
-        "serve",
-        str(model),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--served-model-name",
-        "model",
-        "--dtype",
-        "float32",
-        "--enforce-eager",
-        "--max-model-len",
-        str(max_model_len),
-        "--max-num-seqs",
-        "16",
-        "--distributed-executor-backend",
-        "uni",
-        "--enable-prompt-tokens-details",
-        "--seed",
-        "0",
-        "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
-    ]
-    if kv is not None:
-        cmd += ["--kv-transfer-config", json.dumps(kv)]
-    with open(log_path, "wb") as out:
-        proc = subprocess.Popen(
-            cmd,
-            env=engine_env(work, cores),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-    server = procs.add(Server(name, proc, port, log_path))
-    wait_http(server, 900)
-    print(f"  {name} up in {time.monotonic() - server.started:.0f} s", file=log)
-    return server
-
-
-def wait_http(server: Server, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.proc.poll() is not None:
-            raise RuntimeError(f"{server.name} exited:\n{server.tail()}")
-        try:
-            with urllib.request.urlopen(server.url + "/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"{server.name} not up within {timeout_s:.0f} s:\n{server.tail()}")
-
-
-def start_proxy(procs: Processes, work: Path, prefill: Server, decode: Server) -> Server:
-    from kvdepot.cluster import wait_ready
-
-    log_path = work / "proxy.log"
-    with open(log_path, "wb") as err:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "kvdepot.cli",
-                "proxy",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "0",
-                "--prefill",
-                prefill.url,
-                "--decode",
-                decode.url,
-            ],
-            stdout=subprocess.PIPE,
-            stderr=err,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-    server = procs.add(Server("proxy", proc, 0, log_path))
-    server.port = int(wait_ready(proc, "proxy", 60)["port"])
-    return server
-
-
-# --------------------------------------------------------------------------- HTTP
-
-
-def post(url: str, body: dict[str, Any], timeout_s: float = 600) -> dict[str, Any]:
-    req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=timeout_s) as r:
-        raw = r.read()
-    out: dict[str, Any] = json.loads(raw) if raw.strip() else {}
-    return out
-
-
-def complete(server: Server, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-    """One greedy completion of token ids; the answer's ids and usage."""
-    out = post(
-        server.url + "/v1/completions",
-        {
-            "model": "model",
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-        },
-    )
-    return out
-
-
-def reset_prefix_cache(server: Server) -> None:
-    req = urllib.request.Request(server.url + "/reset_prefix_cache", data=b"", method="POST")
-    with urllib.request.urlopen(req, timeout=60) as r:
-        r.read()
-
-
-_METRIC = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([0-9.eE+-]+|NaN)$")
-
-
-def metrics(server: Server) -> dict[str, float]:
-    """The engine's Prometheus counters, summed over labels except ``source``."""
-    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        m = _METRIC.match(line)
-        if not m:
-            continue
-        name, labels, value = m.group(1), m.group(2) or "", m.group(3)
-        src = re.search(r'source="([^"]*)"', labels)
-        le = re.search(r'le="([^"]*)"', labels)
-        key = name + (f"[{src.group(1)}]" if src else "") + (f"[le={le.group(1)}]" if le else "")
-        with contextlib.suppress(ValueError):
-            out[key] = out.get(key, 0.0) + float(value)
-    return out
-
-
-def delta(after: dict[str, float], before: dict[str, float], key: str) -> float:
-    return after.get(key, 0.0) - before.get(key, 0.0)
-
-
-# --------------------------------------------------------------------------- cluster
-
-
-def cluster_stats(meta: str) -> dict[str, float]:
-    from kvdepot.connector.client import ClientConfig, KVDepotClient
-
-    with KVDepotClient(ClientConfig(metadata=meta)) as client:
-        s = client.stats()
-    return {"hit_tokens": s.hit_tokens, "puts_committed": s.puts_committed}
-
-
-def wait_saves_settled(meta: str, quiet_s: float = 1.5, timeout_s: float = 60) -> None:
-    """Until the cluster's committed puts stop growing (saves run behind the engine)."""
-    deadline = time.monotonic() + timeout_s
-    last = cluster_stats(meta)["puts_committed"]
-    since = time.monotonic()
-    while time.monotonic() < deadline:
-        time.sleep(0.3)
-        now = cluster_stats(meta)["puts_committed"]
-        if now != last:
-            last, since = now, time.monotonic()
-        elif time.monotonic() - since >= quiet_s:
-            return
-
-
-# --------------------------------------------------------------------------- vllm bench serve
-
-
-def bench(
-    work: Path,
-    server: Server,
-    model: Path,
-    name: str,
-    args: list[str],
-) -> dict[str, Any]:
-    """One ``vllm bench serve`` run; its saved result."""
-    out_dir = work / "bench"
-    out_dir.mkdir(exist_ok=True)
-    cmd = [
-        *vllm_command(),
-        "bench",
-        "serve",
-        "--backend",
-        "vllm",
-        "--base-url",
-        server.url,
-        "--endpoint",
-        "/v1/completions",
-        "--model",
-        "model",
-        "--tokenizer",
-        str(model),
-        "--served-model-name",
-        "model",
-        "--percentile-metrics",
-        "ttft,tpot,itl,e2el",
-        "--metric-percentiles",
-        "50,99",
-        "--ignore-eos",
-        "--temperature",
-        "0",
-        "--disable-tqdm",
-        "--save-result",
-        "--result-dir",
-        str(out_dir),
-        "--result-filename",
-        f"{name}.json",
-        *args,
-    ]
-    env = engine_env(work, "0-1")
-    t0 = time.monotonic()
-    with open(work / f"bench-{name}.log", "wb") as out:
-        rc = subprocess.run(
-            cmd, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=1800, check=False
-        ).returncode
-    text = (work / f"bench-{name}.log").read_text(errors="replace")
-    if rc != 0:
-        raise RuntimeError(f"vllm bench serve {name} failed ({rc}):\n{text[-3000:]}")
-    result: dict[str, Any] = json.loads((out_dir / f"{name}.json").read_text())
-    failed = result.get("failed", 0)
-    if failed:
-        raise RuntimeError(f"vllm bench serve {name}: {failed} requests failed:\n{text[-3000:]}")
-    print(
-        f"  bench {name}: {result.get('completed')} requests, "
-        f"{result.get('request_throughput', 0):.3f} req/s, "
-        f"TTFT mean {result.get('mean_ttft_ms', 0):.0f} ms, "
-        f"TPOT p99 {result.get('p99_tpot_ms', 0):.1f} ms ({time.monotonic() - t0:.0f} s)",
-        file=log,
-    )
-    return result
-
-
-def random_args(prompts: int, inp: int, out: int, seed: int, concurrency: int) -> list[str]:
-    return [
-        "--dataset-name",
-        "random",
-        "--random-input-len",
-        str(inp),
-        "--random-output-len",
-        str(out),
-        "--random-range-ratio",
-        "0",
-        "--num-prompts",
-        str(prompts),
-        "--max-concurrency",
-        str(concurrency),
-        "--request-rate",
-        "inf",
-        "--seed",
-        str(seed),
-    ]
-
-
-def warm(server: Server, seed: int) -> None:
-    """First requests pay for allocation and kernel selection: not measured."""
-    import random
-
-    rng = random.Random(seed)
-    for n in (300, 40):
-        complete(server, [rng.randrange(3, VOCAB) for _ in range(n)], 4)
 
 
 # --------------------------------------------------------------------------- comparisons
@@ -729,8 +334,121 @@ def pd_probe(
 # --------------------------------------------------------------------------- main
 
 
+def compare_restart(
+    procs: Processes, work: Path, model: Path, plan: Plan, meta: str, engine: Server, chunk: int
+) -> tuple[dict[str, Any], Server]:
+    """Comparison 2; returns its figures and the engine left running."""
+    print("2. prefix repetition, engine restarted between the runs", file=log)
+    pairs = []
+    current = engine
+    for i in range(plan.restart_pairs):
+        seed = 2000 + i
+        first = bench(work, current, model, f"restart-first-{i}", prefix_args(plan, seed))
+        wait_saves_settled(meta)
+        procs.stop(current)
+        current = start_engine(
+            procs,
+            work,
+            f"kv_both-{i + 1}",
+            model,
+            cores="0-1",
+            kv=kv_config("kv_both", meta, "store-0", chunk),
+        )
+        warm(current, 10 + i)
+        second = bench(work, current, model, f"restart-second-{i}", prefix_args(plan, seed))
+        pairs.append(
+            {
+                "ttft_first_mean_s": round(ms(first, "mean_ttft_ms"), 4),
+                "ttft_second_mean_s": round(ms(second, "mean_ttft_ms"), 4),
+                "ttft_first_p50_s": round(ms(first, "median_ttft_ms"), 4),
+                "ttft_second_p50_s": round(ms(second, "median_ttft_ms"), 4),
+                "ratio_mean": round(second["mean_ttft_ms"] / first["mean_ttft_ms"], 4),
+            }
+        )
+    ratio = round(statistics.median(p["ratio_mean"] for p in pairs), 4)
+    return {"ttft_ratio_after_restart": ratio, "restart_pairs": pairs}, current
+
+
+def compare_pd(
+    procs: Processes, work: Path, model: Path, plan: Plan, meta: str, plain: Server, chunk: int
+) -> dict[str, Any]:
+    """Comparisons 4 and 5: P/D behind the proxy against the colocated engine."""
+    print("4. P/D behind kvdepot proxy vs one colocated engine", file=log)
+    prefill = start_engine(
+        procs,
+        work,
+        "prefill",
+        model,
+        cores="0",
+        kv=kv_config("kv_producer", meta, "store-0", chunk),
+    )
+    decode = start_engine(
+        procs,
+        work,
+        "decode",
+        model,
+        cores="1",
+        kv=kv_config("kv_consumer", meta, "store-1", chunk),
+        prefix_caching=False,
+    )
+    proxy = start_proxy(procs, work, prefill, decode)
+    warm(proxy, 4)
+    runs: dict[str, list[dict[str, Any]]] = {"colocated": [], "pd": []}
+    dec_before = metrics(decode)
+    pd_requests = 0
+    for r in range(plan.rounds):
+        order = [("colocated", plain), ("pd", proxy)]
+        if r % 2:
+            order.reverse()
+        for name, server in order:
+            a = random_args(plan.pd_prompts, plan.pd_input, plan.pd_output, 4000 + r, 64)
+            a[a.index("--request-rate") + 1] = str(plan.pd_rate)
+            a += ["--burstiness", "1.0"]
+            runs[name].append(bench(work, server, model, f"{name}-{r}", a))
+            if name == "pd":
+                pd_requests += plan.pd_prompts
+    dec_after = metrics(decode)
+
+    def agg(name: str, key: str) -> float:
+        return statistics.median(float(x.get(key, 0.0)) for x in runs[name]) / 1000
+
+    result: dict[str, Any] = {}
+    for name in ("pd", "colocated"):
+        result[f"{name}_tpot_p50_s"] = round(agg(name, "p50_tpot_ms"), 4)
+        result[f"{name}_tpot_p99_s"] = round(agg(name, "p99_tpot_ms"), 4)
+        result[f"{name}_ttft_mean_s"] = round(agg(name, "mean_ttft_ms"), 4)
+        result[f"{name}_ttft_p50_s"] = round(agg(name, "p50_ttft_ms"), 4)
+        result[f"{name}_ttft_p99_s"] = round(agg(name, "p99_ttft_ms"), 4)
+        result[f"{name}_itl_p99_s"] = round(agg(name, "p99_itl_ms"), 4)
+    # 5. Decode-side recompute.
+    local = delta(dec_after, dec_before, "vllm:prompt_tokens_by_source_total[local_compute]")
+    ext = delta(dec_after, dec_before, "vllm:prompt_tokens_by_source_total[external_kv_transfer]")
+    result["pd_bench_decode_prompt_tokens_computed"] = int(local)
+    result["pd_bench_decode_prompt_tokens_loaded"] = int(ext)
+    result["pd_bench_decode_recomputed_tokens_mean"] = (
+        round(local / pd_requests, 1) if pd_requests else None
+    )
+    probes = pd_probe(proxy, decode, plain, plan.pd_probe_lengths, 5000)
+    result["pd_probes"] = probes
+    result["pd_decode_recomputed_tokens_max"] = max(p["decode_recomputed_tokens"] for p in probes)
+    return result
+
+
+def targets(result: dict[str, Any], block: int) -> dict[str, bool]:
+    return {
+        "throughput_ratio_no_reuse >= 0.97": result.get("throughput_ratio_no_reuse", 0) >= 0.97,
+        "tpot_p99_ratio_no_reuse <= 1.05": result.get("tpot_p99_ratio_no_reuse", 9) <= 1.05,
+        "ttft_ratio_after_restart <= 0.5": result.get("ttft_ratio_after_restart", 9) <= 0.5,
+        "multiturn_hit_fraction >= 0.95": (result.get("multiturn_hit_fraction") or 0) >= 0.95,
+        "pd_decode_recomputed_tokens_max < block_size": result.get(
+            "pd_decode_recomputed_tokens_max", 1 << 30
+        )
+        < block,
+    }
+
+
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    from kvdepot.cluster import LocalCluster
+    from kvdepot.apps.cluster import LocalCluster
 
     plan = QUICK if args.quick else FULL
     chunk = args.chunk_tokens
@@ -762,132 +480,30 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             nodes=2, capacity="3GiB", log_dir=work / "cluster", lease_ttl_s=120
         ) as cluster:
             meta = cluster.metadata_address
-            both = "0-1"
             # 1. Plain and kv_both engines, both cores each, alternating.
-            plain = start_engine(procs, work, "plain", model, cores=both, kv=None)
+            plain = start_engine(procs, work, "plain", model, cores="0-1", kv=None)
             warm(plain, 1)
             kv_first = start_engine(
                 procs,
                 work,
                 "kv_both-0",
                 model,
-                cores=both,
+                cores="0-1",
                 kv=kv_config("kv_both", meta, "store-0", chunk),
             )
             warm(kv_first, 2)
             result.update(compare_no_reuse(work, model, plan, plain, kv_first))
             # 2. Restart: first run, restart, second run.
-            print("2. prefix repetition, engine restarted between the runs", file=log)
-            pairs = []
-            current = kv_first
-            for i in range(plan.restart_pairs):
-                seed = 2000 + i
-                first = bench(work, current, model, f"restart-first-{i}", prefix_args(plan, seed))
-                wait_saves_settled(meta)
-                procs.stop(current)
-                current = start_engine(
-                    procs,
-                    work,
-                    f"kv_both-{i + 1}",
-                    model,
-                    cores=both,
-                    kv=kv_config("kv_both", meta, "store-0", chunk),
-                )
-                warm(current, 10 + i)
-                second = bench(work, current, model, f"restart-second-{i}", prefix_args(plan, seed))
-                pairs.append(
-                    {
-                        "ttft_first_mean_s": round(ms(first, "mean_ttft_ms"), 4),
-                        "ttft_second_mean_s": round(ms(second, "mean_ttft_ms"), 4),
-                        "ttft_first_p50_s": round(ms(first, "median_ttft_ms"), 4),
-                        "ttft_second_p50_s": round(ms(second, "median_ttft_ms"), 4),
-                        "ratio_mean": round(second["mean_ttft_ms"] / first["mean_ttft_ms"], 4),
-                    }
-                )
-            result["ttft_ratio_after_restart"] = round(
-                statistics.median(p["ratio_mean"] for p in pairs), 4
-            )
-            result["restart_pairs"] = pairs
+            figures, current = compare_restart(procs, work, model, plan, meta, kv_first, chunk)
+            result.update(figures)
             # 3. Multi-turn on the last kv_both engine.
             result.update(multiturn(current, meta, plan, block, 3000))
             procs.stop(current)
-            # 4. P/D behind the proxy against the colocated plain engine.
-            print("4. P/D behind kvdepot proxy vs one colocated engine", file=log)
-            prefill = start_engine(
-                procs,
-                work,
-                "prefill",
-                model,
-                cores="0",
-                kv=kv_config("kv_producer", meta, "store-0", chunk),
-            )
-            decode = start_engine(
-                procs,
-                work,
-                "decode",
-                model,
-                cores="1",
-                kv=kv_config("kv_consumer", meta, "store-1", chunk),
-                prefix_caching=False,
-            )
-            proxy = start_proxy(procs, work, prefill, decode)
-            warm(proxy, 4)
-            runs: dict[str, list[dict[str, Any]]] = {"colocated": [], "pd": []}
-            dec_before = metrics(decode)
-            pd_requests = 0
-            for r in range(plan.rounds):
-                order = [("colocated", plain), ("pd", proxy)]
-                if r % 2:
-                    order.reverse()
-                for name, server in order:
-                    a = random_args(plan.pd_prompts, plan.pd_input, plan.pd_output, 4000 + r, 64)
-                    a[a.index("--request-rate") + 1] = str(plan.pd_rate)
-                    a += ["--burstiness", "1.0"]
-                    runs[name].append(bench(work, server, model, f"{name}-{r}", a))
-                    if name == "pd":
-                        pd_requests += plan.pd_prompts
-            dec_after = metrics(decode)
-
-            def agg(name: str, key: str) -> float:
-                return statistics.median(float(x.get(key, 0.0)) for x in runs[name]) / 1000
-
-            for name in ("pd", "colocated"):
-                result[f"{name}_tpot_p50_s"] = round(agg(name, "p50_tpot_ms"), 4)
-                result[f"{name}_tpot_p99_s"] = round(agg(name, "p99_tpot_ms"), 4)
-                result[f"{name}_ttft_mean_s"] = round(agg(name, "mean_ttft_ms"), 4)
-                result[f"{name}_ttft_p50_s"] = round(agg(name, "p50_ttft_ms"), 4)
-                result[f"{name}_ttft_p99_s"] = round(agg(name, "p99_ttft_ms"), 4)
-                result[f"{name}_itl_p99_s"] = round(agg(name, "p99_itl_ms"), 4)
-            # 5. Decode-side recompute.
-            local = delta(
-                dec_after, dec_before, "vllm:prompt_tokens_by_source_total[local_compute]"
-            )
-            ext = delta(
-                dec_after, dec_before, "vllm:prompt_tokens_by_source_total[external_kv_transfer]"
-            )
-            result["pd_bench_decode_prompt_tokens_computed"] = int(local)
-            result["pd_bench_decode_prompt_tokens_loaded"] = int(ext)
-            result["pd_bench_decode_recomputed_tokens_mean"] = (
-                round(local / pd_requests, 1) if pd_requests else None
-            )
-            probes = pd_probe(proxy, decode, plain, plan.pd_probe_lengths, 5000)
-            result["pd_probes"] = probes
-            result["pd_decode_recomputed_tokens_max"] = max(
-                p["decode_recomputed_tokens"] for p in probes
-            )
+            result.update(compare_pd(procs, work, model, plan, meta, plain, chunk))
             result["kvdepot_cluster"] = cluster_stats(meta)
     finally:
         procs.stop_all()
-    result["targets"] = {
-        "throughput_ratio_no_reuse >= 0.97": result.get("throughput_ratio_no_reuse", 0) >= 0.97,
-        "tpot_p99_ratio_no_reuse <= 1.05": result.get("tpot_p99_ratio_no_reuse", 9) <= 1.05,
-        "ttft_ratio_after_restart <= 0.5": result.get("ttft_ratio_after_restart", 9) <= 0.5,
-        "multiturn_hit_fraction >= 0.95": (result.get("multiturn_hit_fraction") or 0) >= 0.95,
-        "pd_decode_recomputed_tokens_max < block_size": result.get(
-            "pd_decode_recomputed_tokens_max", 1 << 30
-        )
-        < block,
-    }
+    result["targets"] = targets(result, block)
     result["wall_s"] = round(time.monotonic() - t_start, 1)
     return result
 
