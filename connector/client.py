@@ -18,6 +18,8 @@ from typing import Any, Literal
 from kvdepot.config import InvalidSetting, Number, Parsed, positive, setting, validate
 from kvdepot.connector.metadata import MetadataConnection, parse_endpoints
 from kvdepot.connector.transport import create_transport
+from kvdepot.connector.transport.arena import ArenaTransport
+from kvdepot.connector.transport.auto import AutoTransport
 from kvdepot.connector.transport.base import GetItem, PutItem, PutStatus, Transport
 from kvdepot.errors import ClientClosed, InvalidArgument
 from kvdepot.metadata.keys import KEY_BYTES, ChunkKey
@@ -305,11 +307,26 @@ class KVDepotClient:
         local = self._local_address
         if local is None:
             return []
+        if sum(v.nbytes for v in views) > LOCAL_FIRST_STREAM_BYTES and not self._reserves_first(
+            local
+        ):
+            # A stream transport sends a chunk's bytes before the store can say
+            # it holds it already: only small batches, where the round trip
+            # saved is a large share, risk that (on loopback, never the network).
+            return []
         statuses = self._transport.put(
             local, [PutItem(k, v) for k, v in zip(keys, views, strict=True)]
         )
         written = [s is PutStatus.OK for s in statuses]
         return written if any(written) else []
+
+    def _reserves_first(self, address: str) -> bool:
+        """Whether the transport to ``address`` learns what the store holds
+        before it moves any byte (shm, nixl: RESERVE first)."""
+        t = self._transport
+        if isinstance(t, AutoTransport):
+            return t.choice(address) != "tcp"
+        return isinstance(t, ArenaTransport)
 
     def _put_to(
         self,
@@ -633,6 +650,9 @@ class _Pull:
 
 
 _WRITTEN = (PutStatus.OK, PutStatus.EXISTS)
+LOCAL_FIRST_STREAM_BYTES = 8 << 20
+"""Largest put written into the own store before PutStart over a stream
+transport (tcp), which sends the bytes of a chunk the store already holds."""
 _COUNT = {
     "all": metadata_pb2.LookupRequest.COUNT_ALL,
     "hits": metadata_pb2.LookupRequest.COUNT_HITS,

@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 import pytest
 
-from kvdepot.cluster import LocalCluster
+from kvdepot.apps.cluster import LocalCluster
 from kvdepot.connector.client import ClientConfig, KVDepotClient
 from kvdepot.proto.gen import metadata_pb2, metadata_pb2_grpc
 from tests.integration.test_cluster import payload, store_stats
@@ -120,3 +120,22 @@ def test_put_start_checks_its_written_flags(cluster: LocalCluster) -> None:
         assert not reply.written_committed
         hits = stub.Lookup(metadata_pb2.LookupRequest(keys=keys), timeout=10).hits
         assert hits == 0
+
+
+def test_a_large_tcp_put_of_chunks_its_store_holds_sends_nothing(cluster: LocalCluster) -> None:
+    # Over a stream transport a chunk's bytes would go before the store could
+    # say it holds them: a large batch asks the metadata service first.
+    node = cluster.stores[0].info
+    config = ClientConfig(
+        metadata=cluster.metadata_address, node_id=node["node_id"], transport="tcp"
+    )
+    size = 3 << 20
+    keys = _keys(3)
+    data = [payload(k, size) for k in keys]
+    with KVDepotClient(config) as c:
+        c.put(_keys(1), [np.ones(SIZE, dtype=np.uint8)])  # learns its node's store
+        assert c.put(keys, data).stored == 3
+        before = store_stats(node["grpc_address"]).bytes_in
+        r = c.put(keys, data)
+        assert (r.stored, r.skipped, r.bytes_sent) == (0, 3, 0)
+        assert store_stats(node["grpc_address"]).bytes_in == before
