@@ -508,15 +508,18 @@ def _measure(
     return rows
 
 
-def _metadata_round_trip(address: str, node_id: str, size: int, batch: int) -> float:
-    """p50 ms of the metadata call of a put into the writer's own node, without the transfer.
+def _metadata_round_trips(address: str, node_id: str, size: int, batch: int) -> float:
+    """p50 ms of a put's metadata calls without the transfer, as kvdepot-tcp makes them.
 
-    ``PutStart`` of ``batch`` new keys, timed alone (a put into the writer's
-    own store makes this one call); a ``PutRevoke`` after it, untimed,
-    leaves nothing behind in the index.
+    A batch the client writes into its own store first (at most
+    ``LOCAL_FIRST_STREAM_BYTES`` over tcp) makes one call, ``PutStart``,
+    timed alone; a larger one makes two, timed as ``PutStart`` and a
+    ``PutRevoke`` (of the same shape as ``PutEnd``, leaving nothing behind).
     """
+    from kvdepot.connector.client import LOCAL_FIRST_STREAM_BYTES
     from kvdepot.proto.gen import metadata_pb2, metadata_pb2_grpc
 
+    both = size * batch > LOCAL_FIRST_STREAM_BYTES
     times: list[float] = []
     with grpc.insecure_channel(address) as channel:
         stub = metadata_pb2_grpc.MetadataStub(channel)
@@ -529,8 +532,11 @@ def _metadata_round_trip(address: str, node_id: str, size: int, batch: int) -> f
                 ),
                 timeout=10,
             )
-            times.append(time.perf_counter() - t0)
+            if not both:
+                times.append(time.perf_counter() - t0)
             stub.PutRevoke(metadata_pb2.PutRevokeRequest(keys=keys, node_id=node_id), timeout=10)
+            if both:
+                times.append(time.perf_counter() - t0)
     return statistics.median(times[1:]) * 1e3
 
 
@@ -539,21 +545,24 @@ def _put_ceilings(
 ) -> list[str]:
     """What kvdepot-tcp/raw-tcp put could reach with a transport as fast as raw-tcp.
 
-    A put into the writer's own node is the transfer, then ``PutStart``
-    (which commits what was written, and says what was stored already): the
-    round trip adds to raw-tcp's batch time.
+    A small put into the writer's own node is the transfer, then ``PutStart``
+    (which commits what was written); a larger one over tcp is ``PutStart``,
+    the transfer, ``PutEnd``. The round trips add to raw-tcp's batch time.
     """
+    from kvdepot.connector.client import LOCAL_FIRST_STREAM_BYTES
+
     raw = {r.size: r.p50_ms for r in rows if r.system == "raw-tcp" and r.op == "put"}
     lines = []
     for size in sorted(raw):
         batch = batch_of(size)
+        calls = "PutStart + PutEnd" if size * batch > LOCAL_FIRST_STREAM_BYTES else "PutStart"
         try:
-            md = _metadata_round_trip(address, node_id, size, batch)
+            md = _metadata_round_trips(address, node_id, size, batch)
         except grpc.RpcError as exc:
             lines.append(f"  {size // KiB:5d} KiB: not measured ({exc.code().name})")
             continue
         lines.append(
-            f"  {size // KiB:5d} KiB x {batch}: PutStart {md:5.2f} ms, raw-tcp batch "
+            f"  {size // KiB:5d} KiB x {batch}: {calls} {md:5.2f} ms, raw-tcp batch "
             f"{raw[size]:6.2f} ms -> kvdepot-tcp/raw-tcp put <= {raw[size] / (raw[size] + md):.2f}"
         )
     return lines
@@ -629,7 +638,7 @@ def _plot(rows: list[Row], path: Path) -> bool:
 
 @contextlib.contextmanager
 def _cluster(capacity: str, env: dict[str, str] | None, nodes: int = 1) -> Iterator[Any]:
-    from kvdepot.cluster import LocalCluster
+    from kvdepot.apps.cluster import LocalCluster
 
     c = LocalCluster(nodes=nodes, capacity=capacity, env=env, stderr=subprocess.DEVNULL)
     c.start()
@@ -751,8 +760,8 @@ def main(argv: list[str] | None = None) -> int:
         log(f"  {label:34s} {ratio:5.2f}  ({goal})")
     if ceilings:
         log(
-            "\nthe metadata round trip of a put into its own node (p50, same run),"
-            " and the put ratio it leaves:"
+            "\nthe metadata round trips of a kvdepot-tcp put (p50, same run),"
+            " and the put ratio they leave:"
         )
         for line in ceilings:
             log(line)
