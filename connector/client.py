@@ -235,7 +235,13 @@ class KVDepotClient:
 
     # -- publish ----------------------------------------------------------------
     def put(self, keys: Sequence[bytes], buffers: Sequence[Buffer]) -> PutResult:
-        """Publish chunks; keys already stored (or being stored) are not sent.
+        """Publish chunks; keys already stored (or being stored) are not sent over the network.
+
+        Chunks for this node's store (``node_id``, once a reply named its
+        address) are written there first and committed by the one metadata
+        call; over ``tcp`` a batch of at most 8 MiB is, whose chunks the store
+        already holds then cross loopback only to be discarded. Other chunks
+        go where ``PutStart`` places them, and ``PutEnd`` commits them.
 
         Args:
             keys: Chunk keys, e.g. from :func:`kvdepot.metadata.keys.chunk_keys`.
