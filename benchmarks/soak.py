@@ -292,7 +292,7 @@ def log_problems(log_dir: Path, limit: int = 5) -> tuple[int, list[str]]:
 # -- the run ---------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Start the cluster and the clients, run, and return the report."""
-    from kvdepot.cluster import LocalCluster, wait_nodes
+    from kvdepot.apps.cluster import LocalCluster, wait_nodes
     from kvdepot.config import parse_size
     from kvdepot.connector.client import ClientConfig, KVDepotClient
 

@@ -28,7 +28,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvdepot.cluster import LocalCluster  # noqa: E402
+from kvdepot.apps.cluster import LocalCluster  # noqa: E402
 from tests.integration.vllm.engine import build_tiny_llama  # noqa: E402
 from tests.integration.vllm.test_connector import run_engine  # noqa: E402
 

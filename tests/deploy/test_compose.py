@@ -31,7 +31,7 @@ from tests.deploy.dockerhost import Engine, Project, free_subnet
 
 pytestmark = [pytest.mark.docker, pytest.mark.integration, pytest.mark.timeout(900)]
 
-KVDEPOT = [sys.executable, "-m", "kvdepot.cli"]
+KVDEPOT = [sys.executable, "-m", "kvdepot.apps.cli"]
 SERVICES = ["redis", "metadata-0", "metadata-1", "store-0", "store-1", "store-2"]
 ARENA = 64 << 20
 SHM = "80m"

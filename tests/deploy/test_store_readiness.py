@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from kvdepot.cluster import wait_ready
+from kvdepot.apps.cluster import wait_ready
 from kvdepot.errors import Unavailable
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.integration
 
-KVDEPOT = [sys.executable, "-m", "kvdepot.cli"]
+KVDEPOT = [sys.executable, "-m", "kvdepot.apps.cli"]
 
 
 def health(target: str) -> str:

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvdepot.cluster import LocalCluster
+from kvdepot.apps.cluster import LocalCluster
 from kvdepot.connector.client import ClientConfig, KVDepotClient
 from kvdepot.metadata.keys import ChunkKey, Namespace, chunk_keys
 from kvdepot.proto.gen import common_pb2

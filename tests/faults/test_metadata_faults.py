@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvdepot.cluster import LocalCluster, wait_ready
+from kvdepot.apps.cluster import LocalCluster, wait_ready
 from kvdepot.connector.client import ClientConfig, KVDepotClient, PutResult
 from kvdepot.errors import Unavailable
 from kvdepot.metadata.keys import ChunkKey, Namespace, chunk_keys
@@ -45,7 +45,7 @@ def daemon(args: list[str], log: Path) -> Iterator[dict[str, Any]]:
     """A kvdepot daemon subprocess; yields what its READY line announced, and its "pid"."""
     with open(log, "wb") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kvdepot.cli", "--log-level", "WARNING", *args],
+            [sys.executable, "-m", "kvdepot.apps.cli", "--log-level", "WARNING", *args],
             stdout=subprocess.PIPE,
             stderr=err,
             stdin=subprocess.DEVNULL,
@@ -184,7 +184,7 @@ def test_redis_cluster_replica_killed_mid_run_and_a_dead_store(
 
     def spawn(args: list[str], name: str) -> dict[str, Any]:
         p = subprocess.Popen(
-            [sys.executable, "-m", "kvdepot.cli", "--log-level", "WARNING", *args],
+            [sys.executable, "-m", "kvdepot.apps.cli", "--log-level", "WARNING", *args],
             stdout=subprocess.PIPE,
             stderr=open(tmp_path / f"{name}.log", "wb"),  # noqa: SIM115 - lives with p
             stdin=subprocess.DEVNULL,

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from kvdepot.cluster import wait_nodes, wait_ready
+from kvdepot.apps.cluster import wait_nodes, wait_ready
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration]
 
@@ -157,7 +157,7 @@ def test_publish_on_one_host_pull_on_another_and_survive_a_cut_link(
     def spawn(args: list[str], name: str, ns: str | None = None) -> subprocess.Popen[bytes]:
         prefix = ["ip", "netns", "exec", ns] if ns else []
         p = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "kvdepot.cli", *args],
+            [*prefix, sys.executable, "-m", "kvdepot.apps.cli", *args],
             stdout=subprocess.PIPE,
             stderr=open(tmp_path / f"{name}.log", "wb"),  # noqa: SIM115 - lives with p
         )
@@ -313,7 +313,7 @@ def test_a_cut_in_the_middle_of_transfers_serves_nothing_half_sent(
     def spawn(args: list[str], name: str, ns: str | None = None) -> subprocess.Popen[bytes]:
         prefix = ["ip", "netns", "exec", ns] if ns else []
         p = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "kvdepot.cli", *args],
+            [*prefix, sys.executable, "-m", "kvdepot.apps.cli", *args],
             stdout=subprocess.PIPE,
             stderr=open(tmp_path / f"{name}.log", "wb"),  # noqa: SIM115 - lives with p
             # The store gives up on a stalled request as soon as the client does.

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvdepot.cluster import LocalCluster
+from kvdepot.apps.cluster import LocalCluster
 from kvdepot.connector.client import ClientConfig, KVDepotClient
 from kvdepot.errors import Unavailable
 from kvdepot.metadata.keys import Namespace, chunk_keys
@@ -57,7 +57,7 @@ def test_redis_outage_is_unavailable_in_one_line_and_logged_with_backoff(tmp_pat
                 redis.kill()
                 redis.wait()
                 stats = subprocess.run(
-                    [sys.executable, "-m", "kvdepot.cli", "stats", "--metadata", address],
+                    [sys.executable, "-m", "kvdepot.apps.cli", "stats", "--metadata", address],
                     capture_output=True,
                     text=True,
                     timeout=60,

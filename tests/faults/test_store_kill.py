@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvdepot.cluster import LocalCluster, wait_nodes
+from kvdepot.apps.cluster import LocalCluster, wait_nodes
 from kvdepot.connector.client import ClientConfig, KVDepotClient, PutResult
 from kvdepot.metadata.keys import ChunkKey, Namespace, chunk_keys
 from tests.faults.support import (

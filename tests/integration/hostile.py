@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvdepot.cluster import LocalCluster
+from kvdepot.apps.cluster import LocalCluster
 from kvdepot.proto.gen import store_pb2, store_pb2_grpc
 
 MiB = 1 << 20

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvdepot.cluster import LocalCluster
+from kvdepot.apps.cluster import LocalCluster
 from kvdepot.connector.client import ClientConfig, KVDepotClient
 from kvdepot.connector.transport.base import GetItem, PutItem, PutStatus
 from kvdepot.connector.transport.shm import ShmTransport
@@ -43,7 +43,7 @@ from kvdepot.store.protocol import (
 
 pytestmark = pytest.mark.integration
 
-KVDEPOT = [sys.executable, "-m", "kvdepot.cli"]
+KVDEPOT = [sys.executable, "-m", "kvdepot.apps.cli"]
 TOKEN = secrets.token_hex(24)
 TEAM_A = SecurityConfig(auth_token=secrets.token_hex(24))
 TEAM_B = SecurityConfig(auth_token=secrets.token_hex(24))

@@ -14,7 +14,7 @@ import grpc
 import numpy as np
 import pytest
 
-from kvdepot.cluster import LocalCluster
+from kvdepot.apps.cluster import LocalCluster
 from kvdepot.connector.client import ClientConfig, KVDepotClient
 from kvdepot.errors import CapacityExceeded, InvalidArgument, Unavailable
 from kvdepot.metadata.keys import ChunkKey, Namespace, chunk_keys

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from kvdepot.cluster import LocalCluster, wait_nodes
+from kvdepot.apps.cluster import LocalCluster, wait_nodes
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.integration
 
-KVDEPOT = [sys.executable, "-m", "kvdepot.cli"]
+KVDEPOT = [sys.executable, "-m", "kvdepot.apps.cli"]
 
 
 def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from kvdepot import cli
-from kvdepot.certs import CertPaths, make_certs
-from kvdepot.cluster import wait_ready
+from kvdepot.apps import cli
+from kvdepot.apps.certs import CertPaths, make_certs
+from kvdepot.apps.cluster import wait_ready
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.integration
 
-KVDEPOT = [sys.executable, "-m", "kvdepot.cli"]
+KVDEPOT = [sys.executable, "-m", "kvdepot.apps.cli"]
 
 
 def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvdepot.cluster import LocalCluster
+from kvdepot.apps.cluster import LocalCluster
 from kvdepot.connector.client import ClientConfig, KVDepotClient
 from kvdepot.connector.metadata import MetadataConnection
 from kvdepot.errors import (

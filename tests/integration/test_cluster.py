@@ -14,7 +14,7 @@ import grpc
 import numpy as np
 import pytest
 
-from kvdepot.cluster import LocalCluster, wait_nodes, wait_ready
+from kvdepot.apps.cluster import LocalCluster, wait_nodes, wait_ready
 from kvdepot.connector.client import ClientConfig, KVDepotClient
 from kvdepot.metadata.keys import Namespace, chunk_keys
 from kvdepot.proto.gen import store_pb2, store_pb2_grpc
@@ -150,7 +150,7 @@ def test_too_small_buffer_is_a_miss_not_an_overflow(client: KVDepotClient) -> No
 def _metadata_proc(tmp_path: Path, name: str) -> tuple[subprocess.Popen[bytes], str]:
     log = open(tmp_path / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the process
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvdepot.cli", "metadata", "--port", "0", "--lease-ttl", "1.5",
+        [sys.executable, "-m", "kvdepot.apps.cli", "metadata", "--port", "0", "--lease-ttl", "1.5",
          "--heartbeat-interval", "0.3"],
         stdout=subprocess.PIPE,
         stderr=log,
@@ -164,7 +164,7 @@ def test_store_and_client_fail_over_between_metadata_replicas(tmp_path: Path) ->
     b, addr_b = _metadata_proc(tmp_path, "meta-b")
     both = f"{addr_a},{addr_b}"
     store = subprocess.Popen(
-        [sys.executable, "-m", "kvdepot.cli", "store", "--port", "0", "--metadata", both,
+        [sys.executable, "-m", "kvdepot.apps.cli", "store", "--port", "0", "--metadata", both,
          "--capacity", "16MiB", "--node-id", "s0"],
         stdout=subprocess.PIPE,
         stderr=open(tmp_path / "store.log", "wb"),  # noqa: SIM115

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from kvdepot.cluster import wait_ready
+from kvdepot.apps.cluster import wait_ready
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.integration
@@ -64,7 +64,7 @@ def assert_clean_stderr(stderr: str) -> None:
 def spawn_up(metrics: bool, stdout: int) -> subprocess.Popen[str]:
     """``kvdepot up`` of 2 stores in its own process group, as from a terminal."""
     cmd = [
-        sys.executable, "-m", "kvdepot.cli", "up",
+        sys.executable, "-m", "kvdepot.apps.cli", "up",
         "--nodes", "2",
         "--metadata-port", str(free_port()),
         "--capacity", "16MiB",
@@ -122,7 +122,7 @@ def test_ctrl_c_on_up_frees_every_arena(metrics: bool, signals: int) -> None:
 
 def test_a_store_signalled_again_while_stopping_frees_its_arena(tmp_path: Path) -> None:
     meta = subprocess.Popen(
-        [sys.executable, "-m", "kvdepot.cli", "metadata", "--port", "0"],
+        [sys.executable, "-m", "kvdepot.apps.cli", "metadata", "--port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         stdin=subprocess.DEVNULL,
@@ -132,7 +132,7 @@ def test_a_store_signalled_again_while_stopping_frees_its_arena(tmp_path: Path) 
         for sig in (signal.SIGTERM, signal.SIGINT):
             log = tmp_path / f"store-{sig.name}.log"
             cmd = [
-                sys.executable, "-m", "kvdepot.cli", "store",
+                sys.executable, "-m", "kvdepot.apps.cli", "store",
                 "--node-id", f"twice-{sig.name}",
                 "--port", "0",
                 "--metadata", f"127.0.0.1:{port}",

@@ -128,7 +128,7 @@ def test_every_kvdepot_service_command_is_accepted_by_the_cli(tmp_path: Path) ->
         cmd = [str(c).replace("/var/lib/kvdepot", str(tmp_path)) for c in svc["command"]]
         env = {k: str(v) for k, v in (svc.get("environment") or {}).items()}
         r = subprocess.run(
-            [sys.executable, "-m", "kvdepot.cli", *cmd, "--check"],
+            [sys.executable, "-m", "kvdepot.apps.cli", *cmd, "--check"],
             capture_output=True,
             text=True,
             env={**env, "PATH": "/usr/bin:/bin"},

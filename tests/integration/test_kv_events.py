@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 import pytest
 
-from kvdepot.cluster import wait_ready
+from kvdepot.apps.cluster import wait_ready
 from kvdepot.metadata.config import MetadataConfig
 from kvdepot.metadata.events import END_SEQ, EventsConfig, block_stored, decode_batch, encode_batch
 from kvdepot.metadata.keys import Namespace, chunk_keys
@@ -179,7 +179,7 @@ def test_cli_flag_announces_the_endpoints() -> None:
         [
             sys.executable,
             "-m",
-            "kvdepot.cli",
+            "kvdepot.apps.cli",
             "metadata",
             "--port",
             "0",

@@ -38,7 +38,7 @@ from lmcache.v1.storage_backend.connector import CreateConnector  # noqa: E402
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend  # noqa: E402
 from lmcache.v1.storage_backend.remote_backend import RemoteBackend  # noqa: E402
 
-from kvdepot.cluster import LocalCluster  # noqa: E402
+from kvdepot.apps.cluster import LocalCluster  # noqa: E402
 from kvdepot.connector.lmcache import KVDepotLMCacheConnector, chunk_key  # noqa: E402
 from kvdepot.connector.lmcache.settings import PluginSettings, resolve  # noqa: E402
 from kvdepot.errors import InvalidArgument  # noqa: E402
@@ -190,7 +190,7 @@ def cli_stats(
     deadline = time.monotonic() + timeout
     while True:
         out = subprocess.run(
-            [sys.executable, "-m", "kvdepot.cli", "stats", "--json", "--metadata", metadata],
+            [sys.executable, "-m", "kvdepot.apps.cli", "stats", "--json", "--metadata", metadata],
             capture_output=True,
             text=True,
             timeout=60,

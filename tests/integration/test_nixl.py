@@ -22,7 +22,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvdepot.cluster import LocalCluster
+from kvdepot.apps.cluster import LocalCluster
 from kvdepot.metadata.keys import ChunkKey
 from kvdepot.store.nixl_agent import nixl_available
 from tests.integration.test_transports import DYING_CLIENT, MiB, used_bytes, wait_for

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvdepot.cluster import LocalCluster, wait_ready, wait_registered
+from kvdepot.apps.cluster import LocalCluster, wait_ready, wait_registered
 from kvdepot.connector.client import ClientConfig, KVDepotClient
 from kvdepot.metadata.keys import Namespace, chunk_keys
 from tests.integration.hostile import wait_for
@@ -97,7 +97,7 @@ def nodes(metadata: str) -> dict[str, tuple[str, int]]:
 
 def cli_stats(metadata: str, *extra: str) -> str:
     out = subprocess.run(
-        [sys.executable, "-m", "kvdepot.cli", "stats", "--metadata", metadata, *extra],
+        [sys.executable, "-m", "kvdepot.apps.cli", "stats", "--metadata", metadata, *extra],
         capture_output=True,
         text=True,
         timeout=60,
@@ -114,7 +114,7 @@ def held_and_indexed(metadata: str) -> dict[str, tuple[int, int]]:
 
 def store_cmd(c: LocalCluster, node_id: str, *extra: str) -> list[str]:
     return [
-        sys.executable, "-m", "kvdepot.cli", "--log-level", "WARNING",
+        sys.executable, "-m", "kvdepot.apps.cli", "--log-level", "WARNING",
         "store",
         "--node-id", node_id,
         "--port", "0",

@@ -20,7 +20,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvdepot.cluster import DaemonProcess, LocalCluster, wait_nodes, wait_ready
+from kvdepot.apps.cluster import DaemonProcess, LocalCluster, wait_nodes, wait_ready
 from kvdepot.errors import Unavailable
 from kvdepot.metadata.config import MetadataConfig
 from kvdepot.metadata.service import MetadataServer
@@ -28,7 +28,7 @@ from tests.conftest import free_port
 
 pytestmark = pytest.mark.integration
 
-KVDEPOT = [sys.executable, "-m", "kvdepot.cli"]
+KVDEPOT = [sys.executable, "-m", "kvdepot.apps.cli"]
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana-kvdepot.json"
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

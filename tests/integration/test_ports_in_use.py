@@ -12,13 +12,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvdepot.cluster import LocalCluster
+from kvdepot.apps.cluster import LocalCluster
 
 pytestmark = pytest.mark.integration
 
 
 def kvdepot(*args: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "kvdepot.cli", "--log-level", "WARNING", *args]
+    cmd = [sys.executable, "-m", "kvdepot.apps.cli", "--log-level", "WARNING", *args]
     try:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     except subprocess.TimeoutExpired as exc:
@@ -81,7 +81,7 @@ def test_proxy_on_a_port_in_use(held_port: int) -> None:
 
 
 def test_up_on_a_metadata_port_in_use(held_port: int) -> None:
-    cmd = [sys.executable, "-m", "kvdepot.cli", "up", "--nodes", "1"]
+    cmd = [sys.executable, "-m", "kvdepot.apps.cli", "up", "--nodes", "1"]
     out = subprocess.run(
         [*cmd, "--metadata-port", str(held_port), "--capacity", "16MiB"],
         capture_output=True,

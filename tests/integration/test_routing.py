@@ -9,7 +9,7 @@ import grpc
 import numpy as np
 import pytest
 
-from kvdepot.cluster import LocalCluster
+from kvdepot.apps.cluster import LocalCluster
 from kvdepot.connector.client import ClientConfig, KVDepotClient
 from kvdepot.metadata.keys import Namespace, chunk_keys
 from kvdepot.proto.gen import metadata_pb2, metadata_pb2_grpc
@@ -107,7 +107,7 @@ async def _proxy_scenario(metadata: str, prompts: list[Any]) -> list[list[str]]:
     import aiohttp
     from aiohttp import web
 
-    from kvdepot.proxy import Proxy, ProxyConfig
+    from kvdepot.proxy.server import Proxy, ProxyConfig
 
     seen: list[str] = []
     engines = {}

@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from kvdepot import cli_settings as cli
+from kvdepot.apps import cli_settings as cli
 from kvdepot.config import (
     Choice,
     Directory,
@@ -48,7 +48,7 @@ from tests.conftest import free_port
 
 pytestmark = pytest.mark.integration
 
-KVDEPOT = [sys.executable, "-m", "kvdepot.cli"]
+KVDEPOT = [sys.executable, "-m", "kvdepot.apps.cli"]
 MISSING_PARENT = "/nonexistent-kvdepot-sweep/typo/dir"
 
 

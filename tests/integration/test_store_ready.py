@@ -22,14 +22,14 @@ from pathlib import Path
 
 import pytest
 
-from kvdepot.cluster import LocalCluster, wait_ready, wait_registered
+from kvdepot.apps.cluster import LocalCluster, wait_ready, wait_registered
 from kvdepot.errors import Unavailable
 from tests.conftest import free_port
 from tests.integration.hostile import wait_for
 
 pytestmark = pytest.mark.integration
 
-KVDEPOT = [sys.executable, "-m", "kvdepot.cli"]
+KVDEPOT = [sys.executable, "-m", "kvdepot.apps.cli"]
 
 
 @pytest.fixture(scope="module")

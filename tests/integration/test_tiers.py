@@ -15,7 +15,7 @@ import grpc
 import numpy as np
 import pytest
 
-from kvdepot.cluster import LocalCluster
+from kvdepot.apps.cluster import LocalCluster
 from kvdepot.connector.client import ClientConfig, KVDepotClient
 from kvdepot.connector.transport import GetItem, ShmTransport
 from kvdepot.metadata.keys import ChunkKey, Namespace, chunk_keys
@@ -106,7 +106,7 @@ def test_demotion_and_promotion_under_pressure_keep_every_byte(tmp_path: Path) -
             # Tier figures reach the metadata service with the store's next heartbeat.
             nonlocal listed
             out = subprocess.run(
-                [sys.executable, "-m", "kvdepot.cli", "stats", "--json", "--metadata",
+                [sys.executable, "-m", "kvdepot.apps.cli", "stats", "--json", "--metadata",
                  cl.metadata_address],
                 capture_output=True, text=True, timeout=30, check=True,
             )  # fmt: skip

@@ -19,7 +19,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvdepot.cluster import LocalCluster
+from kvdepot.apps.cluster import LocalCluster
 from kvdepot.connector.client import ClientConfig, KVDepotClient
 from kvdepot.connector.transport import (
     AutoTransport,

@@ -23,7 +23,7 @@ from kvdepot.config import (
 from kvdepot.connector.client import ClientConfig
 from kvdepot.errors import InvalidArgument
 from kvdepot.metadata.config import MetadataConfig
-from kvdepot.proxy import ProxyConfig
+from kvdepot.proxy.server import ProxyConfig
 from kvdepot.security import SecurityConfig
 from kvdepot.store.config import StoreConfig
 

@@ -2,7 +2,10 @@
 
 Held now: the shared layer (errors, grpc_errors, registry, endpoints, records,
 record_wire, config, security, auth, health, request_guard, metrics, logs,
-shutdown, repeat_log) imports nothing of metadata, store or connector; the
+shutdown, repeat_log: every module directly in kvdepot/) imports nothing of
+metadata, store or connector, nor of the applications (kvdepot.apps: the
+command, local cluster, demo, certs, stats; kvdepot.proxy: the proxy and its
+router); store, metadata, connector and proto import no application; the
 store imports no connector; the metadata service imports neither the store nor
 the connector; kvdepot.errors imports no gRPC.
 
@@ -16,10 +19,7 @@ are not claimed, and nothing is ignored to make the ones above pass):
   vLLM worker loads no kvdepot.store module" do not hold;
 - metadata/keys.py, the types and the lookup packing are imported by store
   and connector: they are the shared vocabulary but still live in metadata/,
-  so "store and connector never import metadata" does not hold;
-- the applications (cli, cli_settings, cluster, demo, proxy, router, certs,
-  stats) still sit in kvdepot/ beside the shared layer (cli_settings imports
-  the connector and metadata configs).
+  so "store and connector never import metadata" does not hold.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import os
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,4 +53,15 @@ def test_the_import_contracts_hold(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     kept = re.search(r"Contracts: (\d+) kept, 0 broken", result.stdout)
-    assert kept and int(kept[1]) >= 4, result.stdout
+    assert kept and int(kept[1]) >= 5, result.stdout
+
+
+def test_every_module_beside_the_shared_layer_is_in_its_contract() -> None:
+    # A module dropped into kvdepot/ would otherwise escape the shared layer's
+    # rules: an application belongs in kvdepot/apps/ (or kvdepot/proxy/).
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    contracts = config["tool"]["importlinter"]["contracts"]
+    shared = next(c for c in contracts if c["name"].startswith("the shared layer"))
+    assert {"kvdepot.apps", "kvdepot.proxy"} <= set(shared["forbidden_modules"])
+    top = {f"kvdepot.{p.stem}" for p in (ROOT / "kvdepot").glob("*.py") if p.stem != "__init__"}
+    assert top == set(shared["source_modules"])

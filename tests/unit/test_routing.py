@@ -14,7 +14,7 @@ from kvdepot.metadata.routing import (
     score_candidates,
 )
 from kvdepot.metadata.types import KeyLocation, LookupResult, Replica
-from kvdepot.router import EnginePool, parse_node_map, prompt_keys
+from kvdepot.proxy.router import EnginePool, parse_node_map, prompt_keys
 
 MiB = 1 << 20
 W = RoutingWeights(

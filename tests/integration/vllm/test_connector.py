@@ -21,7 +21,7 @@ import grpc
 import numpy as np
 import pytest
 
-from kvdepot.cluster import LocalCluster, wait_nodes
+from kvdepot.apps.cluster import LocalCluster, wait_nodes
 from kvdepot.connector.client import ClientConfig, KVDepotClient
 from kvdepot.proto.gen import store_pb2, store_pb2_grpc
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from kvdepot.cluster import LocalCluster, wait_ready
+from kvdepot.apps.cluster import LocalCluster, wait_ready
 from kvdepot.connector.client import ClientConfig, KVDepotClient
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kvdepot[vllm]')")
@@ -114,7 +114,7 @@ def test_proxy_prefill_then_decode_over_http(tmp_path: Path) -> None:
             [
                 sys.executable,
                 "-m",
-                "kvdepot.cli",
+                "kvdepot.apps.cli",
                 "proxy",
                 "--port",
                 "0",

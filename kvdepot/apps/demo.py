@@ -177,7 +177,7 @@ def _worker(
     role: str, o: DemoOptions, metadata: str, node_id: str, security_args: list[str]
 ) -> dict[str, Any]:
     cmd = [
-        sys.executable, "-m", "kvdepot.demo", role,
+        sys.executable, "-m", "kvdepot.apps.demo", role,
         "--options", json.dumps(asdict(o)),
         "--metadata", metadata,
         "--node-id", node_id,
@@ -202,7 +202,7 @@ def run_demo(o: DemoOptions, security: SecurityConfig | None = None) -> dict[str
     requires them too); the worker processes get it without a secret on
     their command lines.
     """
-    from kvdepot.cluster import LocalCluster
+    from kvdepot.apps.cluster import LocalCluster
 
     security = security or NO_SECURITY
     started = time.perf_counter()
@@ -258,7 +258,7 @@ def run_demo(o: DemoOptions, security: SecurityConfig | None = None) -> dict[str
 
 def render_summary(s: dict[str, Any]) -> str:
     """Human-readable demo summary."""
-    from kvdepot.stats import human_bytes
+    from kvdepot.apps.stats import human_bytes
 
     lines = [
         f"kvdepot demo on {s['nodes']} store nodes (metadata {s['metadata']})",
@@ -276,7 +276,7 @@ def render_summary(s: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvdepot.demo")
+    p = argparse.ArgumentParser(prog="python -m kvdepot.apps.demo")
     p.add_argument("role", choices=["prefill", "decode"])
     p.add_argument("--options", required=True)
     p.add_argument("--metadata", required=True)

@@ -6,7 +6,7 @@ unchanged to a decode engine, whose connector loads the prefix from kvdepot
 instead of recomputing it. The decode engine's answer is relayed back,
 streamed when the client asked for a stream. Engines are chosen round-robin,
 or with ``routing="kv-aware"`` by the metadata service's ``Route`` query
-(see :mod:`kvdepot.router`).
+(see :mod:`kvdepot.proxy.router`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 from kvdepot.config import Port, positive, setting, validate
 from kvdepot.errors import InvalidArgument, Unavailable
 from kvdepot.metadata.keys import ChunkKey, Namespace
-from kvdepot.router import ROUTING_MODES, Choice, EnginePool, KVRouter, prompt_keys
+from kvdepot.proxy.router import ROUTING_MODES, Choice, EnginePool, KVRouter, prompt_keys
 from kvdepot.security import SecurityConfig
 
 logger = logging.getLogger(__name__)
