@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -122,18 +121,6 @@ def plain(model: str, workdir: Path) -> list[dict[str, Any]]:
         workdir, spec(model, [PROMPT_A, PROMPT_B, PROMPT_C], None), "plain"
     )["outputs"]
     return outputs
-
-
-@pytest.fixture()
-def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
-    c = LocalCluster(
-        nodes=2, capacity="64MiB", log_dir=tmp_path / "logs", lease_ttl_s=60, heartbeat_interval_s=1
-    )
-    c.start()
-    try:
-        yield c
-    finally:
-        c.stop()
 
 
 def bytes_in(cluster: LocalCluster) -> int:

@@ -11,8 +11,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -36,25 +34,18 @@ LAYERS, BLOCK, HEADS, HEAD = 4, 16, 2, 8
 DEADLINE_S = 0.5
 
 
-@pytest.fixture()
-def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
-    c = LocalCluster(
-        nodes=1, capacity="16MiB", log_dir=tmp_path / "logs", lease_ttl_s=60, heartbeat_interval_s=1
-    )
-    c.start()
-    try:
-        yield c
-    finally:
-        c.stop()
-
-
 def test_an_in_step_load_from_a_frozen_store_costs_one_deadline(cluster: LocalCluster) -> None:
     meta = cluster.metadata_address
     settings = ConnectorSettings(metadata=meta, chunk_tokens=BLOCK, transport="tcp")
     layout = KVLayout("cpu", "bfloat16", BLOCK, LAYERS, HEADS, HEAD, "test", BLOCK)
     key = chunk_keys(Namespace("frozen", chunk_tokens=BLOCK), list(range(BLOCK)))[0]
     counters = Counters()
-    client = KVDepotClient(ClientConfig(metadata=meta, transport="tcp", io_timeout_s=5.0))
+    store = cluster.stores[0]
+    client = KVDepotClient(
+        ClientConfig(
+            metadata=meta, node_id=store.info["node_id"], transport="tcp", io_timeout_s=5.0
+        )
+    )
     worker = WorkerSide(
         settings,
         layout,
@@ -71,8 +62,7 @@ def test_an_in_step_load_from_a_frozen_store_costs_one_deadline(cluster: LocalCl
     # Listed in the index, on the store about to freeze (its bytes are never read).
     assert client.put([key], [np.zeros(4096, dtype=np.uint8)]).stored == 1
     plan = LoadPlan("req", (KVObject(key, 0, ((1,),)),), 0, False, False, DEADLINE_S)
-    store = cluster.stores[0].pid
-    os.kill(store, signal.SIGSTOP)
+    os.kill(store.pid, signal.SIGSTOP)
     try:
         t0 = time.monotonic()
         worker.start_load_kv(KVDepotConnectorMetadata(loads=[plan]))
@@ -81,7 +71,7 @@ def test_an_in_step_load_from_a_frozen_store_costs_one_deadline(cluster: LocalCl
         waited = time.monotonic() - t0
         errors = worker.get_block_ids_with_load_errors()
     finally:
-        os.kill(store, signal.SIGCONT)
+        os.kill(store.pid, signal.SIGCONT)
     # Once for the deadline, not once per layer, nor the 5 s I/O timeout.
     assert DEADLINE_S * 0.9 <= waited < DEADLINE_S + 1.0, waited
     assert errors == {1}, errors  # the load's block is recomputed
