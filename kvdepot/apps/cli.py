@@ -14,7 +14,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvdepot.apps.cli_settings import (
     METADATA_FLAGS,
@@ -35,6 +35,10 @@ logger = logging.getLogger("kvdepot")
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2  # argparse's; see OneLineParser
+
+if TYPE_CHECKING:
+    # Only the type stubs make argparse's subparsers action generic.
+    Subcommands = argparse._SubParsersAction[OneLineParser]
 
 
 def _setup_logging(level: str, fmt: str) -> None:
@@ -437,18 +441,8 @@ def _asdict(obj: Any) -> dict[str, Any]:
     return dataclasses.asdict(obj)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="kvdepot", description="KV cache store for LLM inference")
-    p.add_argument("--log-level", default="INFO", help="daemon log level (default INFO)")
-    p.add_argument(
-        "--log-format",
-        choices=["text", "json"],
-        default=None,
-        help="log lines on stderr: text (default) or json, one object per line "
-        "(env KVDEPOT_LOG_FORMAT)",
-    )
-    sub = p.add_subparsers(dest="command", required=True)
-
+def _add_metadata_command(sub: Subcommands) -> None:
+    """`kvdepot metadata`: the metadata service's flags."""
     m = sub.add_parser("metadata", help="run the metadata service")
     m.add_argument("--config", help="TOML/JSON file with a [metadata] table")
     m.add_argument("--host", help="bind address (default 127.0.0.1)")
@@ -464,13 +458,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument("--kv-events-replay", metavar="ENDPOINT", help="replay socket (default port+1)")
     m.add_argument("--kv-events-block-size", help="tokens per chunk in events (256)")
-    m.add_argument(
-        "--metrics-port", help="serve Prometheus /metrics on this port (default off)"
-    )
+    m.add_argument("--metrics-port", help="serve Prometheus /metrics on this port (default off)")
     m.add_argument("--check", action="store_true", help="validate the config, print it, exit")
     _add_security_flags(m)
     m.set_defaults(func=cmd_metadata)
 
+
+def _add_store_command(sub: Subcommands) -> None:
+    """`kvdepot store`: a store daemon's flags."""
     s = sub.add_parser("store", help="run a store daemon")
     s.add_argument("--config", help="TOML/JSON file with a [store] table")
     s.add_argument("--node-id", help="node name (default derived from the address)")
@@ -494,14 +489,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="hash chunks shm clients wrote again before committing them",
     )
     s.add_argument("--nixl", choices=["auto", "on", "off"], help="offer NIXL (RDMA) transfers")
-    s.add_argument(
-        "--metrics-port", help="serve Prometheus /metrics on this port (default off)"
-    )
+    s.add_argument("--metrics-port", help="serve Prometheus /metrics on this port (default off)")
     _add_tier_flags(s)
     s.add_argument("--check", action="store_true", help="validate the config, print it, exit")
     _add_security_flags(s)
     s.set_defaults(func=cmd_store)
 
+
+def _add_up_command(sub: Subcommands) -> None:
+    """`kvdepot up`: a local cluster of metadata and N stores."""
     u = sub.add_parser("up", help="run a local cluster: metadata + N stores")
     u.add_argument("--nodes", type=int, default=2, help="store daemons (default 2)")
     u.add_argument("--metadata-port", type=int, default=7700, help="metadata port (default 7700)")
@@ -514,6 +510,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_security_flags(u)
     u.set_defaults(func=cmd_up)
 
+
+def _add_stats_command(sub: Subcommands) -> None:
+    """`kvdepot stats`: cluster statistics over gRPC."""
     st = sub.add_parser("stats", help="cluster statistics over gRPC")
     st.add_argument("--metadata", help="metadata host:port (default 127.0.0.1:7700)")
     st.add_argument("--json", action="store_true", help="print one JSON object")
@@ -523,6 +522,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_security_flags(st)
     st.set_defaults(func=cmd_stats)
 
+
+def _add_demo_command(sub: Subcommands) -> None:
+    """`kvdepot demo`: publish and pull KV across processes."""
     d = sub.add_parser("demo", help="publish and pull KV across processes, verify every byte")
     d.add_argument("--json", action="store_true", help="print one JSON object")
     d.add_argument("--metadata", help="use an existing cluster instead of starting one")
@@ -535,6 +537,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_security_flags(d)
     d.set_defaults(func=cmd_demo)
 
+
+def _add_proxy_command(sub: Subcommands) -> None:
+    """`kvdepot proxy`: the prefill -> decode proxy and its kv-aware routing namespace."""
     px = sub.add_parser("proxy", help="disaggregated prefill -> decode OpenAI-compatible proxy")
     px.add_argument("--prefill", action="append", required=True, help="prefill engine URL(s)")
     px.add_argument("--decode", action="append", required=True, help="decode engine URL(s)")
@@ -571,6 +576,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_security_flags(px)
     px.set_defaults(func=cmd_proxy)
 
+
+def _add_health_command(sub: Subcommands) -> None:
+    """`kvdepot health`: a daemon's gRPC health check."""
     h = sub.add_parser("health", help="gRPC health check of a daemon (exit 0 when SERVING)")
     h.add_argument("--target", default="127.0.0.1:7700", help="daemon gRPC host:port")
     h.add_argument("--service", default="", help="service name (default: the server)")
@@ -578,12 +586,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_security_flags(h)
     h.set_defaults(func=cmd_health)
 
+
+def _add_config_command(sub: Subcommands) -> None:
+    """`kvdepot config`: print the effective daemon configuration."""
     cf = sub.add_parser("config", help="print the effective daemon configuration")
     cf.add_argument("--print", action="store_true", dest="print_", help="print it (default)")
     cf.add_argument("--config", help="TOML/JSON file with [metadata] and [store] tables")
     _add_security_flags(cf)
     cf.set_defaults(func=cmd_config)
 
+
+def _add_certs_command(sub: Subcommands) -> None:
+    """`kvdepot certs`: a local CA and TLS certificates for testing."""
     ce = sub.add_parser("certs", help="make a local CA and TLS certificates for testing")
     ce.add_argument("dir", help="directory to write ca.pem, server.pem, client.pem and keys to")
     ce.add_argument(
@@ -595,6 +609,28 @@ def build_parser() -> argparse.ArgumentParser:
     ce.add_argument("--days", type=int, default=365, help="validity in days (default 365)")
     ce.add_argument("--force", action="store_true", help="overwrite existing files")
     ce.set_defaults(func=cmd_certs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog="kvdepot", description="KV cache store for LLM inference")
+    p.add_argument("--log-level", default="INFO", help="daemon log level (default INFO)")
+    p.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        default=None,
+        help="log lines on stderr: text (default) or json, one object per line "
+        "(env KVDEPOT_LOG_FORMAT)",
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+    _add_metadata_command(sub)
+    _add_store_command(sub)
+    _add_up_command(sub)
+    _add_stats_command(sub)
+    _add_demo_command(sub)
+    _add_proxy_command(sub)
+    _add_health_command(sub)
+    _add_config_command(sub)
+    _add_certs_command(sub)
     for command in sub.choices.values():
         # An unknown flag is reported by the command it was given to.
         command.set_defaults(parser=command)
