@@ -21,14 +21,11 @@ from __future__ import annotations
 import abc
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvdepot.errors import InvalidArgument
 from kvdepot.metadata.keys import ChunkKey
 from kvdepot.registry import Registry
-
-if TYPE_CHECKING:
-    from kvdepot.store.config import StoreConfig
 
 TIER_ORDER = ("gpu", "cpu", "ssd")
 """Tier names, fastest first."""
@@ -121,15 +118,19 @@ class Tier(abc.ABC):
     persistent: bool = False
     """Whether chunks survive a restart (:meth:`recover` finds them again)."""
 
+    config_type: ClassVar[type[Any] | None] = None
+    """The tier's own settings (a frozen dataclass), for :meth:`from_config`:
+    the store's settings named after the tier (``<name>_<field>``)."""
+
     def __init__(self, limits: TierLimits) -> None:
         self._limits = limits
 
     @classmethod
-    def from_config(cls, config: StoreConfig) -> Tier:
-        """The tier as a store daemon's configuration describes it.
+    def from_config(cls, config: Any) -> Tier:
+        """The tier its settings (a :attr:`config_type`) describe.
 
         Raises:
-            InvalidArgument: If this kind of tier is not built from a config.
+            InvalidArgument: If this kind of tier is not built from settings.
         """
         raise InvalidArgument(f"the {cls.name} tier is not configured on its own")
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from typing import Any
 
 from kvdepot.store.chunks import ChunkStore, MovedListener, RemovedListener
 from kvdepot.store.config import StoreConfig
@@ -26,12 +28,22 @@ def build_tiers(config: StoreConfig) -> list[Tier]:
     tiers: list[Tier] = []
     try:
         for name in wanted:
-            tiers.append(tier_class(name).from_config(config))
+            cls = tier_class(name)
+            tiers.append(cls.from_config(tier_settings(config, name, cls.config_type)))
     except BaseException:
         for tier in tiers:
             tier.close()
         raise
     return tiers
+
+
+def tier_settings(config: StoreConfig, name: str, kind: type[Any] | None) -> Any:
+    """The tier ``name``'s slice of ``config``: its ``<name>_<field>`` settings
+    as a ``kind`` (the tier's :attr:`~Tier.config_type`)."""
+    if kind is None:
+        return None
+    values = {f.name: getattr(config, f"{name}_{f.name}") for f in dataclasses.fields(kind)}
+    return kind(**values)
 
 
 def pin_arena(config: StoreConfig) -> bool:

@@ -17,16 +17,14 @@ from __future__ import annotations
 
 import logging
 import warnings
+from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvdepot.errors import InvalidArgument, Unavailable
 from kvdepot.metadata.keys import ChunkKey
 from kvdepot.store.allocator import Allocator
 from kvdepot.store.tiers.base import AllocatorSpace, Tier, TierLimits
-
-if TYPE_CHECKING:
-    from kvdepot.store.config import StoreConfig
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +85,15 @@ def _cuda_success(cudart: Any) -> Any:
     return getattr(errors, "success", 0)
 
 
+@dataclass(frozen=True, slots=True)
+class GpuTierConfig:
+    """The GPU tier's settings: ``gpu_*`` of the store's (documented there)."""
+
+    capacity_bytes: int
+    device: str
+    watermarks: str
+
+
 class GpuTier(AllocatorSpace, Tier):
     """Chunks in a device tensor.
 
@@ -103,6 +110,7 @@ class GpuTier(AllocatorSpace, Tier):
     """
 
     name = "gpu"
+    config_type = GpuTierConfig
 
     def __init__(
         self,
@@ -131,12 +139,12 @@ class GpuTier(AllocatorSpace, Tier):
         logger.info("gpu tier: %d bytes on %s", self._allocator.capacity, self._device)
 
     @classmethod
-    def from_config(cls, config: StoreConfig) -> GpuTier:
-        """The GPU tier of ``gpu_capacity_bytes`` on ``gpu_device``."""
+    def from_config(cls, config: GpuTierConfig) -> GpuTier:
+        """The GPU tier of ``capacity_bytes`` on ``device``."""
         return cls(
-            config.gpu_capacity_bytes,
-            device=config.gpu_device,
-            limits=TierLimits.parse(config.gpu_watermarks),
+            config.capacity_bytes,
+            device=config.device,
+            limits=TierLimits.parse(config.watermarks),
         )
 
     @property

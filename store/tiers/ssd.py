@@ -39,8 +39,8 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from kvdepot.errors import Corrupt, InvalidArgument, KVDepotError, Unavailable
 from kvdepot.metadata.keys import ChunkKey
@@ -48,9 +48,6 @@ from kvdepot.store.config import FSYNC_POLICIES
 from kvdepot.store.tiers import segments as fmt
 from kvdepot.store.tiers.base import RecoveredChunk, Tier, TierLimits
 from kvdepot.store.xxh3 import xxh3_64
-
-if TYPE_CHECKING:
-    from kvdepot.store.config import StoreConfig
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +116,20 @@ class _Record:
         self.written = False
 
 
+@dataclass(frozen=True, slots=True)
+class SsdTierConfig:
+    """The SSD tier's settings: ``ssd_*`` of the store's (documented there)."""
+
+    dir: str
+    capacity_bytes: int
+    watermarks: str
+    segment_bytes: int
+    fsync: str
+    io_threads: int
+    verify_on_open: bool
+    compact_ratio: float
+
+
 class SsdTier(Tier):
     """Chunks in segment files under ``directory``.
 
@@ -145,6 +156,7 @@ class SsdTier(Tier):
 
     name = "ssd"
     persistent = True
+    config_type = SsdTierConfig
 
     def __init__(
         self,
@@ -203,34 +215,34 @@ class SsdTier(Tier):
         self._compactor.start()
 
     @classmethod
-    def from_config(cls, config: StoreConfig) -> SsdTier:
-        """The SSD tier on ``ssd_dir`` (``ssd_capacity_bytes``, or see :func:`default_capacity`)."""
-        capacity = config.ssd_capacity_bytes
+    def from_config(cls, config: SsdTierConfig) -> SsdTier:
+        """The SSD tier on ``dir`` (``capacity_bytes``, or see :func:`default_capacity`)."""
+        capacity = config.capacity_bytes
         if not capacity:
-            capacity = default_capacity(config.ssd_dir)
+            capacity = default_capacity(config.dir)
             share = round(DEFAULT_SHARE * 100)
             if capacity < fmt.ALIGN:
                 raise InvalidArgument(
-                    f"ssd_dir {config.ssd_dir}: {share}% of the space free there is "
+                    f"ssd_dir {config.dir}: {share}% of the space free there is "
                     f"{capacity} bytes, too little for an SSD tier (set --ssd-capacity)"
                 )
             # The operator did not choose this size: say what was taken.
             logger.info(
                 "ssd tier on %s takes %.2f GiB, %d%% of the space free there "
                 "(ssd_capacity_bytes / --ssd-capacity sets it)",
-                config.ssd_dir,
+                config.dir,
                 capacity / (1 << 30),
                 share,
             )
         return cls(
-            config.ssd_dir,
+            config.dir,
             capacity,
-            limits=TierLimits.parse(config.ssd_watermarks),
-            segment_bytes=config.ssd_segment_bytes,
-            fsync=config.ssd_fsync,
-            io_threads=config.ssd_io_threads,
-            verify_on_open=config.ssd_verify_on_open,
-            compact_ratio=config.ssd_compact_ratio,
+            limits=TierLimits.parse(config.watermarks),
+            segment_bytes=config.segment_bytes,
+            fsync=config.fsync,
+            io_threads=config.io_threads,
+            verify_on_open=config.verify_on_open,
+            compact_ratio=config.compact_ratio,
         )
 
     # -- opening ------------------------------------------------------------------
