@@ -137,6 +137,104 @@ class ClientStats:
     error_samples: list[str] = field(default_factory=list)
 
 
+class _Mix:
+    """One client's state for the op mix: its client, payloads, buffers and stats."""
+
+    def __init__(self, client: Any, work: Workload, stats: ClientStats) -> None:
+        from kvdepot.metadata.keys import Namespace, chunk_keys
+
+        self.client = client
+        self.work = work
+        self.chunk_keys = chunk_keys
+        self.namespaces = [
+            Namespace(f"kvdepot-soak/model-{n}", chunk_tokens=CHUNK_TOKENS)
+            for n in range(len(work.chunk_sizes))
+        ]
+        self.stats = stats
+        self.rng = random.Random(1000 + stats.client)
+        self.cache = PayloadCache(32 * MiB)
+        self.recent: deque[tuple[int, int]] = deque(maxlen=RECENT)
+        most = work.prefix_chunks + work.max_suffix_chunks
+        self.bufs = [np.empty(max(work.chunk_sizes), dtype=np.uint8) for _ in range(most)]
+
+    def pick(self, fresh: float) -> tuple[int, int]:
+        if self.recent and self.rng.random() >= fresh:
+            return self.rng.choice(self.recent)
+        return self.rng.randrange(len(self.namespaces)), self.rng.randrange(self.work.prompts)
+
+    def step(self, measured: bool) -> None:
+        """One op of the mix; its latency counted when ``measured``."""
+        op = self.rng.choices(OPS, MIX)[0]
+        ns, prompt = self.pick(0.7 if op == "publish" else 0.4)
+        size = self.work.chunk_sizes[ns]
+        keys = self.chunk_keys(self.namespaces[ns], self.work.tokens(ns, prompt))
+        stats = self.stats
+        try:
+            if op == "publish":
+                dt = self.publish(keys, size, measured)
+                self.recent.append((ns, prompt))
+            elif op == "lookup":
+                dt = self.lookup(keys, measured)
+            else:
+                dt = self.pull(keys, size, ns, measured)
+            if measured:
+                stats.lat_ms[op].append(dt * 1e3)
+        except Exception as exc:
+            stats.errors += 1
+            if len(stats.error_samples) < ERROR_SAMPLES:
+                stats.error_samples.append(f"{op}: {type(exc).__name__}: {exc}")
+            time.sleep(0.05)  # a failing cluster must not turn into a busy loop
+
+    def publish(self, keys: list[bytes], size: int, measured: bool) -> float:
+        data = [self.cache.get(k, size) for k in keys]
+        t0 = time.perf_counter()
+        put = self.client.put(keys, data)
+        dt = time.perf_counter() - t0
+        if measured:
+            self.stats.bytes_put += put.bytes_sent
+            self.stats.chunks_stored += put.stored
+            self.stats.chunks_skipped += put.skipped
+            self.stats.chunks_put_failed += put.failed
+        return dt
+
+    def lookup(self, keys: list[bytes], measured: bool) -> float:
+        t0 = time.perf_counter()
+        hits = self.client.lookup(keys)
+        dt = time.perf_counter() - t0
+        if not 0 <= hits <= len(keys):
+            raise AssertionError(f"lookup of {len(keys)} keys answered {hits} hits")
+        if measured:
+            self.stats.lookup_hits += hits
+        return dt
+
+    def pull(self, keys: list[bytes], size: int, ns: int, measured: bool) -> float:
+        stats = self.stats
+        views = [b[:size] for b in self.bufs[: len(keys)]]
+        for v in views:
+            v.fill(0xA5)  # poison: a chunk reported loaded must have been written
+        t0 = time.perf_counter()
+        got = self.client.get_into(keys, views)
+        dt = time.perf_counter() - t0
+        for k, v, ok in zip(keys, views, got.loaded, strict=True):
+            if not ok:
+                stats.chunks_missed += measured
+                continue
+            stats.chunks_hit += measured
+            want = self.cache.get(k, size)
+            stats.chunks_verified += 1
+            stats.bytes_verified += size
+            if not np.array_equal(v, want):
+                stats.wrong_chunks += 1
+                stats.wrong_bytes += int(np.count_nonzero(v != want))
+                if len(stats.error_samples) < ERROR_SAMPLES:
+                    stats.error_samples.append(
+                        f"wrong bytes in chunk {k.hex()} ({stats.transport}, ns {ns})"
+                    )
+        if measured:
+            stats.bytes_got += got.bytes_received
+        return dt
+
+
 def client_main(
     idx: int,
     metadata: str,
@@ -149,19 +247,9 @@ def client_main(
 ) -> None:
     """Run the mix from the start signal until the window's end; put stats on ``results``."""
     from kvdepot.connector.client import ClientConfig, KVDepotClient
-    from kvdepot.metadata.keys import Namespace, chunk_keys
 
     stats = ClientStats(idx, transport)
     try:
-        namespaces = [
-            Namespace(f"kvdepot-soak/model-{n}", chunk_tokens=CHUNK_TOKENS)
-            for n in range(len(work.chunk_sizes))
-        ]
-        rng = random.Random(1000 + idx)
-        cache = PayloadCache(32 * MiB)
-        recent: deque[tuple[int, int]] = deque(maxlen=RECENT)
-        most = work.prefix_chunks + work.max_suffix_chunks
-        bufs = [np.empty(max(work.chunk_sizes), dtype=np.uint8) for _ in range(most)]
         config = ClientConfig(
             metadata=metadata,
             node_id=node_id,
@@ -169,6 +257,7 @@ def client_main(
             tokens_per_chunk=CHUNK_TOKENS,
         )
         client = KVDepotClient(config)
+        mix = _Mix(client, work, stats)
         if not go.wait(300):
             raise TimeoutError("no start signal")
         measure_from, end = window[0], window[1]
@@ -178,69 +267,9 @@ def client_main(
         results.put(asdict(stats))
         return
 
-    def pick(fresh: float) -> tuple[int, int]:
-        if recent and rng.random() >= fresh:
-            return rng.choice(recent)
-        return rng.randrange(len(namespaces)), rng.randrange(work.prompts)
-
     with client:
         while (now := time.time()) < end:
-            measured = now >= measure_from
-            op = rng.choices(OPS, MIX)[0]
-            ns, prompt = pick(0.7 if op == "publish" else 0.4)
-            size = work.chunk_sizes[ns]
-            keys = chunk_keys(namespaces[ns], work.tokens(ns, prompt))
-            try:
-                if op == "publish":
-                    data = [cache.get(k, size) for k in keys]
-                    t0 = time.perf_counter()
-                    put = client.put(keys, data)
-                    dt = time.perf_counter() - t0
-                    recent.append((ns, prompt))
-                    if measured:
-                        stats.bytes_put += put.bytes_sent
-                        stats.chunks_stored += put.stored
-                        stats.chunks_skipped += put.skipped
-                        stats.chunks_put_failed += put.failed
-                elif op == "lookup":
-                    t0 = time.perf_counter()
-                    hits = client.lookup(keys)
-                    dt = time.perf_counter() - t0
-                    if not 0 <= hits <= len(keys):
-                        raise AssertionError(f"lookup of {len(keys)} keys answered {hits} hits")
-                    if measured:
-                        stats.lookup_hits += hits
-                else:
-                    views = [b[:size] for b in bufs[: len(keys)]]
-                    for v in views:
-                        v.fill(0xA5)  # poison: a chunk reported loaded must have been written
-                    t0 = time.perf_counter()
-                    got = client.get_into(keys, views)
-                    dt = time.perf_counter() - t0
-                    for k, v, ok in zip(keys, views, got.loaded, strict=True):
-                        if not ok:
-                            stats.chunks_missed += measured
-                            continue
-                        stats.chunks_hit += measured
-                        want = cache.get(k, size)
-                        stats.chunks_verified += 1
-                        stats.bytes_verified += size
-                        if not np.array_equal(v, want):
-                            stats.wrong_chunks += 1
-                            stats.wrong_bytes += int(np.count_nonzero(v != want))
-                            if len(stats.error_samples) < ERROR_SAMPLES:
-                                stats.error_samples.append(
-                                    f"wrong bytes in chunk {k.hex()} ({transport}, ns {ns})"
-                                )
-                    if measured:
-                        stats.bytes_got += got.bytes_received
-                if measured:
-                    stats.lat_ms[op].append(dt * 1e3)
-            except Exception as exc:
-                stats.errors += 1
-                if len(stats.error_samples) < ERROR_SAMPLES:
-                    stats.error_samples.append(f"{op}: {type(exc).__name__}: {exc}")
-                time.sleep(0.05)  # a failing cluster must not turn into a busy loop
+            mix.step(now >= measure_from)
     results.put(asdict(stats))
 
 
@@ -290,19 +319,38 @@ def log_problems(log_dir: Path, limit: int = 5) -> tuple[int, list[str]]:
 
 
 # -- the run ---------------------------------------------------------------------------
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Start the cluster and the clients, run, and return the report."""
+class _Daemons:
+    """The cluster's daemons as the run watches them: crashes and resident memory."""
+
+    def __init__(self, cluster: Any, say: Any) -> None:
+        self.daemons = {"metadata": cluster.metadata, **{s.name: s for s in cluster.stores}}
+        self.pids = {name: d.pid for name, d in self.daemons.items() if d is not None}
+        self.say = say
+        self.crashed: dict[str, int | None] = {}
+        self.timeline: dict[str, list[tuple[float, float]]] = {n: [] for n in self.pids}
+        self.rss_start: dict[str, float] = {}
+        self.rss_end: dict[str, float] = {}
+        self.rss_max: dict[str, float] = dict.fromkeys(self.pids, 0.0)
+
+    def check(self) -> None:
+        for name, d in self.daemons.items():
+            if d is not None and name not in self.crashed and d.proc.poll() is not None:
+                self.crashed[name] = d.proc.returncode
+                self.say(f"soak: daemon {name} died with status {d.proc.returncode}")
+
+    def sample(self, t: float) -> dict[str, float]:
+        now = {}
+        for name, pid in self.pids.items():
+            rss = read_rss(pid).get("VmRSS", 0.0)
+            now[name] = rss
+            self.rss_max[name] = max(self.rss_max[name], rss)
+            self.timeline[name].append((t, rss))
+        return now
+
+
+def _start_cluster(args: argparse.Namespace, log_dir: Path) -> tuple[Any, str]:
+    """The metadata service and ``STORES`` stores, each with its own SSD directory."""
     from kvdepot.apps.cluster import LocalCluster, wait_nodes
-    from kvdepot.config import parse_size
-    from kvdepot.connector.client import ClientConfig, KVDepotClient
-
-    work = Workload(chunk_sizes=tuple(parse_size(s) for s in args.chunk_sizes.split(",")))
-    transports = args.transports.split(",")
-    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvdepot-soak-"))
-
-    def say(msg: str) -> None:
-        if not args.quiet:
-            print(msg, file=sys.stderr, flush=True)
 
     cluster = LocalCluster(
         nodes=0, capacity=args.capacity, log_dir=log_dir, lease_ttl_s=5.0, heartbeat_interval_s=1.0
@@ -319,18 +367,69 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         cluster.stop()
         shutil.rmtree(ssd_root, ignore_errors=True)
         raise
-    daemons = {"metadata": cluster.metadata, **{s.name: s for s in cluster.stores}}
-    pids = {name: d.pid for name, d in daemons.items() if d is not None}
-    crashed: dict[str, int | None] = {}
+    return cluster, ssd_root
+
+
+def _watch(args: argparse.Namespace, watched: _Daemons, window: Any) -> None:
+    """Sample the daemons through the measured window; progress once a minute."""
+    time.sleep(max(0.0, window[0] - time.time()))
+    watched.check()
+    watched.rss_start = watched.sample(0.0)
+    next_report = time.time() + 60
+    while (left := window[1] - time.time()) > 0:
+        time.sleep(min(args.sample_s, left))
+        watched.check()
+        watched.sample(time.time() - window[0])
+        if time.time() >= next_report:
+            next_report += 60
+            rss = ", ".join(f"{n} {watched.timeline[n][-1][1]:.0f}" for n in watched.pids)
+            watched.say(f"soak: {time.time() - window[0]:.0f} s, RSS MiB {rss}")
+
+
+def _collect(args: argparse.Namespace, procs: list[Any], results: Any) -> list[dict[str, Any]]:
+    """The clients' reports, waiting a bounded time for the slow ones."""
+    reports: list[dict[str, Any]] = []
+    deadline = time.time() + 120 + 2 * args.seconds / 60
+    while len(reports) < len(procs) and time.time() < deadline:
+        with contextlib.suppress(Exception):
+            reports.append(results.get(timeout=1.0))
+        if all(not p.is_alive() for p in procs) and results.empty():
+            break
+    return reports
+
+
+def _tier_moves(metadata: str, moves: dict[str, int]) -> dict[str, int]:
+    """Evictions, demotions and promotions summed over stores and tiers (``moves`` if none)."""
+    from kvdepot.connector.client import ClientConfig, KVDepotClient
+
+    with (
+        contextlib.suppress(Exception),
+        KVDepotClient(ClientConfig(metadata=metadata)) as c,
+    ):
+        tiers = [t for n in c.stats().nodes for t in n.tiers]
+        moves = {k: sum(getattr(t, k) for t in tiers) for k in moves}
+    return moves
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Start the cluster and the clients, run, and return the report."""
+    from kvdepot.config import parse_size
+
+    work = Workload(chunk_sizes=tuple(parse_size(s) for s in args.chunk_sizes.split(",")))
+    transports = args.transports.split(",")
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvdepot-soak-"))
+
+    def say(msg: str) -> None:
+        if not args.quiet:
+            print(msg, file=sys.stderr, flush=True)
+
+    cluster, ssd_root = _start_cluster(args, log_dir)
+    watched = _Daemons(cluster, say)
     ctx = mp.get_context("spawn")
     go, results = ctx.Event(), ctx.Queue()
     window = ctx.Array("d", 2)
     procs = []
     reports: list[dict[str, Any]] = []
-    timeline: dict[str, list[tuple[float, float]]] = {n: [] for n in pids}
-    rss_start: dict[str, float] = {}
-    rss_end: dict[str, float] = {}
-    rss_max: dict[str, float] = dict.fromkeys(pids, 0.0)
     moves = {"evictions": 0, "demotions": 0, "promotions": 0}  # summed over stores and tiers
     try:
         for i in range(args.clients):
@@ -348,70 +447,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         start = time.time() + 2.0  # clients finish importing meanwhile
         window[0], window[1] = start + args.warmup, start + args.warmup + args.seconds
         go.set()
-
-        def check_daemons() -> None:
-            for name, d in daemons.items():
-                if d is not None and name not in crashed and d.proc.poll() is not None:
-                    crashed[name] = d.proc.returncode
-                    say(f"soak: daemon {name} died with status {d.proc.returncode}")
-
-        def sample(t: float) -> dict[str, float]:
-            now = {}
-            for name, pid in pids.items():
-                rss = read_rss(pid).get("VmRSS", 0.0)
-                now[name] = rss
-                rss_max[name] = max(rss_max[name], rss)
-                timeline[name].append((t, rss))
-            return now
-
-        time.sleep(max(0.0, window[0] - time.time()))
-        check_daemons()
-        rss_start = sample(0.0)
-        next_report = time.time() + 60
-        while (left := window[1] - time.time()) > 0:
-            time.sleep(min(args.sample_s, left))
-            check_daemons()
-            sample(time.time() - window[0])
-            if time.time() >= next_report:
-                next_report += 60
-                say(f"soak: {time.time() - window[0]:.0f} s, RSS MiB "
-                    + ", ".join(f"{n} {timeline[n][-1][1]:.0f}" for n in pids))  # fmt: skip
-        deadline = time.time() + 120 + 2 * args.seconds / 60
-        while len(reports) < len(procs) and time.time() < deadline:
-            with contextlib.suppress(Exception):
-                reports.append(results.get(timeout=1.0))
-            if all(not p.is_alive() for p in procs) and results.empty():
-                break
-        check_daemons()
-        rss_end = sample(time.time() - window[0])
-        with (
-            contextlib.suppress(Exception),
-            KVDepotClient(ClientConfig(metadata=cluster.metadata_address)) as c,
-        ):
-            tiers = [t for n in c.stats().nodes for t in n.tiers]
-            moves = {k: sum(getattr(t, k) for t in tiers) for k in moves}
+        _watch(args, watched, window)
+        reports = _collect(args, procs, results)
+        watched.check()
+        watched.rss_end = watched.sample(time.time() - window[0])
+        moves = _tier_moves(cluster.metadata_address, moves)
     finally:
         for p in procs:
             p.join(5)
             if p.is_alive():
                 p.kill()
                 p.join(5)
-        check_daemons()
+        watched.check()
         cluster.stop()
         shutil.rmtree(ssd_root, ignore_errors=True)
-    elapsed = args.seconds
-    lat = {op: [x for r in reports for x in r["lat_ms"][op]] for op in OPS}
-    every = [x for op in OPS for x in lat[op]]
-    total = {k: sum(r[k] for r in reports) for k in (
-        "bytes_put", "bytes_got", "chunks_stored", "chunks_skipped", "chunks_put_failed",
-        "chunks_hit", "chunks_missed", "chunks_verified", "bytes_verified", "wrong_chunks",
-        "wrong_bytes",
-        "lookup_hits", "errors")}  # fmt: skip
-    lost_clients = len(procs) - len(reports)
-    samples = [s for r in reports for s in r["error_samples"]][:10]
-    if lost_clients:
-        samples.append(f"{lost_clients} client process(es) ended without a report")
-    log_count, log_samples = log_problems(log_dir)
+    result = _report(args, work, transports, reports, len(procs), watched, moves, log_dir)
+    clean = not (watched.crashed or result["wrong_bytes"] or result["daemon_log_errors"])
+    if not args.log_dir and clean:
+        shutil.rmtree(log_dir, ignore_errors=True)
+        result["log_dir"] = None
+    return result
+
+
+def _memory_verdict(
+    args: argparse.Namespace, watched: _Daemons
+) -> tuple[dict[str, float], bool, str]:
+    """Each daemon's RSS growth over the window, whether that is flat, and why."""
+    pids, rss_start, rss_end = watched.pids, watched.rss_start, watched.rss_end
     growth = {n: round(rss_end.get(n, 0.0) - rss_start.get(n, 0.0), 1) for n in pids}
     # Flat: an arena and bounded caches. Allow the allocator's slack, not a trend.
     allowed = {n: max(args.rss_slack_mb, 0.05 * rss_start.get(n, 0.0)) for n in pids}
@@ -423,12 +485,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         verdict = "GROWING: " + ", ".join(
             f"{n} +{growth[n]:.0f} MiB" for n in pids if growth[n] > allowed[n]
         )
-    result: dict[str, Any] = {
+    return growth, flat, verdict
+
+
+def _latency(reports: list[dict[str, Any]], elapsed: float) -> dict[str, Any]:
+    """Op counts, rate and latency quantiles: over all ops and per op."""
+    lat = {op: [x for r in reports for x in r["lat_ms"][op]] for op in OPS}
+    every = [x for op in OPS for x in lat[op]]
+    return {
         "ops": len(every),
         "ops_per_s": round(len(every) / elapsed, 1),
-        "gbps": round((total["bytes_put"] + total["bytes_got"]) / elapsed / 1e9, 4),
-        "put_gbps": round(total["bytes_put"] / elapsed / 1e9, 4),
-        "get_gbps": round(total["bytes_got"] / elapsed / 1e9, 4),
         "p50_ms": round(percentile(every, 0.50), 2),
         "p99_ms": round(percentile(every, 0.99), 2),
         "per_op": {
@@ -441,6 +507,60 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             }
             for op in OPS
         },
+    }
+
+
+def _run_config(args: argparse.Namespace, work: Workload, transports: list[str]) -> dict[str, Any]:
+    return {
+        "seconds": args.seconds,
+        "warmup_s": args.warmup,
+        "clients": args.clients,
+        "transports": [transports[i % len(transports)] for i in range(args.clients)],
+        "stores": STORES,
+        "capacity_per_store": args.capacity,
+        "ssd_capacity_per_store": args.ssd_capacity or None,
+        "chunk_sizes": list(work.chunk_sizes),
+        "chunk_tokens": CHUNK_TOKENS,
+        "system_prompts": work.system_prompts,
+        "prompt_ids_per_namespace": work.prompts,
+        "mix": dict(zip(OPS, MIX, strict=True)),
+        "cpus": os.cpu_count(),
+    }
+
+
+def _report(
+    args: argparse.Namespace,
+    work: Workload,
+    transports: list[str],
+    reports: list[dict[str, Any]],
+    clients_started: int,
+    watched: _Daemons,
+    moves: dict[str, int],
+    log_dir: Path,
+) -> dict[str, Any]:
+    """The run's report from the clients' stats and the daemons' watch."""
+    elapsed = args.seconds
+    total = {k: sum(r[k] for r in reports) for k in (
+        "bytes_put", "bytes_got", "chunks_stored", "chunks_skipped", "chunks_put_failed",
+        "chunks_hit", "chunks_missed", "chunks_verified", "bytes_verified", "wrong_chunks",
+        "wrong_bytes",
+        "lookup_hits", "errors")}  # fmt: skip
+    lost_clients = clients_started - len(reports)
+    samples = [s for r in reports for s in r["error_samples"]][:10]
+    if lost_clients:
+        samples.append(f"{lost_clients} client process(es) ended without a report")
+    log_count, log_samples = log_problems(log_dir)
+    growth, flat, verdict = _memory_verdict(args, watched)
+    latency = _latency(reports, elapsed)
+    return {
+        "ops": latency["ops"],
+        "ops_per_s": latency["ops_per_s"],
+        "gbps": round((total["bytes_put"] + total["bytes_got"]) / elapsed / 1e9, 4),
+        "put_gbps": round(total["bytes_put"] / elapsed / 1e9, 4),
+        "get_gbps": round(total["bytes_got"] / elapsed / 1e9, 4),
+        "p50_ms": latency["p50_ms"],
+        "p99_ms": latency["p99_ms"],
+        "per_op": latency["per_op"],
         "errors": total["errors"] + lost_clients,
         "error_samples": samples,
         "wrong_bytes": total["wrong_bytes"],
@@ -454,38 +574,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "chunks_put_failed": total["chunks_put_failed"],
         "lookup_hit_chunks": total["lookup_hits"],
         **moves,
-        "crashes": len(crashed),
-        "crashed_daemons": crashed,
+        "crashes": len(watched.crashed),
+        "crashed_daemons": watched.crashed,
         "daemon_log_errors": log_count,
         "daemon_log_samples": log_samples,
-        "daemon_rss_start_mb": {n: round(v, 1) for n, v in rss_start.items()},
-        "daemon_rss_end_mb": {n: round(v, 1) for n, v in rss_end.items()},
-        "daemon_rss_max_mb": {n: round(v, 1) for n, v in rss_max.items()},
+        "daemon_rss_start_mb": {n: round(v, 1) for n, v in watched.rss_start.items()},
+        "daemon_rss_end_mb": {n: round(v, 1) for n, v in watched.rss_end.items()},
+        "daemon_rss_max_mb": {n: round(v, 1) for n, v in watched.rss_max.items()},
         "daemon_rss_growth_mb": growth,
-        "daemon_rss_slope_mb_per_min": {n: round(slope_mb_per_min(timeline[n]), 3) for n in pids},
+        "daemon_rss_slope_mb_per_min": {
+            n: round(slope_mb_per_min(watched.timeline[n]), 3) for n in watched.pids
+        },
         "memory_flat": flat,
         "memory_verdict": verdict,
-        "config": {
-            "seconds": args.seconds,
-            "warmup_s": args.warmup,
-            "clients": args.clients,
-            "transports": [transports[i % len(transports)] for i in range(args.clients)],
-            "stores": STORES,
-            "capacity_per_store": args.capacity,
-            "ssd_capacity_per_store": args.ssd_capacity or None,
-            "chunk_sizes": list(work.chunk_sizes),
-            "chunk_tokens": CHUNK_TOKENS,
-            "system_prompts": work.system_prompts,
-            "prompt_ids_per_namespace": work.prompts,
-            "mix": dict(zip(OPS, MIX, strict=True)),
-            "cpus": os.cpu_count(),
-        },
+        "config": _run_config(args, work, transports),
         "log_dir": str(log_dir),
     }
-    if not args.log_dir and not crashed and not total["wrong_bytes"] and not log_count:
-        shutil.rmtree(log_dir, ignore_errors=True)
-        result["log_dir"] = None
-    return result
 
 
 def render(r: dict[str, Any]) -> str:
