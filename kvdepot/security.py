@@ -217,16 +217,33 @@ ENV_PREFIX = "KVDEPOT_"
 """Environment variables: ``KVDEPOT_AUTH_TOKEN``, ``KVDEPOT_AUTH_TOKEN_FILE``, ``KVDEPOT_TLS_*``."""
 
 
-CLIENT_SECURITY_FIELDS = ("auth_token_file", "tls_ca", "tls_cert", "tls_key", "tls_server_name")
-"""The security settings a plugin (vLLM connector, LMCache backend) carries as strings."""
+@dataclass(frozen=True, slots=True)
+class PluginSecurity:
+    """The token and TLS settings of a client inside another program (the vLLM
+    connector's ``kv_connector_extra_config``, the LMCache backend's URL): the
+    settings classes of both inherit them. ``""`` is not set; ``KVDEPOT_*`` in
+    the program's environment fills what is not set.
 
+    Attributes:
+        auth_token_file: File with the token to present to a cluster that
+            requires one; never the token itself, which the host program
+            would log with its configuration.
+        tls_ca: CA that signed the daemons' certificates (gRPC over TLS).
+        tls_cert: Client certificate, for daemons that require one.
+        tls_key: Private key of ``tls_cert``.
+        tls_server_name: Name expected in the daemons' certificates.
+    """
 
-def client_security(env: Mapping[str, str] | None, settings: object) -> SecurityConfig:
-    """A plugin's token and TLS: its :data:`CLIENT_SECURITY_FIELDS` (``""``: not set)
-    over ``KVDEPOT_*`` in ``env``."""
-    return load_security(
-        env, None, {f: getattr(settings, f) or None for f in CLIENT_SECURITY_FIELDS}
-    )
+    auth_token_file: str = ""
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_server_name: str = ""
+
+    def security(self, env: Mapping[str, str] | None) -> SecurityConfig:
+        """The client's token and TLS: these settings over ``KVDEPOT_*`` in ``env``."""
+        names = ("auth_token_file", "tls_ca", "tls_cert", "tls_key", "tls_server_name")
+        return load_security(env, None, {f: getattr(self, f) or None for f in names})
 
 
 def load_security(

@@ -16,13 +16,13 @@ the token itself never goes in the URL, which LMCache logs.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from kvdepot.endpoints import parse_endpoints
 from kvdepot.errors import InvalidArgument
-from kvdepot.security import SecurityConfig, client_security
+from kvdepot.security import PluginSecurity
 
 SCHEME = "kvdepot"
 PLUGIN_TYPE = "kvdepot"
@@ -34,9 +34,10 @@ def plugin_key(plugin_name: str, option: str) -> str:
     return f"remote_storage_plugin.{plugin_name}.{option}"
 
 
-@dataclass(frozen=True, slots=True)
-class PluginSettings:
-    """How one LMCache remote backend reaches kvdepot.
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PluginSettings(PluginSecurity):
+    """How one LMCache remote backend reaches kvdepot: the fields below and the
+    token and TLS settings of :class:`~kvdepot.security.PluginSecurity`.
 
     Attributes:
         metadata: Metadata service replicas, ``host:port[,host:port]``.
@@ -47,11 +48,6 @@ class PluginSettings:
             event loop never waits on the network.
         rpc_timeout_s: Deadline of each metadata call.
         io_timeout_s: Deadline for a stalled data-plane transfer.
-        auth_token_file: File with the token to present.
-        tls_ca: CA that signed the daemons' certificates (gRPC over TLS).
-        tls_cert: Client certificate, for daemons that require one.
-        tls_key: Private key of ``tls_cert``.
-        tls_server_name: Name expected in the daemons' certificates.
     """
 
     metadata: str
@@ -60,11 +56,6 @@ class PluginSettings:
     io_threads: int = 4
     rpc_timeout_s: float = 5.0
     io_timeout_s: float = 10.0
-    auth_token_file: str = ""
-    tls_ca: str = ""
-    tls_cert: str = ""
-    tls_key: str = ""
-    tls_server_name: str = ""
 
     def __post_init__(self) -> None:
         parse_endpoints(self.metadata)
@@ -72,10 +63,6 @@ class PluginSettings:
             raise InvalidArgument("io_threads must be at least 1")
         if min(self.rpc_timeout_s, self.io_timeout_s) <= 0:
             raise InvalidArgument("timeouts must be positive")
-
-    def security(self, env: Mapping[str, str]) -> SecurityConfig:
-        """The client's token and TLS: these settings over ``KVDEPOT_*`` in ``env``."""
-        return client_security(env, self)
 
     @classmethod
     def from_url(cls, url: str) -> PluginSettings:
@@ -90,25 +77,16 @@ class PluginSettings:
         if parts.path not in ("", "/"):
             raise InvalidArgument(f"kvdepot URL {url!r} must not have a path")
         options: dict[str, Any] = {}
-        fields = {
-            "node_id": str,
-            "transport": str,
-            "io_threads": int,
-            "rpc_timeout_s": float,
-            "io_timeout_s": float,
-            "auth_token_file": str,
-            "tls_ca": str,
-            "tls_cert": str,
-            "tls_key": str,
-            "tls_server_name": str,
-        }
+        # Every setting but the address is a URL option, parsed by its type.
+        types = {"str": str, "int": int, "float": float}
+        known = {f.name: types[str(f.type)] for f in fields(cls) if f.name != "metadata"}
         for name, values in parse_qs(parts.query, keep_blank_values=True).items():
-            if name not in fields:
+            if name not in known:
                 raise InvalidArgument(
-                    f"unknown kvdepot URL option {name!r} (known: {', '.join(fields)})"
+                    f"unknown kvdepot URL option {name!r} (known: {', '.join(known)})"
                 )
             try:
-                options[name] = fields[name](values[-1])
+                options[name] = known[name](values[-1])
             except ValueError:
                 raise InvalidArgument(f"bad value {values[-1]!r} for {name}") from None
         return cls(metadata=parts.netloc, **options)

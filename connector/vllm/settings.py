@@ -9,12 +9,15 @@ from typing import Any
 from kvdepot.connector.codec import CodecSpec, check_codec_name
 from kvdepot.connector.transport import available_transports
 from kvdepot.errors import InvalidArgument
-from kvdepot.security import SecurityConfig, client_security
+from kvdepot.security import PluginSecurity
 
 
-@dataclass(frozen=True, slots=True)
-class ConnectorSettings:
-    """The connector's ``kv_connector_extra_config``.
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConnectorSettings(PluginSecurity):
+    """The connector's ``kv_connector_extra_config``: the fields below and the
+    token and TLS settings of :class:`~kvdepot.security.PluginSecurity`
+    (``auth_token_file``, ``tls_*``; ``KVDEPOT_AUTH_TOKEN`` and ``KVDEPOT_TLS_*``
+    in the engine's environment work too).
 
     Attributes:
         metadata: Metadata service address(es), ``host:port[,host:port]``.
@@ -64,14 +67,6 @@ class ConnectorSettings:
         pd_wait: A consumer given a prefill's ``kv_transfer_params`` waits
             (inside its asynchronous load, up to ``load_timeout_s``) for the
             prefill's chunks to be committed instead of missing them.
-        auth_token_file: File with the token the connector presents to a
-            cluster that requires one (``KVDEPOT_AUTH_TOKEN`` in the engine's
-            environment works too); never the token itself in this config,
-            which vLLM logs.
-        tls_ca: CA that signed the daemons' certificates (gRPC over TLS).
-        tls_cert: Client certificate, for daemons that require one.
-        tls_key: Private key of ``tls_cert``.
-        tls_server_name: Name expected in the daemons' certificates.
     """
 
     metadata: str = "127.0.0.1:7700"
@@ -93,11 +88,6 @@ class ConnectorSettings:
     save_tail: bool = True
     save_buffer_bytes: int = 512 << 20
     pd_wait: bool = True
-    auth_token_file: str = ""
-    tls_ca: str = ""
-    tls_cert: str = ""
-    tls_key: str = ""
-    tls_server_name: str = ""
 
     def __post_init__(self) -> None:
         if isinstance(self.chunk_tokens, bool) or not isinstance(self.chunk_tokens, int):
@@ -126,10 +116,6 @@ class ConnectorSettings:
             raise InvalidArgument("save_buffer_bytes must be a non-negative integer")
         check_codec_name(self.kv_codec)
         self.codec_spec()  # validates the block size
-
-    def security(self, env: Mapping[str, str]) -> SecurityConfig:
-        """The client's token and TLS: these settings over ``KVDEPOT_*`` in ``env``."""
-        return client_security(env, self)
 
     def sync_load_tokens(self) -> int | None:
         """The fixed in-step load threshold, or None for ``"auto"``."""

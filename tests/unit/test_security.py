@@ -283,3 +283,24 @@ def test_vllm_connector_settings_take_a_token_file(tmp_path: Path) -> None:
     assert ConnectorSettings().security({"KVDEPOT_AUTH_TOKEN": TEAM_B}).tokens().token == TEAM_B
     with pytest.raises(InvalidArgument, match="unknown"):
         ConnectorSettings.from_extra({"auth_token": TEAM_A})
+
+
+def test_the_vllm_and_lmcache_settings_share_one_set_of_security_fields(tmp_path: Path) -> None:
+    from dataclasses import fields
+
+    from kvdepot.connector.lmcache.settings import PluginSettings
+    from kvdepot.connector.vllm.settings import ConnectorSettings
+    from kvdepot.security import PluginSecurity
+
+    shared = {f.name: f.default for f in fields(PluginSecurity)}
+    for cls in (ConnectorSettings, PluginSettings):
+        assert {f.name: f.default for f in fields(cls) if f.name in shared} == shared
+    token = tmp_path / "token"
+    token.write_text(TEAM_A + "\n")
+    token.chmod(0o600)
+    extra = {"auth_token_file": str(token), "tls_server_name": "kv"}
+    via_vllm = ConnectorSettings.from_extra(extra)
+    via_url = PluginSettings.from_url(f"kvdepot://h:1?auth_token_file={token}&tls_server_name=kv")
+    env = {"KVDEPOT_AUTH_TOKEN": TEAM_B}
+    assert via_vllm.security(env) == via_url.security(env)
+    assert via_url.security(env).tokens().token == TEAM_A
