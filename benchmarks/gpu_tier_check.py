@@ -111,6 +111,71 @@ def copy_figures(device: str, sizes: list[int], per_size_bytes: int) -> list[dic
     return rows
 
 
+class _CheckedStore:
+    """A chunk store whose chunk ``i`` holds known bytes, so every read is checked."""
+
+    def __init__(self, cs: ChunkStore, chunk: int, base: bytes) -> None:
+        self.cs = cs
+        self.chunk = chunk
+        self.base = base
+
+    def data(self, i: int) -> bytes:
+        return i.to_bytes(16, "big") + self.base[16:]
+
+    def fill(self, n: int) -> float:
+        """Put chunks ``0..n-1``; the seconds it took."""
+        t0 = time.perf_counter()
+        for i in range(n):
+            d = self.data(i)
+            res = self.cs.reserve(_key(i), self.chunk, checksum(d))
+            assert res is not None
+            res.view[:] = d
+            self.cs.commit(res)
+            del res
+        return time.perf_counter() - t0
+
+    def read(self, i: int, in_arena: bool = False) -> str:
+        """Read chunk ``i``, check every byte, and say which tier served it."""
+        lease = self.cs.acquire(_key(i), in_arena=in_arena)
+        if lease is None:
+            raise SystemExit(f"chunk {i} missing")
+        try:
+            if bytes(lease.view[:16]) != i.to_bytes(16, "big") or checksum(lease.view) != (
+                checksum(self.data(i))
+            ):
+                raise SystemExit(f"chunk {i} came back wrong from {lease.tier}")
+            return lease.tier
+        finally:
+            self.cs.release(lease)
+            del lease
+
+    def promote(self, hot: list[int]) -> None:
+        """Read ``hot`` until a third of it has been promoted to the GPU tier."""
+        for _ in range(3):  # from SSD into DRAM, then 2 hits in DRAM: hot for the GPU
+            for i in hot:
+                self.read(i)
+        deadline = time.monotonic() + 60
+        while sum(1 for h in self.cs.holdings() if h.tier == "gpu") < len(hot) // 3:
+            if time.monotonic() > deadline:
+                raise SystemExit("chunks were not promoted to the GPU tier")
+            time.sleep(0.05)
+
+    def tier_counters(self) -> dict[str, dict[str, int]]:
+        return {
+            t.name: {
+                "capacity_bytes": t.capacity_bytes,
+                "used_bytes": t.used_bytes,
+                "chunks": t.chunks,
+                "hits": t.hits,
+                "misses": t.misses,
+                "promotions": t.promotions,
+                "demotions": t.demotions,
+                "evictions": t.evictions,
+            }
+            for t in self.cs.tier_stats()
+        }
+
+
 def store_check(device: str, gpu_bytes: int, chunk: int, directory: Path) -> dict[str, Any]:
     """GPU + DRAM + SSD store: promotion, demotion, moves down; every byte checked."""
     dram = 4 * gpu_bytes
@@ -124,68 +189,22 @@ def store_check(device: str, gpu_bytes: int, chunk: int, directory: Path) -> dic
         options=TieringOptions(gpu_promote_hits=2, maintenance_interval_s=0.01),
     )
     rng = random.Random(2)
-    base = rng.randbytes(chunk)
+    store = _CheckedStore(cs, chunk, rng.randbytes(chunk))
     n = 3 * dram // chunk  # working set: 3x DRAM, most of it on SSD
     hot = list(range(gpu_bytes // chunk * 2))  # twice what the GPU holds
-
-    def data(i: int) -> bytes:
-        return i.to_bytes(16, "big") + base[16:]
-
-    def read(i: int, in_arena: bool = False) -> str:
-        lease = cs.acquire(_key(i), in_arena=in_arena)
-        if lease is None:
-            raise SystemExit(f"chunk {i} missing")
-        try:
-            if bytes(lease.view[:16]) != i.to_bytes(16, "big") or checksum(lease.view) != (
-                checksum(data(i))
-            ):
-                raise SystemExit(f"chunk {i} came back wrong from {lease.tier}")
-            return lease.tier
-        finally:
-            cs.release(lease)
-            del lease
-
     try:
-        t0 = time.perf_counter()
-        for i in range(n):
-            d = data(i)
-            res = cs.reserve(_key(i), chunk, checksum(d))
-            assert res is not None
-            res.view[:] = d
-            cs.commit(res)
-            del res
-        put_s = time.perf_counter() - t0
-        for _ in range(3):  # from SSD into DRAM, then 2 hits in DRAM: hot for the GPU
-            for i in hot:
-                read(i)
-        deadline = time.monotonic() + 60
-        while sum(1 for h in cs.holdings() if h.tier == "gpu") < len(hot) // 3:
-            if time.monotonic() > deadline:
-                raise SystemExit("chunks were not promoted to the GPU tier")
-            time.sleep(0.05)
+        put_s = store.fill(n)
+        store.promote(hot)
         by_tier: dict[str, list[float]] = {}
         for i in rng.sample(range(n), min(n, 400)):
             t = time.perf_counter()
-            tier = read(i)
+            tier = store.read(i)
             by_tier.setdefault(tier, []).append(time.perf_counter() - t)
         on_gpu = [h.key for h in cs.holdings() if h.tier == "gpu"]
         moved_down = 0
         for key in on_gpu[:4]:
-            if read(int.from_bytes(key, "big"), in_arena=True) == "cpu":
+            if store.read(int.from_bytes(key, "big"), in_arena=True) == "cpu":
                 moved_down += 1
-        stats = {
-            t.name: {
-                "capacity_bytes": t.capacity_bytes,
-                "used_bytes": t.used_bytes,
-                "chunks": t.chunks,
-                "hits": t.hits,
-                "misses": t.misses,
-                "promotions": t.promotions,
-                "demotions": t.demotions,
-                "evictions": t.evictions,
-            }
-            for t in cs.tier_stats()
-        }
         return {
             "chunks": n,
             "chunk_bytes": chunk,
@@ -197,7 +216,7 @@ def store_check(device: str, gpu_bytes: int, chunk: int, directory: Path) -> dic
             "reads_by_tier": {tier: len(times) for tier, times in by_tier.items()},
             "moved_down_for_arena_readers": moved_down,
             "arena_pinned": cs.pinned,
-            "tiers": stats,
+            "tiers": store.tier_counters(),
             "byte_exact": True,
         }
     finally:
