@@ -20,8 +20,8 @@ from kvdepot.connector.metadata import MetadataConnection, parse_endpoints
 from kvdepot.connector.transport import create_transport
 from kvdepot.connector.transport.arena import ArenaTransport
 from kvdepot.connector.transport.auto import AutoTransport
-from kvdepot.connector.transport.base import GetItem, PutItem, PutStatus, Transport
-from kvdepot.errors import ClientClosed, InvalidArgument
+from kvdepot.connector.transport.base import GetItem, GetOutcome, PutItem, PutStatus, Transport
+from kvdepot.errors import ClientClosed, InvalidArgument, Unavailable
 from kvdepot.metadata.keys import KEY_BYTES, ChunkKey
 from kvdepot.metadata.lookup_wire import unpack_lookup
 from kvdepot.metadata.types import LookupResult
@@ -193,6 +193,9 @@ class KVDepotClient:
         self._lock = threading.Lock()
         # This node's store, once a reply named it (see get_into).
         self._local_address: str | None = None
+        # Whether get_into asks the index before this node's store: set after
+        # a read whose chunks the store held none of (see get_into).
+        self._lookup_first = False
         # A buffer smaller than its chunk is logged once, then only counted
         # in the GetResult's reasons: an engine repeats the mistake each load.
         self._warned_small = False
@@ -457,8 +460,11 @@ class KVDepotClient:
         than its buffer is a miss (``loaded[i]`` is False, ``reasons[i]`` says
         why) and its buffer content is undefined.
         This node's store is read first: when it holds every chunk, the
-        metadata service is not asked at all. ``count`` is passed to the
-        lookup it makes (``none`` when the caller counted the prompt already).
+        metadata service is not asked at all. After a read whose chunks this
+        store held none of, the next read asks the metadata service first
+        (its answer lists this node's replicas first), until a read finds
+        chunks here again. ``count`` is passed to the lookup it makes
+        (``none`` when the caller counted the prompt already).
 
         Raises:
             InvalidArgument: mismatched keys and buffers, or bad keys.
@@ -472,18 +478,29 @@ class KVDepotClient:
             return GetResult((), 0, (), ())
         local = self._local_address
         early = None
-        if local is not None:
+        if local is not None and not self._lookup_first:
             # This node's store usually holds what this node reads: read it
             # from there first. When it has every chunk (each read verified
             # against its checksum) no metadata round trip is needed at all:
             # a key names its bytes, wherever they are found.
-            early = self._transport.get_into(
-                local, [GetItem(k, v) for k, v in zip(ckeys, views, strict=True)]
-            )
+            early = self._read_local(local, ckeys, views)
             if all(o.ok for o in early):
-                sizes = tuple(o.length for o in early)
-                return GetResult((True,) * len(ckeys), sum(sizes), sizes, ("",) * len(ckeys))
-        reply = self.lookup_locations(ckeys, count=count)
+                return _whole(early)
+            # A store that held none of them cost a round trip for nothing:
+            # the next read asks the index first.
+            self._lookup_first = not any(o.ok for o in early)
+        try:
+            reply = self.lookup_locations(ckeys, count=count)
+        except Unavailable:
+            if early is not None or local is None:
+                raise
+            # Asked the index first and it is unreachable: this node's own
+            # chunks stay readable without it, as on the probe-first path.
+            outcomes = self._read_local(local, ckeys, views)
+            if all(o.ok for o in outcomes):
+                self._lookup_first = False
+                return _whole(outcomes)
+            raise
         self._learn_local(r for loc in reply.locations for r in loc.replicas)
         pull = _Pull(len(ckeys), reply)
         if early is not None:
@@ -491,31 +508,68 @@ class KVDepotClient:
                 if early[i].ok and early[i].length == reply.locations[i].size:
                     pull.loaded_from(i, local or "")
         todo = [i for i in range(reply.hits) if not pull.loaded[i] and self._fits(pull, i, views)]
-        # Each round tries the next replica of every key that is still missing.
-        attempt = 0
-        while todo:
-            groups: dict[str, list[int]] = defaultdict(list)
-            for i in todo:
-                reps = reply.locations[i].replicas
-                if attempt < len(reps):
-                    groups[reps[attempt].address].append(i)
-            if not groups:
-                break
-            for address, idx in groups.items():
-                items = [GetItem(ckeys[i], views[i][: reply.locations[i].size]) for i in idx]
-                for i, out in zip(idx, self._transport.get_into(address, items), strict=True):
-                    if out.ok and out.length == reply.locations[i].size:
-                        pull.loaded_from(i, address)
-                    else:
-                        pull.reasons[i] = f"{address}: {out.error or 'incomplete read'}"
-            todo = [i for i in todo if not pull.loaded[i]]
-            attempt += 1
+        self._read_replicas(ckeys, views, pull, todo)
+        if early is None and local is not None:
+            self._after_lookup_first(local, ckeys, views, pull)
         remote = [i for i, a in enumerate(pull.sources) if a and a != self._local_address]
         if remote and self.config.replicate_on_read:
             self._replicate(
                 [ckeys[i] for i in remote], [views[i][: reply.locations[i].size] for i in remote]
             )
         return pull.result()
+
+    def _read_local(
+        self, local: str, keys: list[ChunkKey], views: list[memoryview]
+    ) -> list[GetOutcome]:
+        """Read every chunk from this node's store (each verified)."""
+        return self._transport.get_into(
+            local, [GetItem(k, v) for k, v in zip(keys, views, strict=True)]
+        )
+
+    def _after_lookup_first(
+        self, local: str, keys: list[ChunkKey], views: list[memoryview], pull: _Pull
+    ) -> None:
+        """After a read that asked the index first: read the keys it did not
+        name from this node's store where it named only this node's (a chunk
+        the store holds without an index entry, its put's PutStart having
+        failed, is found as on the probe-first path), and go back to reading
+        this store first once it served any chunk."""
+        hits = pull.reply.hits
+        if any(pull.sources[i] == local for i in range(hits)):
+            self._lookup_first = False
+        if hits == len(keys) or any(pull.sources[i] not in ("", local) for i in range(hits)):
+            return
+        tail = list(range(hits, len(keys)))
+        outcomes = self._read_local(local, [keys[i] for i in tail], [views[i] for i in tail])
+        if not all(o.ok for o in outcomes) or not all(pull.loaded[:hits]):
+            return
+        pull.extend(tail, outcomes, local)
+        self._lookup_first = False
+
+    def _read_replicas(
+        self, keys: list[ChunkKey], views: list[memoryview], pull: _Pull, todo: list[int]
+    ) -> None:
+        """Read each chunk of ``todo`` from its replicas in the lookup's order;
+        each round tries the next replica of every chunk still missing."""
+        locations = pull.reply.locations
+        attempt = 0
+        while todo:
+            groups: dict[str, list[int]] = defaultdict(list)
+            for i in todo:
+                reps = locations[i].replicas
+                if attempt < len(reps):
+                    groups[reps[attempt].address].append(i)
+            if not groups:
+                break
+            for address, idx in groups.items():
+                items = [GetItem(keys[i], views[i][: locations[i].size]) for i in idx]
+                for i, out in zip(idx, self._transport.get_into(address, items), strict=True):
+                    if out.ok and out.length == locations[i].size:
+                        pull.loaded_from(i, address)
+                    else:
+                        pull.reasons[i] = f"{address}: {out.error or 'incomplete read'}"
+            todo = [i for i in todo if not pull.loaded[i]]
+            attempt += 1
 
     def _fits(self, pull: _Pull, i: int, views: Sequence[memoryview]) -> bool:
         """Whether chunk ``i`` fits its buffer; a miss with its reason if not."""
@@ -641,18 +695,29 @@ class _Pull:
         self.reasons = ["not cached"] * n
         for i in range(reply.hits):
             self.reasons[i] = "no replica could be read"
-        self.received = 0
+        self.sizes = [0] * n
 
-    def loaded_from(self, i: int, address: str) -> None:
+    def loaded_from(self, i: int, address: str, size: int = -1) -> None:
         self.loaded[i] = True
         self.sources[i] = address
         self.reasons[i] = ""
-        self.received += self.reply.locations[i].size
+        self.sizes[i] = self.reply.locations[i].size if size < 0 else size
+
+    def extend(self, idx: list[int], outcomes: list[GetOutcome], address: str) -> None:
+        """Chunks the lookup did not name, read from ``address`` anyway."""
+        for i, out in zip(idx, outcomes, strict=True):
+            self.loaded_from(i, address, out.length)
 
     def result(self) -> GetResult:
-        locations = self.reply.locations
-        sizes = tuple(locations[i].size if ok else 0 for i, ok in enumerate(self.loaded))
-        return GetResult(tuple(self.loaded), self.received, sizes, tuple(self.reasons))
+        return GetResult(
+            tuple(self.loaded), sum(self.sizes), tuple(self.sizes), tuple(self.reasons)
+        )
+
+
+def _whole(outcomes: list[GetOutcome]) -> GetResult:
+    """Every chunk read (from this node's store, without a lookup)."""
+    sizes = tuple(o.length for o in outcomes)
+    return GetResult((True,) * len(sizes), sum(sizes), sizes, ("",) * len(sizes))
 
 
 _WRITTEN = (PutStatus.OK, PutStatus.EXISTS)
