@@ -107,7 +107,7 @@ CLIENT = r"""
 import json, sys
 import numpy as np
 from kvdepot.connector.client import ClientConfig, KVDepotClient
-from kvdepot.metadata.keys import Namespace, chunk_keys
+from kvdepot.keys import Namespace, chunk_keys
 role, metadata, node = sys.argv[1:4]
 seed, n = int(sys.argv[4]), int(sys.argv[5])
 keys = chunk_keys(Namespace("netns/model", chunk_tokens=16), [seed] * 16 * n)
@@ -141,8 +141,70 @@ def client(ns: str, *args: str) -> dict[str, object]:
     return result
 
 
+class Daemons:
+    """kvdepot daemons started by a test, in namespaces or not; all stopped at its end."""
+
+    def __init__(self, log_dir: Path, env: dict[str, str] | None = None) -> None:
+        self.log_dir = log_dir
+        self.env = env
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def spawn(self, args: list[str], name: str, ns: str | None = None) -> subprocess.Popen[bytes]:
+        prefix = ["ip", "netns", "exec", ns] if ns else []
+        p = subprocess.Popen(
+            [*prefix, sys.executable, "-m", "kvdepot.apps.cli", *args],
+            stdout=subprocess.PIPE,
+            stderr=open(self.log_dir / f"{name}.log", "wb"),  # noqa: SIM115 - lives with p
+            env=self.env,
+        )
+        self.procs.append(p)
+        return p
+
+    def start_metadata(self, net: Net) -> str:
+        """The metadata service on the bridge, with a short lease; its address."""
+        meta = self.spawn(
+            ["metadata", "--host", net.gateway, "--port", "0", "--lease-ttl", "2",
+             "--heartbeat-interval", "0.4"],
+            "metadata",
+        )  # fmt: skip
+        return f"{net.gateway}:{wait_ready(meta, 'metadata', 30)['port']}"
+
+    def start_store(self, host: Host, metadata: str, i: int) -> dict[str, Any]:
+        """Store ``store{i}`` (node ``host{i}``) on ``host``'s address at fixed ports; its READY."""
+        p = self.spawn(
+            ["store", "--host", host.address, "--port", "7800", "--grpc-port", "7801",
+             "--metadata", metadata, "--capacity", "64MiB", "--node-id", f"host{i}"],
+            f"store{i}",
+            ns=host.ns,
+        )  # fmt: skip
+        return wait_ready(p, f"store{i}", 30)
+
+    def all_alive(self) -> bool:
+        return all(p.poll() is None for p in self.procs)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+@pytest.fixture()
+def daemons(net: Net, tmp_path: Path) -> Iterator[Daemons]:
+    """Stopped before ``net``'s namespaces go (a fixture set up after it is torn down first)."""
+    started = Daemons(tmp_path)
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
 def test_publish_on_one_host_pull_on_another_and_survive_a_cut_link(
-    net: Net, tmp_path: Path
+    net: Net, daemons: Daemons
 ) -> None:
     """Three hosts publish and pull across the virtual links; host1's link is
     cut between transfers, then healed.
@@ -152,98 +214,43 @@ def test_publish_on_one_host_pull_on_another_and_survive_a_cut_link(
     registers again with all of them. Served wrong: nothing: every pull is a
     miss or verified, and the other hosts keep publishing and pulling.
     """
-    procs: list[subprocess.Popen[bytes]] = []
+    metadata = daemons.start_metadata(net)
+    for i, h in enumerate(net.hosts):
+        info = daemons.start_store(h, metadata, i)
+        assert info["address"] == f"{h.address}:7800"
+    wait_nodes(metadata, 3)
 
-    def spawn(args: list[str], name: str, ns: str | None = None) -> subprocess.Popen[bytes]:
-        prefix = ["ip", "netns", "exec", ns] if ns else []
-        p = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "kvdepot.apps.cli", *args],
-            stdout=subprocess.PIPE,
-            stderr=open(tmp_path / f"{name}.log", "wb"),  # noqa: SIM115 - lives with p
-        )
-        procs.append(p)
-        return p
+    # Publish on host0 (into its own store), pull on host2 over the links.
+    assert client(net.hosts[0].ns, "put", metadata, "host0", "1", "4")["stored"] == 4
+    # Publish on host1 too: these chunks live on host1's store.
+    assert client(net.hosts[1].ns, "put", metadata, "host1", "2", "4")["stored"] == 4
+    got = client(net.hosts[2].ns, "get", metadata, "host2", "1", "4")
+    assert got == {"hits": 4, "leading": 4, "verified": True}
+    got = client(net.hosts[2].ns, "get", metadata, "host2", "2", "4")
+    assert got == {"hits": 4, "leading": 4, "verified": True}
+    # The same prefix published from another host is not sent again.
+    assert client(net.hosts[2].ns, "put", metadata, "host2", "1", "4")["skipped"] == 4
 
-    try:
-        meta = spawn(
-            [
-                "metadata",
-                "--host",
-                net.gateway,
-                "--port",
-                "0",
-                "--lease-ttl",
-                "2",
-                "--heartbeat-interval",
-                "0.4",
-            ],
-            "metadata",
-        )
-        metadata = f"{net.gateway}:{wait_ready(meta, 'metadata', 30)['port']}"
-        for i, h in enumerate(net.hosts):
-            p = spawn(
-                [
-                    "store",
-                    "--host",
-                    h.address,
-                    "--port",
-                    "7800",
-                    "--grpc-port",
-                    "7801",
-                    "--metadata",
-                    metadata,
-                    "--capacity",
-                    "64MiB",
-                    "--node-id",
-                    f"host{i}",
-                ],
-                f"store{i}",
-                ns=h.ns,
-            )
-            info = wait_ready(p, f"store{i}", 30)
-            assert info["address"] == f"{h.address}:7800"
-        wait_nodes(metadata, 3)
-
-        # Publish on host0 (into its own store), pull on host2 over the links.
-        assert client(net.hosts[0].ns, "put", metadata, "host0", "1", "4")["stored"] == 4
-        # Publish on host1 too: these chunks live on host1's store.
-        assert client(net.hosts[1].ns, "put", metadata, "host1", "2", "4")["stored"] == 4
-        got = client(net.hosts[2].ns, "get", metadata, "host2", "1", "4")
-        assert got == {"hits": 4, "leading": 4, "verified": True}
-        got = client(net.hosts[2].ns, "get", metadata, "host2", "2", "4")
-        assert got == {"hits": 4, "leading": 4, "verified": True}
-        # The same prefix published from another host is not sent again.
-        assert client(net.hosts[2].ns, "put", metadata, "host2", "1", "4")["skipped"] == 4
-
-        # Cut host1's link mid-run.
-        _ip("link", "set", net.hosts[1].veth, "down")
-        cut_at = time.monotonic()
-        got = client(net.hosts[2].ns, "get", metadata, "host2", "2", "4")
-        assert got["verified"] is True  # a miss or verified data, never wrong bytes
-        deadline = cut_at + 10
-        while client(net.hosts[2].ns, "get", metadata, "host2", "2", "4")["hits"] != 0:
-            assert time.monotonic() < deadline, "the cut host's chunks are still listed"
-            time.sleep(0.5)
-        # Everything else keeps working.
-        got = client(net.hosts[2].ns, "get", metadata, "host2", "1", "4")
-        assert got == {"hits": 4, "leading": 4, "verified": True}
-        assert client(net.hosts[0].ns, "put", metadata, "host0", "3", "2")["stored"] == 2
-        # Heal the link: the store re-registers with what it still holds.
-        _ip("link", "set", net.hosts[1].veth, "up")
-        deadline = time.monotonic() + 15
-        while client(net.hosts[2].ns, "get", metadata, "host2", "2", "4")["leading"] != 4:
-            assert time.monotonic() < deadline, "the healed host did not come back"
-            time.sleep(0.5)
-        assert all(p.poll() is None for p in procs), "a daemon died"
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+    # Cut host1's link mid-run.
+    _ip("link", "set", net.hosts[1].veth, "down")
+    cut_at = time.monotonic()
+    got = client(net.hosts[2].ns, "get", metadata, "host2", "2", "4")
+    assert got["verified"] is True  # a miss or verified data, never wrong bytes
+    deadline = cut_at + 10
+    while client(net.hosts[2].ns, "get", metadata, "host2", "2", "4")["hits"] != 0:
+        assert time.monotonic() < deadline, "the cut host's chunks are still listed"
+        time.sleep(0.5)
+    # Everything else keeps working.
+    got = client(net.hosts[2].ns, "get", metadata, "host2", "1", "4")
+    assert got == {"hits": 4, "leading": 4, "verified": True}
+    assert client(net.hosts[0].ns, "put", metadata, "host0", "3", "2")["stored"] == 2
+    # Heal the link: the store re-registers with what it still holds.
+    _ip("link", "set", net.hosts[1].veth, "up")
+    deadline = time.monotonic() + 15
+    while client(net.hosts[2].ns, "get", metadata, "host2", "2", "4")["leading"] != 4:
+        assert time.monotonic() < deadline, "the healed host did not come back"
+        time.sleep(0.5)
+    assert daemons.all_alive(), "a daemon died"
 
 
 # A transfer that reports when it starts ("GO") and checks every byte it got.
@@ -251,7 +258,7 @@ TRANSFER = r"""
 import json, sys, time
 import numpy as np
 from kvdepot.connector.client import ClientConfig, KVDepotClient
-from kvdepot.metadata.keys import Namespace, chunk_keys
+from kvdepot.keys import Namespace, chunk_keys
 role, metadata, node = sys.argv[1:4]
 seed, n, io_timeout = int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6])
 ns = Namespace("netns/model", chunk_tokens=16)
@@ -294,8 +301,36 @@ with KVDepotClient(cfg) as c:
 """
 
 
+def start(ns: str, *args: str) -> subprocess.Popen[str]:
+    """A TRANSFER process in namespace ``ns``."""
+    return subprocess.Popen(
+        ["ip", "netns", "exec", ns, sys.executable, "-c", TRANSFER, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def going(p: subprocess.Popen[str]) -> subprocess.Popen[str]:
+    """``p`` once it is about to move its bytes."""
+    assert p.stdout is not None
+    assert p.stdout.readline().strip() == "GO", p.communicate(timeout=60)[1][-2000:]
+    return p
+
+
+def transfer(ns: str, *args: str) -> subprocess.Popen[str]:
+    return going(start(ns, *args))
+
+
+def result(p: subprocess.Popen[str]) -> dict[str, Any]:
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err[-2000:]
+    parsed: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    return parsed
+
+
 def test_a_cut_in_the_middle_of_transfers_serves_nothing_half_sent(
-    net: Net, tmp_path: Path
+    net: Net, daemons: Daemons
 ) -> None:
     """host1's links are shaped to 20 Mbit/s; a reader on host2 pulls 16 MiB
     from host1's store while a writer on host0 publishes 16 MiB into it, and
@@ -307,92 +342,36 @@ def test_a_cut_in_the_middle_of_transfers_serves_nothing_half_sent(
     nothing: every chunk the reader reports loaded is exact, no half-sent
     chunk is ever listed, and each one can be published again.
     """
-    procs: list[subprocess.Popen[bytes]] = []
     host0, host1, host2 = net.hosts
+    # The store gives up on a stalled request as soon as the client does.
+    daemons.env = {**os.environ, "KVDEPOT_STORE_IO_TIMEOUT_S": "2"}
+    metadata = daemons.start_metadata(net)
+    daemons.start_store(host1, metadata, 1)
+    wait_nodes(metadata, 1)
+    # 16 chunks on host1's store, published before the links are shaped.
+    assert result(transfer(host2.ns, "put", metadata, "host1", "7", "16", "2"))["stored"] == 16
 
-    def spawn(args: list[str], name: str, ns: str | None = None) -> subprocess.Popen[bytes]:
-        prefix = ["ip", "netns", "exec", ns] if ns else []
-        p = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "kvdepot.apps.cli", *args],
-            stdout=subprocess.PIPE,
-            stderr=open(tmp_path / f"{name}.log", "wb"),  # noqa: SIM115 - lives with p
-            # The store gives up on a stalled request as soon as the client does.
-            env={**os.environ, "KVDEPOT_STORE_IO_TIMEOUT_S": "2"},
-        )
-        procs.append(p)
-        return p
+    for dev, ns in ((host1.veth, None), ("eth0", host1.ns)):  # both directions
+        _tc("qdisc", "add", "dev", dev, "root", "tbf", "rate", "20mbit", "burst", "32kbit",
+            "latency", "400ms", ns=ns)  # fmt: skip
+    reader = start(host2.ns, "get", metadata, "", "7", "16", "2")
+    writer = start(host0.ns, "put", metadata, "host1", "8", "16", "2")
+    going(reader), going(writer)
+    time.sleep(1.0)  # 16 MiB take 6.7 s at 20 Mbit/s: both are mid-transfer
+    _ip("link", "set", host1.veth, "down")
+    got, put = result(reader), result(writer)
+    assert got["wrong"] == 0, got
+    assert got["loaded"] == got["exact"] < 16, got  # cut short, what arrived is exact
+    assert put["failed"] > 0 and put["stored"] + put["failed"] + put["skipped"] == 16, put
 
-    def start(ns: str, *args: str) -> subprocess.Popen[str]:
-        return subprocess.Popen(
-            ["ip", "netns", "exec", ns, sys.executable, "-c", TRANSFER, *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-
-    def going(p: subprocess.Popen[str]) -> subprocess.Popen[str]:
-        """``p`` once it is about to move its bytes."""
-        assert p.stdout is not None
-        assert p.stdout.readline().strip() == "GO", p.communicate(timeout=60)[1][-2000:]
-        return p
-
-    def transfer(ns: str, *args: str) -> subprocess.Popen[str]:
-        return going(start(ns, *args))
-
-    def result(p: subprocess.Popen[str]) -> dict[str, Any]:
-        out, err = p.communicate(timeout=60)
-        assert p.returncode == 0, err[-2000:]
-        parsed: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
-        return parsed
-
-    try:
-        meta = spawn(
-            ["metadata", "--host", net.gateway, "--port", "0", "--lease-ttl", "2",
-             "--heartbeat-interval", "0.4"],
-            "metadata",
-        )  # fmt: skip
-        metadata = f"{net.gateway}:{wait_ready(meta, 'metadata', 30)['port']}"
-        store = spawn(
-            ["store", "--host", host1.address, "--port", "7800", "--grpc-port", "7801",
-             "--metadata", metadata, "--capacity", "64MiB", "--node-id", "host1"],
-            "store1",
-            ns=host1.ns,
-        )  # fmt: skip
-        wait_ready(store, "store1", 30)
-        wait_nodes(metadata, 1)
-        # 16 chunks on host1's store, published before the links are shaped.
-        assert result(transfer(host2.ns, "put", metadata, "host1", "7", "16", "2"))["stored"] == 16
-
-        for dev, ns in ((host1.veth, None), ("eth0", host1.ns)):  # both directions
-            _tc("qdisc", "add", "dev", dev, "root", "tbf", "rate", "20mbit", "burst", "32kbit",
-                "latency", "400ms", ns=ns)  # fmt: skip
-        reader = start(host2.ns, "get", metadata, "", "7", "16", "2")
-        writer = start(host0.ns, "put", metadata, "host1", "8", "16", "2")
-        going(reader), going(writer)
-        time.sleep(1.0)  # 16 MiB take 6.7 s at 20 Mbit/s: both are mid-transfer
-        _ip("link", "set", host1.veth, "down")
-        got, put = result(reader), result(writer)
-        assert got["wrong"] == 0, got
-        assert got["loaded"] == got["exact"] < 16, got  # cut short, what arrived is exact
-        assert put["failed"] > 0 and put["stored"] + put["failed"] + put["skipped"] == 16, put
-
-        _tc("qdisc", "del", "dev", "eth0", "root", ns=host1.ns)
-        _tc("qdisc", "del", "dev", host1.veth, "root")
-        _ip("link", "set", host1.veth, "up")
-        # Healed: host1 serves all it committed, and nothing half-sent is listed.
-        check = result(transfer(host2.ns, "check", metadata, "host1", "8", "16", "5", "7"))
-        assert check["healed"] == {"loaded": 16, "exact": 16, "wrong": 0}, check
-        assert check["healed_wrong"] == 0, check
-        assert check["before"] == {"loaded": check["listed"], "exact": check["listed"], "wrong": 0}
-        assert check["failed"] == 0 and check["hits"] == 16, check
-        assert check["after"] == {"loaded": 16, "exact": 16, "wrong": 0}, check
-        assert all(p.poll() is None for p in procs), "a daemon died"
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+    _tc("qdisc", "del", "dev", "eth0", "root", ns=host1.ns)
+    _tc("qdisc", "del", "dev", host1.veth, "root")
+    _ip("link", "set", host1.veth, "up")
+    # Healed: host1 serves all it committed, and nothing half-sent is listed.
+    check = result(transfer(host2.ns, "check", metadata, "host1", "8", "16", "5", "7"))
+    assert check["healed"] == {"loaded": 16, "exact": 16, "wrong": 0}, check
+    assert check["healed_wrong"] == 0, check
+    assert check["before"] == {"loaded": check["listed"], "exact": check["listed"], "wrong": 0}
+    assert check["failed"] == 0 and check["hits"] == 16, check
+    assert check["after"] == {"loaded": 16, "exact": 16, "wrong": 0}, check
+    assert daemons.all_alive(), "a daemon died"
