@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvdepot.apps.cluster import LocalCluster, wait_nodes
+from kvdepot.apps.cluster import DaemonProcess, LocalCluster, wait_nodes
 from kvdepot.connector.client import ClientConfig, KVDepotClient, PutResult
-from kvdepot.metadata.keys import ChunkKey, Namespace, chunk_keys
+from kvdepot.keys import ChunkKey, Namespace, chunk_keys
 from tests.faults.support import (
     SENTINEL,
     ReadTally,
@@ -85,6 +85,65 @@ def listed_on(c: KVDepotClient, keys: list[ChunkKey], node: str) -> list[ChunkKe
     return out
 
 
+def kill_mid_put(
+    cl: LocalCluster, victim: DaemonProcess, transport: str, keys: list[ChunkKey]
+) -> tuple[list[PutResult], float]:
+    """Publish ``keys`` into ``victim``, 4 per put, and SIGKILL it with a put in flight.
+
+    Returns the puts' results and when the store was dead.
+    """
+    results: list[PutResult] = []
+    errors: list[BaseException] = []
+    with KVDepotClient(client_config(cl, transport, "victim")) as writer:
+
+        def publish() -> None:
+            try:
+                for i in range(0, len(keys), 4):
+                    batch = keys[i : i + 4]
+                    results.append(writer.put(batch, [data(k) for k in batch]))
+            except BaseException as exc:  # reported by the assertions below
+                errors.append(exc)
+
+        t = threading.Thread(target=publish)
+        t.start()
+        grpc_address = victim.info["grpc_address"]
+        wait_for(
+            lambda: not t.is_alive() or store_stats(grpc_address).puts >= 12,
+            30,
+            "the victim store never received a dozen chunks",
+        )
+        # Frozen, the store holds the writer inside its next transfer: the
+        # kill then lands in the middle of a put, never between two.
+        os.kill(victim.pid, signal.SIGSTOP)
+        wait_for(lambda: in_call(t, "_put_batch"), 4, "the writer never reached the store")
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.proc.wait()
+        killed_at = time.monotonic()
+        t.join(60)
+        assert not t.is_alive() and not errors, errors
+    return results, killed_at
+
+
+def check_restart(
+    cl: LocalCluster,
+    reader: KVDepotClient,
+    keys: list[ChunkKey],
+    victim_args: tuple[str, ...],
+    tally: ReadTally,
+) -> None:
+    """Restarted on its SSD, the victim announces only what it can serve intact."""
+    info = cl.add_store("victim", *victim_args).info
+    wait_for(
+        lambda: any(n.node_id == "victim" for n in reader.stats().nodes),
+        10,
+        "the restarted store did not register",
+    )
+    recovered = store_stats(info["grpc_address"]).chunks_recovered
+    back = listed_on(reader, keys, "victim")
+    assert len(back) == recovered
+    assert read_exact(reader, back, tally) == len(back)
+
+
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
 def test_store_sigkill_mid_put_makes_nothing_half_written_visible(
     tmp_path: Path, transport: str
@@ -122,35 +181,7 @@ def test_store_sigkill_mid_put_makes_nothing_half_written_visible(
         with KVDepotClient(client_config(cl, transport, "survivor")) as c:
             assert c.put(safe, [data(k) for k in safe]).stored == 4
 
-        results: list[PutResult] = []
-        errors: list[BaseException] = []
-        with KVDepotClient(client_config(cl, transport, "victim")) as writer:
-
-            def publish() -> None:
-                try:
-                    for i in range(0, len(keys), 4):
-                        batch = keys[i : i + 4]
-                        results.append(writer.put(batch, [data(k) for k in batch]))
-                except BaseException as exc:  # reported by the assertions below
-                    errors.append(exc)
-
-            t = threading.Thread(target=publish)
-            t.start()
-            grpc_address = victim.info["grpc_address"]
-            wait_for(
-                lambda: not t.is_alive() or store_stats(grpc_address).puts >= 12,
-                30,
-                "the victim store never received a dozen chunks",
-            )
-            # Frozen, the store holds the writer inside its next transfer: the
-            # kill then lands in the middle of a put, never between two.
-            os.kill(victim.pid, signal.SIGSTOP)
-            wait_for(lambda: in_call(t, "_put_batch"), 4, "the writer never reached the store")
-            os.kill(victim.pid, signal.SIGKILL)
-            victim.proc.wait()
-            killed_at = time.monotonic()
-            t.join(60)
-            assert not t.is_alive() and not errors, errors
+        results, killed_at = kill_mid_put(cl, victim, transport, keys)
         stored = sum(r.stored for r in results)
         failed = sum(r.failed for r in results)
         assert stored > 0 and failed > 0, "the kill did not land mid-put"
@@ -173,18 +204,7 @@ def test_store_sigkill_mid_put_makes_nothing_half_written_visible(
             for k in keys:
                 if reader.lookup([k]):
                     assert read_exact(reader, [k], tally) == 1
-
-            # Restarted on its SSD: it announces only what it can serve intact.
-            info = cl.add_store("victim", *victim_args).info
-            wait_for(
-                lambda: any(n.node_id == "victim" for n in reader.stats().nodes),
-                10,
-                "the restarted store did not register",
-            )
-            recovered = store_stats(info["grpc_address"]).chunks_recovered
-            back = listed_on(reader, keys, "victim")
-            assert len(back) == recovered
-            assert read_exact(reader, back, tally) == len(back)
+            check_restart(cl, reader, keys, victim_args, tally)
 
         # No key is left stuck behind an allocation of the dead store.
         with KVDepotClient(client_config(cl, transport, "survivor")) as c:
@@ -194,6 +214,39 @@ def test_store_sigkill_mid_put_makes_nothing_half_written_visible(
             assert read_exact(c, keys, tally) == len(keys)
     assert tally.wrong == 0, f"{tally.wrong} chunks served with wrong bytes"
     assert tally.exact >= 4 + len(keys)
+
+
+class LoopedReader:
+    """Pulls ``keys`` in a loop on a thread into sentinel buffers until stopped."""
+
+    def __init__(self, reader: KVDepotClient, keys: list[ChunkKey], tally: ReadTally) -> None:
+        self.reader = reader
+        self.keys = keys
+        self.tally = tally
+        self.spans: list[tuple[float, float, int]] = []  # start, end, chunks loaded
+        self.errors: list[BaseException] = []
+        self.stop = threading.Event()
+        self.current: list[list[np.ndarray]] = []  # the buffers of the get in flight
+        self.thread = threading.Thread(target=self._pull)
+
+    def _pull(self) -> None:
+        try:
+            while not self.stop.is_set():
+                bufs = sentinel_buffers(len(self.keys), MiB)
+                self.current[:] = [bufs]
+                start = time.monotonic()
+                result = self.reader.get_into(self.keys, bufs)
+                end = time.monotonic()
+                loaded = self.tally.add(self.keys, bufs, result, lambda k: payload(k, MiB))
+                self.spans.append((start, end, loaded))
+        except BaseException as exc:  # reported by the assertions below
+            self.errors.append(exc)
+
+    def mid_transfer(self) -> bool:
+        # Bytes landed in the first buffer of a get, not yet in its last:
+        # reads fill a batch front to back (tcp: each half of it).
+        bufs = self.current[0]
+        return bool((bufs[0][:64] != SENTINEL).any() and (bufs[-1][-64:] == SENTINEL).all())
 
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
@@ -220,37 +273,13 @@ def test_store_sigkill_mid_get_is_a_miss_never_partial_data(tmp_path: Path, tran
         with KVDepotClient(client_config(cl, transport, "victim")) as c:
             assert c.put(keys, [data(k) for k in keys]).stored == len(keys)
 
-        spans: list[tuple[float, float, int]] = []  # start, end, chunks loaded
-        errors: list[BaseException] = []
-        stop = threading.Event()
-        current: list[list[np.ndarray]] = []  # the buffers of the get in flight
         with KVDepotClient(client_config(cl, transport)) as reader:
-
-            def pull() -> None:
-                try:
-                    while not stop.is_set():
-                        bufs = sentinel_buffers(len(keys), MiB)
-                        current[:] = [bufs]
-                        start = time.monotonic()
-                        result = reader.get_into(keys, bufs)
-                        end = time.monotonic()
-                        loaded = tally.add(keys, bufs, result, lambda k: payload(k, MiB))
-                        spans.append((start, end, loaded))
-                except BaseException as exc:  # reported by the assertions below
-                    errors.append(exc)
-
-            t = threading.Thread(target=pull)
-            t.start()
+            loop = LoopedReader(reader, keys, tally)
+            spans, errors = loop.spans, loop.errors
+            loop.thread.start()
             wait_for(lambda: len(spans) >= 2 or errors, 30, "the reader made no progress")
-
-            def mid_transfer() -> bool:
-                # Bytes landed in the first buffer of a get, not yet in its last:
-                # reads fill a batch front to back (tcp: each half of it).
-                bufs = current[0]
-                return bool((bufs[0][:64] != SENTINEL).any() and (bufs[-1][-64:] == SENTINEL).all())
-
             deadline = time.monotonic() + 20
-            while not mid_transfer() and not errors:
+            while not loop.mid_transfer() and not errors:
                 assert time.monotonic() < deadline, "never caught a get mid-transfer"
                 time.sleep(0.0002)
             kill_sent = time.monotonic()
@@ -270,9 +299,9 @@ def test_store_sigkill_mid_get_is_a_miss_never_partial_data(tmp_path: Path, tran
                     "the reader stalled after the kill",
                 )
             finally:
-                stop.set()
-                t.join(30)
-        assert not t.is_alive() and not errors, errors
+                loop.stop.set()
+                loop.thread.join(30)
+        assert not loop.thread.is_alive() and not errors, errors
     before = [n for _, e, n in spans if e < kill_sent]
     assert before and all(n == len(keys) for n in before), "reads before the kill"
     # The kill was sent while a get was moving bytes.
