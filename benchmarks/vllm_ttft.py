@@ -20,6 +20,7 @@ import json
 import statistics
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,64 @@ sys.path.insert(0, str(ROOT))
 from kvdepot.apps.cluster import LocalCluster  # noqa: E402
 from tests.integration.vllm.engine import build_tiny_llama  # noqa: E402
 from tests.integration.vllm.test_connector import run_engine  # noqa: E402
+
+
+@dataclass(frozen=True, slots=True)
+class _Setup:
+    """What every engine of one run is given: the model, the prompts, the chunking."""
+
+    model: str
+    prompts: list[list[int]]
+    warmup: list[list[int]]
+    tokens: int
+    chunk: int
+
+    def spec(self, kv: dict[str, Any] | None) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "prompts": self.prompts,
+            "warmup": self.warmup,
+            "max_tokens": 8,
+            "ttft": True,
+            "kv": kv,
+            "max_model_len": self.tokens + 64,
+        }
+
+    def kv(self, role: str, meta: str, node: str) -> dict[str, Any]:
+        return {
+            "kv_connector": "KVDepotConnector",
+            "kv_connector_module_path": "kvdepot.connector.vllm",
+            "kv_role": role,
+            "kv_connector_extra_config": {
+                "metadata": meta,
+                "chunk_tokens": self.chunk,
+                "node_id": node,
+            },
+        }
+
+
+def _ttft(result: dict[str, Any]) -> float:
+    return statistics.median(o["ttft_s"] for o in result["outputs"])
+
+
+def _run_engines(work: Path, setup: _Setup) -> dict[str, dict[str, Any]]:
+    """Cold, producer, remote-hit and local-hit engines' results, in that order."""
+    log = sys.stderr
+    # The cold engine has vLLM's own prefix cache on: each prompt's TTFT is
+    # measured on its first (cold) run; its output then comes from vLLM's
+    # cached-prefix path, which is what a kvdepot hit must reproduce exactly
+    # (a 1-token prefill over cached KV rounds differently in bf16 than a full
+    # prefill does, and greedy decoding of a random model can flip on that).
+    cold = run_engine(work, {**setup.spec(None), "prefix_caching": True}, "cold")
+    print(f"cold TTFT {_ttft(cold):.3f} s", file=log)
+    with LocalCluster(nodes=2, capacity="2GiB", log_dir=work / "logs", lease_ttl_s=120) as c:
+        meta = c.metadata_address
+        prod = run_engine(work, setup.spec(setup.kv("kv_producer", meta, "store-0")), "producer")
+        remote = run_engine(work, setup.spec(setup.kv("kv_consumer", meta, "store-1")), "remote")
+        print(f"remote-hit TTFT {_ttft(remote):.3f} s", file=log)
+        local = run_engine(work, setup.spec(setup.kv("kv_consumer", meta, "store-0")), "local")
+        print(f"local-hit TTFT {_ttft(local):.3f} s", file=log)
+    return {"cold": cold, "producer": prod, "remote": remote, "local": local}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,55 +110,22 @@ def main(argv: list[str] | None = None) -> int:
     model = str(
         build_tiny_llama(work / "model", layers=layers, hidden=hidden, heads=16, kv_heads=4)
     )
-
-    def spec(kv: dict[str, Any] | None) -> dict[str, Any]:
-        return {
-            "model": model,
-            "prompts": prompts,
-            "warmup": warmup,
-            "max_tokens": 8,
-            "ttft": True,
-            "kv": kv,
-            "max_model_len": tokens + 64,
-        }
-
-    def kv(role: str, meta: str, node: str) -> dict[str, Any]:
-        return {
-            "kv_connector": "KVDepotConnector",
-            "kv_connector_module_path": "kvdepot.connector.vllm",
-            "kv_role": role,
-            "kv_connector_extra_config": {"metadata": meta, "chunk_tokens": chunk, "node_id": node},
-        }
-
-    def ttft(result: dict[str, Any]) -> float:
-        return statistics.median(o["ttft_s"] for o in result["outputs"])
-
-    log = sys.stderr
-    print(f"model: {layers} layers, hidden {hidden}; {count} prompts of {tokens} tokens", file=log)
-    # The cold engine has vLLM's own prefix cache on: each prompt's TTFT is
-    # measured on its first (cold) run; its output then comes from vLLM's
-    # cached-prefix path, which is what a kvdepot hit must reproduce exactly
-    # (a 1-token prefill over cached KV rounds differently in bf16 than a full
-    # prefill does, and greedy decoding of a random model can flip on that).
-    cold = run_engine(work, {**spec(None), "prefix_caching": True}, "cold")
-    print(f"cold TTFT {ttft(cold):.3f} s", file=log)
-    with LocalCluster(nodes=2, capacity="2GiB", log_dir=work / "logs", lease_ttl_s=120) as c:
-        meta = c.metadata_address
-        prod = run_engine(work, spec(kv("kv_producer", meta, "store-0")), "producer")
-        remote = run_engine(work, spec(kv("kv_consumer", meta, "store-1")), "remote")
-        print(f"remote-hit TTFT {ttft(remote):.3f} s", file=log)
-        local = run_engine(work, spec(kv("kv_consumer", meta, "store-0")), "local")
-        print(f"local-hit TTFT {ttft(local):.3f} s", file=log)
+    print(
+        f"model: {layers} layers, hidden {hidden}; {count} prompts of {tokens} tokens",
+        file=sys.stderr,
+    )
+    runs = _run_engines(work, _Setup(model, prompts, warmup, tokens, chunk))
+    cold, remote, local = runs["cold"], runs["remote"], runs["local"]
     tok = [[o["tokens"] for o in r["outputs"]] for r in (cold, remote, local)]
-    full = [o["tokens"] for o in prod["outputs"]]
+    full = [o["tokens"] for o in runs["producer"]["outputs"]]
     result = {
-        "ttft_cold_s": round(ttft(cold), 4),
-        "ttft_remote_hit_s": round(ttft(remote), 4),
-        "ttft_local_hit_s": round(ttft(local), 4),
+        "ttft_cold_s": round(_ttft(cold), 4),
+        "ttft_remote_hit_s": round(_ttft(remote), 4),
+        "ttft_local_hit_s": round(_ttft(local), 4),
         "outputs_equal": all(t == tok[0] for t in tok),
         "outputs_equal_to_full_prefill": all(t == full for t in tok),
-        "remote_over_cold": round(ttft(remote) / ttft(cold), 3),
-        "local_over_cold": round(ttft(local) / ttft(cold), 3),
+        "remote_over_cold": round(_ttft(remote) / _ttft(cold), 3),
+        "local_over_cold": round(_ttft(local) / _ttft(cold), 3),
         "prompt_tokens": tokens,
         "prompts": count,
         "model": {"layers": layers, "hidden": hidden, "heads": 16, "kv_heads": 4},
