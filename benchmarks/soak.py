@@ -6,7 +6,7 @@ client processes, each with its own ``KVDepotClient``, half of them over ``shm``
 and half over ``tcp``. Each client runs a random mix for a bounded time:
 
 * ``publish``: a prompt made of one of a few shared system prompts and a
-  random suffix, keyed with ``kvdepot.metadata.keys.chunk_keys`` as the vLLM
+  random suffix, keyed with ``kvdepot.keys.chunk_keys`` as the vLLM
   connector keys it; shared prefixes are deduplicated by the cluster;
 * ``lookup``: how many leading chunks of a prompt are cached;
 * ``pull``: ``get_into`` buffers poisoned beforehand, then every loaded chunk
@@ -39,6 +39,7 @@ import tempfile
 import time
 import traceback
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -141,7 +142,7 @@ class _Mix:
     """One client's state for the op mix: its client, payloads, buffers and stats."""
 
     def __init__(self, client: Any, work: Workload, stats: ClientStats) -> None:
-        from kvdepot.metadata.keys import Namespace, chunk_keys
+        from kvdepot.keys import Namespace, chunk_keys
 
         self.client = client
         self.work = work
@@ -185,7 +186,7 @@ class _Mix:
                 stats.error_samples.append(f"{op}: {type(exc).__name__}: {exc}")
             time.sleep(0.05)  # a failing cluster must not turn into a busy loop
 
-    def publish(self, keys: list[bytes], size: int, measured: bool) -> float:
+    def publish(self, keys: Sequence[bytes], size: int, measured: bool) -> float:
         data = [self.cache.get(k, size) for k in keys]
         t0 = time.perf_counter()
         put = self.client.put(keys, data)
@@ -197,7 +198,7 @@ class _Mix:
             self.stats.chunks_put_failed += put.failed
         return dt
 
-    def lookup(self, keys: list[bytes], measured: bool) -> float:
+    def lookup(self, keys: Sequence[bytes], measured: bool) -> float:
         t0 = time.perf_counter()
         hits = self.client.lookup(keys)
         dt = time.perf_counter() - t0
@@ -207,7 +208,7 @@ class _Mix:
             self.stats.lookup_hits += hits
         return dt
 
-    def pull(self, keys: list[bytes], size: int, ns: int, measured: bool) -> float:
+    def pull(self, keys: Sequence[bytes], size: int, ns: int, measured: bool) -> float:
         stats = self.stats
         views = [b[:size] for b in self.bufs[: len(keys)]]
         for v in views:
