@@ -718,7 +718,7 @@ def main(argv: list[str] | None = None) -> int:
             if remote:
                 systems.append(KVDepotRemote(cluster))
         if "kvdepot-nixl" in wanted:
-            from kvdepot.store.nixl_agent import nixl_available
+            from kvdepot.wire.nixl import nixl_available
 
             if nixl_available():
                 env = dict(os.environ, KVDEPOT_STORE_NIXL="on", KVDEPOT_STORE_SHM="0")

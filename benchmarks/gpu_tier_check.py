@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from kvdepot.config import parse_size
-from kvdepot.metadata.keys import ChunkKey
+from kvdepot.keys import ChunkKey
 from kvdepot.store.chunks import ChunkStore, checksum
 from kvdepot.store.tiers.cpu import CpuTier
 from kvdepot.store.tiers.gpu import GpuTier

@@ -85,7 +85,7 @@ def kv_error(model: str, metadata: str, prompts: list[list[int]], block: int) ->
     from kvdepot.connector.vllm.layout import layout_from_config, namespace_for
     from kvdepot.connector.vllm.loader import header_bytes
     from kvdepot.connector.vllm.settings import ConnectorSettings
-    from kvdepot.metadata.keys import chunk_keys
+    from kvdepot.keys import chunk_keys
 
     cfg = EngineArgs(
         model=model, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096

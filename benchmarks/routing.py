@@ -53,8 +53,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvdepot.keys import ChunkKey, Namespace, chunk_keys
 from kvdepot.metadata.index import IndexBackend, IndexConfig, create_backend
-from kvdepot.metadata.keys import ChunkKey, Namespace, chunk_keys
 from kvdepot.metadata.routing import Candidate, RoutingWeights, best, score_candidates
 from kvdepot.metadata.types import NodeInfo
 from kvdepot.records import TierStats

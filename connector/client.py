@@ -22,7 +22,7 @@ from kvdepot.connector.transport.arena import ArenaTransport
 from kvdepot.connector.transport.auto import AutoTransport
 from kvdepot.connector.transport.base import GetItem, GetOutcome, PutItem, PutStatus, Transport
 from kvdepot.errors import ClientClosed, InvalidArgument, Unavailable
-from kvdepot.metadata.keys import KEY_BYTES, ChunkKey
+from kvdepot.keys import KEY_BYTES, ChunkKey
 from kvdepot.metadata.lookup_wire import unpack_lookup
 from kvdepot.metadata.types import LookupResult
 from kvdepot.proto.gen import metadata_pb2
@@ -247,7 +247,7 @@ class KVDepotClient:
         go where ``PutStart`` places them, and ``PutEnd`` commits them.
 
         Args:
-            keys: Chunk keys, e.g. from :func:`kvdepot.metadata.keys.chunk_keys`.
+            keys: Chunk keys, e.g. from :func:`kvdepot.keys.chunk_keys`.
             buffers: One buffer per key with the chunk's bytes.
 
         Returns:

@@ -8,7 +8,7 @@ accepts:
   variable, never from a command line (``ps`` would show it to every user of
   the host). When a daemon has one, every gRPC call must carry it
   (``authorization: Bearer <token>``) and every data-plane connection must
-  prove it holds it (see :mod:`kvdepot.store.handshake`); anything else is
+  prove it holds it (see :mod:`kvdepot.wire.handshake`); anything else is
   refused with ``UNAUTHENTICATED`` or a closed connection, and logged once per
   peer and minute, not once per request;
 * optional **tenant tokens**, bound to a tenant name in a daemon's token file

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvdepot.errors import CapacityExceeded, Unavailable
-from kvdepot.metadata.keys import ChunkKey
+from kvdepot.keys import ChunkKey
 from kvdepot.metadata.placement import choose_node
 from kvdepot.metadata.types import Action, Allocation, NodeId, NodeInfo, Replica
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvdepot.errors import InvalidArgument
-from kvdepot.metadata.keys import ChunkKey
+from kvdepot.keys import ChunkKey
 from kvdepot.metadata.types import NodeId
 
 logger = logging.getLogger(__name__)

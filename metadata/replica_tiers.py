@@ -17,7 +17,7 @@ import logging
 from collections.abc import Sequence
 
 from kvdepot.errors import InvalidArgument
-from kvdepot.metadata.keys import ChunkKey
+from kvdepot.keys import ChunkKey
 from kvdepot.metadata.types import TIER_RANK, NodeId
 
 logger = logging.getLogger(__name__)

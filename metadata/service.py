@@ -19,10 +19,10 @@ from kvdepot.errors import (
     Unavailable,
 )
 from kvdepot.health import HealthState
+from kvdepot.keys import KEY_BYTES, ChunkKey
 from kvdepot.metadata.config import MetadataConfig
 from kvdepot.metadata.events import EventsConfig, KVEventPublisher
 from kvdepot.metadata.index import IndexBackend, IndexConfig, create_backend
-from kvdepot.metadata.keys import KEY_BYTES, ChunkKey
 from kvdepot.metadata.lookup_wire import pack_lookup
 from kvdepot.metadata.replica_tiers import record_moves
 from kvdepot.metadata.routing import Candidate, RoutingWeights, best, score_candidates

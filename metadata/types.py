@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from kvdepot.metadata.keys import ChunkKey
+from kvdepot.keys import ChunkKey
 from kvdepot.records import TierStats, TransferRate
 
 NodeId = str

@@ -1,26 +1,11 @@
-"""The records the chunk table hands out: reservations, leases, stats, and the checksum."""
+"""The records the chunk table hands out: reservations, leases, stats."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from kvdepot.errors import CapacityExceeded, InvalidArgument
-from kvdepot.metadata.keys import ChunkKey
-from kvdepot.store.xxh3 import xxh3_64
-
-
-def checksum(data: memoryview | bytes | bytearray) -> int:
-    """The checksum every chunk carries: xxh3-64 of its bytes.
-
-    Computed by the writer over the whole chunk and checked whenever the bytes
-    cross the network or come off disk. Non-byte formats (a memoryview of
-    float16 values, say) are hashed as their raw bytes. Large inputs are
-    hashed without holding the GIL (see :mod:`kvdepot.store.xxh3`).
-    """
-    view = data if isinstance(data, memoryview) else memoryview(data)
-    if view.format != "B" or view.ndim != 1:
-        view = view.cast("B")
-    return xxh3_64(view)
+from kvdepot.keys import ChunkKey
 
 
 class ChunkTooLarge(CapacityExceeded, InvalidArgument):

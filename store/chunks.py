@@ -43,7 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvdepot.errors import CapacityExceeded, Corrupt, InvalidArgument, Unavailable
-from kvdepot.metadata.keys import ChunkKey, validate_key
+from kvdepot.keys import ChunkKey, validate_key
 from kvdepot.records import TierStats
 from kvdepot.store.arena import Arena
 from kvdepot.store.chunk_types import (
@@ -52,13 +52,13 @@ from kvdepot.store.chunk_types import (
     Holding,
     ReadLease,
     Reservation,
-    checksum,
 )
 from kvdepot.store.placement import MovedListener, RemovedListener, TierPlacement
 from kvdepot.store.tiering import Copy, Entry, Level, Mover, State
 from kvdepot.store.tiers.base import TIER_ORDER, Tier, TierLimits
 from kvdepot.store.tiers.cpu import CpuTier
 from kvdepot.store.tiers.policy import TieringOptions
+from kvdepot.wire.xxh3 import checksum
 
 __all__ = [
     "ChunkStore",

@@ -21,7 +21,7 @@ import grpc
 from kvdepot.endpoints import parse_endpoints
 from kvdepot.errors import InvalidArgument, Unavailable
 from kvdepot.health import HealthState
-from kvdepot.metadata.keys import ChunkKey
+from kvdepot.keys import ChunkKey
 from kvdepot.metrics import MetricsServer, StoreCollector, on_loop
 from kvdepot.proto.gen import common_pb2, metadata_pb2, metadata_pb2_grpc, store_pb2, store_pb2_grpc
 from kvdepot.record_wire import tier_stats_to_proto, transfer_to_proto
@@ -30,13 +30,14 @@ from kvdepot.shutdown import finish, uninterrupted
 from kvdepot.store.chunks import ChunkStore
 from kvdepot.store.config import StoreConfig
 from kvdepot.store.dataplane import DataPlaneServer
-from kvdepot.store.host import default_arena_path, rdma_devices, reap_stale_arenas
 from kvdepot.store.identity import instance_identity
 from kvdepot.store.lease import MetadataLease
-from kvdepot.store.nixl_agent import StoreNixlAgent, nixl_available
-from kvdepot.store.protocol import AttachFlags, ProtocolLimits
+from kvdepot.store.nixl_agent import StoreNixlAgent
 from kvdepot.store.throughput import ThroughputMeter
 from kvdepot.store.tiers.factory import build_chunk_store
+from kvdepot.wire.host import default_arena_path, rdma_devices, reap_stale_arenas
+from kvdepot.wire.nixl import nixl_available
+from kvdepot.wire.protocol import AttachFlags, ProtocolLimits
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The ``tcp`` data plane server: chunk bytes in and out of the DRAM arena.
 
 One thread per connection, each looping over requests (see
-:mod:`kvdepot.store.protocol` for the wire format). The threads spend their
+:mod:`kvdepot.wire.protocol` for the wire format). The threads spend their
 time in ``recv_into``/``sendmsg``, which release the GIL, so connections
 proceed in parallel.
 
@@ -38,11 +38,13 @@ import time
 
 from kvdepot.auth import Authenticator, RefusalLog, peer_host
 from kvdepot.errors import CapacityExceeded, InvalidArgument, Unavailable
-from kvdepot.metadata.keys import KEY_BYTES
+from kvdepot.keys import KEY_BYTES
 from kvdepot.store.chunks import ChunkStore, ReadLease, Reservation, checksum
-from kvdepot.store.handshake import ServerHandshake
-from kvdepot.store.host import host_identity
-from kvdepot.store.protocol import (
+from kvdepot.store.session import HeldListener, Session
+from kvdepot.store.watchdog import RequestWatchdog
+from kvdepot.wire.handshake import ServerHandshake
+from kvdepot.wire.host import host_identity
+from kvdepot.wire.protocol import (
     CHECKSUM,
     COMMIT_ENTRY,
     GET_ENTRY,
@@ -84,8 +86,6 @@ from kvdepot.store.protocol import (
     unpack_lease_ids,
     unpack_put_entries,
 )
-from kvdepot.store.session import HeldListener, Session
-from kvdepot.store.watchdog import RequestWatchdog
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ class DataPlaneServer:
         max_connections: Connections served at once; more are answered
             ERROR and closed.
         auth: When it holds tokens, every connection must prove it holds
-            one before anything else (see :mod:`kvdepot.store.handshake`).
+            one before anything else (see :mod:`kvdepot.wire.handshake`).
         verify_shm_commits: Hash again what ``shm`` clients copied into the
             arena before committing it (see :class:`~kvdepot.store.session.Session`).
 

@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable
 
 from kvdepot.errors import CapacityExceeded, KVDepotError, Unavailable
-from kvdepot.metadata.keys import ChunkKey
+from kvdepot.keys import ChunkKey
 from kvdepot.store.tiering import Copy, Entry, Level
 from kvdepot.store.tiers.cpu import CpuTier
 from kvdepot.store.tiers.policy import TieringOptions

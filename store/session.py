@@ -22,9 +22,9 @@ from collections.abc import Callable, Sequence
 
 from kvdepot.auth import tenant_key
 from kvdepot.errors import CapacityExceeded, InvalidArgument
-from kvdepot.metadata.keys import ChunkKey
+from kvdepot.keys import ChunkKey
 from kvdepot.store.chunks import ChunkStore, ReadLease, Reservation, checksum
-from kvdepot.store.protocol import (
+from kvdepot.wire.protocol import (
     AttachKind,
     CommitEntry,
     ErrorCode,

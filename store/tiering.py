@@ -23,7 +23,7 @@ import time
 from typing import TYPE_CHECKING
 
 from kvdepot.errors import CapacityExceeded, KVDepotError, Unavailable
-from kvdepot.metadata.keys import ChunkKey
+from kvdepot.keys import ChunkKey
 from kvdepot.records import TierStats
 from kvdepot.store.tiers.base import Tier
 from kvdepot.store.tiers.policy import create_policy

@@ -31,7 +31,7 @@ from lmcache.v1.protocol import RemoteMetadata
 
 from kvdepot.connector.client import GetResult, KVDepotClient
 from kvdepot.errors import InvalidArgument
-from kvdepot.metadata.keys import ChunkKey
+from kvdepot.keys import ChunkKey
 
 logger = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ from kvdepot.connector.lmcache.chunks import (
 from kvdepot.connector.lmcache.keys import chunk_key
 from kvdepot.connector.lmcache.settings import PluginSettings, resolve
 from kvdepot.errors import InvalidArgument, KVDepotError
-from kvdepot.metadata.keys import ChunkKey
+from kvdepot.keys import ChunkKey
 
 logger = logging.getLogger(__name__)
 

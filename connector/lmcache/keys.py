@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import xxhash
 
 from kvdepot.errors import InvalidArgument
-from kvdepot.metadata.keys import ChunkKey
+from kvdepot.keys import ChunkKey
 
 SCHEME = b"lmcache-v1"
 ENCODINGS = ("raw", "framed")

@@ -20,8 +20,8 @@ from kvdepot.connector.transport.tcp import (
     split_batches,
 )
 from kvdepot.errors import KVDepotError, Unauthenticated
-from kvdepot.metadata.keys import ChunkKey
-from kvdepot.store.protocol import ProtocolLimits
+from kvdepot.keys import ChunkKey
+from kvdepot.wire.protocol import ProtocolLimits
 
 logger = logging.getLogger(__name__)
 

@@ -26,10 +26,10 @@ from kvdepot.connector.transport.base import GetItem, GetOutcome, PutItem, PutSt
 from kvdepot.connector.transport.shm import ShmTransport
 from kvdepot.connector.transport.tcp import TcpTransport
 from kvdepot.errors import InvalidArgument, KVDepotError
-from kvdepot.metadata.keys import ChunkKey
+from kvdepot.keys import ChunkKey
 from kvdepot.security import SecurityConfig
-from kvdepot.store.host import rdma_devices
-from kvdepot.store.protocol import ProtocolLimits
+from kvdepot.wire.host import rdma_devices
+from kvdepot.wire.protocol import ProtocolLimits
 
 logger = logging.getLogger(__name__)
 

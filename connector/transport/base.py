@@ -20,7 +20,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvdepot.metadata.keys import ChunkKey
+from kvdepot.keys import ChunkKey
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,7 +30,7 @@ class PutItem:
     Attributes:
         key: The chunk's key.
         data: The chunk's bytes (any contiguous buffer; sent without copying).
-        checksum: xxh3-64 of ``data``, see :func:`kvdepot.store.chunks.checksum`;
+        checksum: xxh3-64 of ``data``, see :func:`kvdepot.wire.xxh3.checksum`;
             ``None`` lets the transport compute it while it reads ``data`` for
             sending or copying (one pass over memory instead of two). Either
             way, bytes that do not match it are not stored (``CORRUPT``).

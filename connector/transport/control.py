@@ -23,9 +23,9 @@ from collections.abc import Sequence
 
 from kvdepot.endpoints import parse_endpoint
 from kvdepot.errors import InvalidArgument, KVDepotError, Unavailable
-from kvdepot.metadata.keys import ChunkKey
-from kvdepot.store.handshake import authenticate
-from kvdepot.store.protocol import (
+from kvdepot.keys import ChunkKey
+from kvdepot.wire.handshake import authenticate
+from kvdepot.wire.protocol import (
     LEASE_REPLY_ENTRY,
     MAX_ATTACH_BODY,
     RESERVE_REPLY_ENTRY,
@@ -75,7 +75,7 @@ def connect(
     """A blocking data-plane connection with kernel I/O timeouts and no Nagle delay.
 
     With a ``token`` the connection first proves it holds it (see
-    :mod:`kvdepot.store.handshake`).
+    :mod:`kvdepot.wire.handshake`).
 
     Raises:
         Unavailable: If the store cannot be reached.

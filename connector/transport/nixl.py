@@ -47,12 +47,12 @@ from kvdepot.connector.transport.tcp import (
 )
 from kvdepot.errors import InvalidArgument, KVDepotError, Unauthenticated, Unavailable
 from kvdepot.grpc_errors import from_grpc
-from kvdepot.metadata.keys import ChunkKey
+from kvdepot.keys import ChunkKey
 from kvdepot.proto.gen import store_pb2, store_pb2_grpc
 from kvdepot.security import SecurityConfig
 from kvdepot.security import channel as secure_channel
-from kvdepot.store.nixl_agent import create_agent, nixl_available
-from kvdepot.store.protocol import (
+from kvdepot.wire.nixl import create_agent, nixl_available
+from kvdepot.wire.protocol import (
     AttachFlags,
     AttachInfo,
     AttachKind,
@@ -65,7 +65,7 @@ from kvdepot.store.protocol import (
     PutCode,
     PutEntry,
 )
-from kvdepot.store.xxh3 import xxh3_64
+from kvdepot.wire.xxh3 import xxh3_64
 
 logger = logging.getLogger(__name__)
 

@@ -52,10 +52,10 @@ from kvdepot.connector.transport.tcp import (
     TcpTransport,
 )
 from kvdepot.errors import InvalidArgument, KVDepotError, Unauthenticated, Unavailable
-from kvdepot.metadata.keys import ChunkKey
+from kvdepot.keys import ChunkKey
 from kvdepot.security import SecurityConfig
-from kvdepot.store.host import host_identity
-from kvdepot.store.protocol import (
+from kvdepot.wire.host import host_identity
+from kvdepot.wire.protocol import (
     HASH_BLOCK,
     AttachFlags,
     AttachInfo,
@@ -70,7 +70,7 @@ from kvdepot.store.protocol import (
     PutCode,
     PutEntry,
 )
-from kvdepot.store.xxh3 import BlockHasher, xxh3_64
+from kvdepot.wire.xxh3 import BlockHasher, xxh3_64
 
 logger = logging.getLogger(__name__)
 

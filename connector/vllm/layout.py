@@ -21,7 +21,7 @@ from typing import Any
 
 from kvdepot.connector.vllm.settings import ConnectorSettings
 from kvdepot.errors import InvalidArgument
-from kvdepot.metadata.keys import Namespace
+from kvdepot.keys import Namespace
 
 
 @dataclass(frozen=True, slots=True)

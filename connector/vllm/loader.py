@@ -31,8 +31,8 @@ import numpy as np
 from kvdepot.connector.client import KVDepotClient
 from kvdepot.connector.codec.base import HEADER_BYTES as CODEC_HEADER_BYTES
 from kvdepot.errors import InvalidArgument, KVDepotError
-from kvdepot.metadata.keys import ChunkKey
-from kvdepot.store.chunks import checksum
+from kvdepot.keys import ChunkKey
+from kvdepot.wire.xxh3 import checksum
 
 logger = logging.getLogger(__name__)
 

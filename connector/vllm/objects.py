@@ -20,7 +20,7 @@ from kvdepot.connector.codec.base import HEADER_BYTES as CODEC_HEADER_BYTES
 from kvdepot.connector.codec.base import KVCodec
 from kvdepot.connector.vllm.loader import header_bytes
 from kvdepot.connector.vllm.plan import KVObject
-from kvdepot.store.chunks import checksum
+from kvdepot.wire.xxh3 import checksum
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,7 @@
 The unit moved is a *KV object*: a whole chunk (``blocks_per_chunk`` engine
 blocks under its chained chunk key) or one block of a prompt's tail (the
 whole blocks after its last whole chunk, each under a block key chained from
-that chunk's key, see :func:`kvdepot.metadata.keys.block_keys`). Both have
+that chunk's key, see :func:`kvdepot.keys.block_keys`). Both have
 the same layer-major format; only their number of blocks differs.
 
 Blocks are named per KV cache group (see
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from kvdepot.metadata.keys import ChunkKey, Namespace, block_keys, chunk_keys
+from kvdepot.keys import ChunkKey, Namespace, block_keys, chunk_keys
 
 # vLLM's placeholder for a block a sliding-window group does not keep
 # (outside its window): nothing is read from or written to it.

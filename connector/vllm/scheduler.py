@@ -33,7 +33,7 @@ from kvdepot.connector.vllm.plan import (
 from kvdepot.connector.vllm.settings import ConnectorSettings
 from kvdepot.connector.vllm.stats import Counters
 from kvdepot.errors import KVDepotError
-from kvdepot.metadata.keys import ChunkKey, Namespace, shard_key
+from kvdepot.keys import ChunkKey, Namespace, shard_key
 from kvdepot.repeat_log import RepeatLog
 
 if TYPE_CHECKING:

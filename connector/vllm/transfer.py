@@ -27,7 +27,7 @@ from kvdepot.connector.vllm.objects import ObjectFormat, StagedGroup, stage
 from kvdepot.connector.vllm.plan import LoadPlan
 from kvdepot.connector.vllm.stats import Counters
 from kvdepot.errors import KVDepotError
-from kvdepot.metadata.keys import ChunkKey
+from kvdepot.keys import ChunkKey
 from kvdepot.repeat_log import RepeatLog
 
 logger = logging.getLogger(__name__)

@@ -34,7 +34,7 @@ from kvdepot.connector.vllm.settings import ConnectorSettings
 from kvdepot.connector.vllm.stats import Counters
 from kvdepot.connector.vllm.transfer import Fetcher, FetchJob, Publisher
 from kvdepot.errors import Corrupt, KVDepotError
-from kvdepot.metadata.keys import Namespace, shard_key
+from kvdepot.keys import Namespace, shard_key
 from kvdepot.repeat_log import RepeatLog
 
 logger = logging.getLogger(__name__)

@@ -290,7 +290,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 # -- proxy --------------------------------------------------------------------
 def cmd_proxy(args: argparse.Namespace) -> int:
-    from kvdepot.metadata.keys import Namespace
+    from kvdepot.keys import Namespace
     from kvdepot.proxy.router import parse_node_map
     from kvdepot.proxy.server import ProxyConfig, serve
 

@@ -100,7 +100,7 @@ def run_prefill(
     o: DemoOptions, metadata: str, node_id: str, security: SecurityConfig | None = None
 ) -> dict[str, Any]:
     """Publish every prompt's chunks; returns counts and timings."""
-    from kvdepot.metadata.keys import Namespace, chunk_keys
+    from kvdepot.keys import Namespace, chunk_keys
 
     ns = Namespace(NAMESPACE_MODEL, chunk_tokens=CHUNK_TOKENS)
     size = parse_size(o.chunk_bytes)
@@ -134,7 +134,7 @@ def run_decode(
     o: DemoOptions, metadata: str, node_id: str, security: SecurityConfig | None = None
 ) -> dict[str, Any]:
     """Look up and pull every prompt (and new ones); verify every byte."""
-    from kvdepot.metadata.keys import Namespace, chunk_keys
+    from kvdepot.keys import Namespace, chunk_keys
 
     ns = Namespace(NAMESPACE_MODEL, chunk_tokens=CHUNK_TOKENS)
     size = parse_size(o.chunk_bytes)

@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 
 from kvdepot.errors import InvalidArgument
-from kvdepot.metadata.keys import ChunkKey, Namespace, chunk_keys
+from kvdepot.keys import ChunkKey, Namespace, chunk_keys
 from kvdepot.proto.gen import metadata_pb2, metadata_pb2_grpc
 from kvdepot.security import SecurityConfig, aio_channel
 

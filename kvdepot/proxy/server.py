@@ -22,7 +22,7 @@ from typing import Any
 
 from kvdepot.config import Port, positive, setting, validate
 from kvdepot.errors import InvalidArgument, Unavailable
-from kvdepot.metadata.keys import ChunkKey, Namespace
+from kvdepot.keys import ChunkKey, Namespace
 from kvdepot.proxy.router import ROUTING_MODES, Choice, EnginePool, KVRouter, prompt_keys
 from kvdepot.security import SecurityConfig
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvdepot.errors import InvalidArgument, NodeIdTaken, StaleRegistration
-from kvdepot.metadata.keys import ChunkKey
+from kvdepot.keys import ChunkKey
 from kvdepot.metadata.types import (
     Allocation,
     IndexStats,

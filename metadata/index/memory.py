@@ -11,6 +11,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from kvdepot.keys import ChunkKey
 from kvdepot.metadata.admission import ABSENT, KeyState, admit
 from kvdepot.metadata.index.base import (
     IndexBackend,
@@ -19,7 +20,6 @@ from kvdepot.metadata.index.base import (
     node_id_taken,
     stale_registration,
 )
-from kvdepot.metadata.keys import ChunkKey
 from kvdepot.metadata.replica_tiers import ReplicaTierIndex
 from kvdepot.metadata.types import (
     TIER_RANK,

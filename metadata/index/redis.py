@@ -70,6 +70,7 @@ from typing import Any
 from redis.asyncio import Redis, RedisCluster
 
 from kvdepot.errors import InvalidArgument
+from kvdepot.keys import ChunkKey
 from kvdepot.metadata.admission import Admission, KeyState, admit, settle_lost
 from kvdepot.metadata.index import redis_scripts as scripts
 from kvdepot.metadata.index.base import (
@@ -79,7 +80,6 @@ from kvdepot.metadata.index.base import (
     stale_registration,
 )
 from kvdepot.metadata.index.redis_client import Connection, connect, flat, guarded, split_url
-from kvdepot.metadata.keys import ChunkKey
 from kvdepot.metadata.replica_tiers import ReplicaTierIndex
 from kvdepot.metadata.types import (
     TIER_RANK,

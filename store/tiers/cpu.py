@@ -21,7 +21,7 @@ import contextlib
 import logging
 
 from kvdepot.errors import Unavailable
-from kvdepot.metadata.keys import ChunkKey
+from kvdepot.keys import ChunkKey
 from kvdepot.store.allocator import Allocator
 from kvdepot.store.arena import Arena
 from kvdepot.store.tiers.base import AllocatorSpace, Tier, TierLimits

@@ -22,7 +22,7 @@ from types import ModuleType
 from typing import Any
 
 from kvdepot.errors import InvalidArgument, Unavailable
-from kvdepot.metadata.keys import ChunkKey
+from kvdepot.keys import ChunkKey
 from kvdepot.store.allocator import Allocator
 from kvdepot.store.tiers.base import AllocatorSpace, Tier, TierLimits
 

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvdepot.errors import CapacityExceeded, Unavailable
-from kvdepot.metadata.keys import ChunkKey
-from kvdepot.store.xxh3 import xxh3_64
+from kvdepot.keys import ChunkKey
+from kvdepot.wire.xxh3 import xxh3_64
 
 logger = logging.getLogger(__name__)
 

@@ -43,11 +43,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvdepot.errors import Corrupt, InvalidArgument, KVDepotError, Unavailable
-from kvdepot.metadata.keys import ChunkKey
+from kvdepot.keys import ChunkKey
 from kvdepot.store.config import FSYNC_POLICIES
 from kvdepot.store.tiers import segments as fmt
 from kvdepot.store.tiers.base import RecoveredChunk, Tier, TierLimits
-from kvdepot.store.xxh3 import xxh3_64
+from kvdepot.wire.xxh3 import xxh3_64
 
 logger = logging.getLogger(__name__)
 

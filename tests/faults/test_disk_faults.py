@@ -23,7 +23,7 @@ import pytest
 
 from kvdepot.apps.cluster import LocalCluster
 from kvdepot.connector.client import ClientConfig, KVDepotClient
-from kvdepot.metadata.keys import ChunkKey, Namespace, chunk_keys
+from kvdepot.keys import ChunkKey, Namespace, chunk_keys
 from kvdepot.proto.gen import common_pb2
 from kvdepot.store.tiers import segments as fmt
 from tests.faults.support import ReadTally, payload, sentinel_buffers, store_stats, wait_for

@@ -25,7 +25,7 @@ import pytest
 from kvdepot.apps.cluster import LocalCluster, wait_ready
 from kvdepot.connector.client import ClientConfig, KVDepotClient, PutResult
 from kvdepot.errors import Unavailable
-from kvdepot.metadata.keys import ChunkKey, Namespace, chunk_keys
+from kvdepot.keys import ChunkKey, Namespace, chunk_keys
 from tests.conftest import _redis_binaries, _start_redis, _stop_redis, free_port
 from tests.faults.support import ReadTally, sentinel_buffers
 

@@ -21,7 +21,7 @@ import pytest
 from kvdepot.apps.cluster import LocalCluster
 from kvdepot.connector.client import ClientConfig, KVDepotClient
 from kvdepot.errors import Unavailable
-from kvdepot.metadata.keys import Namespace, chunk_keys
+from kvdepot.keys import Namespace, chunk_keys
 from tests.conftest import _redis_binaries, _start_redis, _stop_redis, free_port
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration, pytest.mark.redis]

@@ -17,9 +17,9 @@ import pytest
 from kvdepot.apps.cluster import LocalCluster
 from kvdepot.connector.client import ClientConfig, KVDepotClient
 from kvdepot.errors import CapacityExceeded, InvalidArgument, Unavailable
-from kvdepot.metadata.keys import ChunkKey, Namespace, chunk_keys
+from kvdepot.keys import ChunkKey, Namespace, chunk_keys
 from kvdepot.proto.gen import common_pb2, metadata_pb2, metadata_pb2_grpc
-from kvdepot.store import protocol as p
+from kvdepot.wire import protocol as p
 from tests.integration.hostile import (
     MiB,
     closed_by_peer,
@@ -87,7 +87,7 @@ def test_malformed_frames_get_an_error_and_the_store_keeps_serving(
 def test_client_that_disconnects_mid_put_leaves_nothing_visible(
     cluster: LocalCluster, client: KVDepotClient
 ) -> None:
-    from kvdepot.store import protocol
+    from kvdepot.wire import protocol
 
     keys = chunk_keys(NS, [7] * 8)
     # Announce a 1 MiB chunk, send a part of it, vanish.

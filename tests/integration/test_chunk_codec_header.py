@@ -8,7 +8,7 @@ import numpy as np
 from kvdepot.connector.client import KVDepotClient
 from kvdepot.connector.codec import CodecHeader
 from kvdepot.connector.vllm.loader import LayerLoader, header_bytes, write_header
-from kvdepot.metadata.keys import ChunkKey, Namespace, chunk_keys
+from kvdepot.keys import ChunkKey, Namespace, chunk_keys
 
 LAYERS = 3
 LAYER_BYTES = 4096

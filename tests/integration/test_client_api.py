@@ -31,7 +31,7 @@ from kvdepot.errors import (
     StaleRegistration,
     Unavailable,
 )
-from kvdepot.metadata.keys import Namespace, chunk_keys
+from kvdepot.keys import Namespace, chunk_keys
 from kvdepot.proto.gen import metadata_pb2
 
 pytestmark = pytest.mark.integration

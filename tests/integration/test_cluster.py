@@ -16,7 +16,7 @@ import pytest
 
 from kvdepot.apps.cluster import LocalCluster, wait_nodes, wait_ready
 from kvdepot.connector.client import ClientConfig, KVDepotClient
-from kvdepot.metadata.keys import Namespace, chunk_keys
+from kvdepot.keys import Namespace, chunk_keys
 from kvdepot.proto.gen import store_pb2, store_pb2_grpc
 from tests.integration.hostile import wait_for
 
@@ -39,7 +39,7 @@ PULL_SCRIPT = r"""
 import hashlib, json, sys
 import numpy as np
 from kvdepot.connector.client import ClientConfig, KVDepotClient
-from kvdepot.metadata.keys import Namespace, chunk_keys
+from kvdepot.keys import Namespace, chunk_keys
 metadata, size = sys.argv[1], int(sys.argv[2])
 tokens = json.loads(sys.stdin.read())
 keys = chunk_keys(Namespace("test/model", chunk_tokens=16), tokens)

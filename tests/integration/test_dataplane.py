@@ -23,10 +23,10 @@ from kvdepot.connector.transport import (
     create_transport,
 )
 from kvdepot.errors import CapacityExceeded, InvalidArgument
-from kvdepot.metadata.keys import ChunkKey
-from kvdepot.store import protocol as p
+from kvdepot.keys import ChunkKey
 from kvdepot.store.chunks import ChunkStore, checksum
 from kvdepot.store.dataplane import DataPlaneServer
+from kvdepot.wire import protocol as p
 
 pytestmark = pytest.mark.integration
 

@@ -36,10 +36,10 @@ from hypothesis import strategies as st
 from kvdepot.apps.cluster import LocalCluster
 from kvdepot.connector.client import ClientConfig, KVDepotClient
 from kvdepot.connector.transport import TcpTransport
-from kvdepot.metadata.keys import ChunkKey, Namespace, chunk_keys
+from kvdepot.keys import ChunkKey, Namespace, chunk_keys
 from kvdepot.proto.gen import common_pb2, metadata_pb2, metadata_pb2_grpc
-from kvdepot.store import protocol as p
 from kvdepot.store.chunks import checksum
+from kvdepot.wire import protocol as p
 from tests.conftest import FuzzBudget
 from tests.integration.hostile import (
     MiB,

@@ -19,7 +19,7 @@ import pytest
 from kvdepot.apps.cluster import LocalCluster
 from kvdepot.connector.client import ClientConfig, KVDepotClient
 from kvdepot.connector.transport import PutItem, PutStatus
-from kvdepot.metadata.keys import ChunkKey
+from kvdepot.keys import ChunkKey
 from tests.integration.test_cluster import payload, store_stats
 from tests.integration.test_put_path import CallLog
 

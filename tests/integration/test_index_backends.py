@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from kvdepot.errors import CapacityExceeded, NodeIdTaken, StaleRegistration, Unavailable
+from kvdepot.keys import ChunkKey
 from kvdepot.metadata.index import IndexBackend, IndexConfig, create_backend
-from kvdepot.metadata.keys import ChunkKey
 from kvdepot.metadata.types import (
     COUNT_HITS,
     COUNT_NONE,

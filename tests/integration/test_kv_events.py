@@ -18,9 +18,9 @@ import grpc
 import pytest
 
 from kvdepot.apps.cluster import wait_ready
+from kvdepot.keys import Namespace, chunk_keys
 from kvdepot.metadata.config import MetadataConfig
 from kvdepot.metadata.events import END_SEQ, EventsConfig, block_stored, decode_batch, encode_batch
-from kvdepot.metadata.keys import Namespace, chunk_keys
 from kvdepot.metadata.service import MetadataServer
 from kvdepot.proto.gen import common_pb2, metadata_pb2, metadata_pb2_grpc
 

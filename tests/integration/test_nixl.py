@@ -23,8 +23,8 @@ from collections.abc import Iterator
 import pytest
 
 from kvdepot.apps.cluster import LocalCluster
-from kvdepot.metadata.keys import ChunkKey
-from kvdepot.store.nixl_agent import nixl_available
+from kvdepot.keys import ChunkKey
+from kvdepot.wire.nixl import nixl_available
 from tests.integration.test_transports import DYING_CLIENT, MiB, used_bytes, wait_for
 
 pytestmark = [

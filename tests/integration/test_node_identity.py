@@ -26,7 +26,7 @@ import pytest
 
 from kvdepot.apps.cluster import LocalCluster, wait_ready, wait_registered
 from kvdepot.connector.client import ClientConfig, KVDepotClient
-from kvdepot.metadata.keys import Namespace, chunk_keys
+from kvdepot.keys import Namespace, chunk_keys
 from tests.integration.hostile import wait_for
 
 pytestmark = pytest.mark.integration

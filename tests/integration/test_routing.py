@@ -11,7 +11,7 @@ import pytest
 
 from kvdepot.apps.cluster import LocalCluster
 from kvdepot.connector.client import ClientConfig, KVDepotClient
-from kvdepot.metadata.keys import Namespace, chunk_keys
+from kvdepot.keys import Namespace, chunk_keys
 from kvdepot.proto.gen import metadata_pb2, metadata_pb2_grpc
 
 pytestmark = pytest.mark.integration

@@ -18,7 +18,7 @@ import pytest
 from kvdepot.apps.cluster import LocalCluster
 from kvdepot.connector.client import ClientConfig, KVDepotClient
 from kvdepot.connector.transport import GetItem, ShmTransport
-from kvdepot.metadata.keys import ChunkKey, Namespace, chunk_keys
+from kvdepot.keys import ChunkKey, Namespace, chunk_keys
 from kvdepot.proto.gen import common_pb2, store_pb2, store_pb2_grpc
 
 pytestmark = pytest.mark.integration

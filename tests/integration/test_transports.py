@@ -31,11 +31,11 @@ from kvdepot.connector.transport import (
     create_transport,
 )
 from kvdepot.errors import Unavailable
-from kvdepot.metadata.keys import ChunkKey
+from kvdepot.keys import ChunkKey
 from kvdepot.proto.gen import store_pb2, store_pb2_grpc
-from kvdepot.store import protocol as p
 from kvdepot.store.chunks import ChunkStore, checksum
 from kvdepot.store.dataplane import DataPlaneServer
+from kvdepot.wire import protocol as p
 
 pytestmark = pytest.mark.integration
 
@@ -303,8 +303,8 @@ DYING_CLIENT = textwrap.dedent(
     """
     import os, sys, time
     from kvdepot.connector.transport.control import ControlPool
-    from kvdepot.store import protocol as p
-    from kvdepot.metadata.keys import ChunkKey
+    from kvdepot.wire import protocol as p
+    from kvdepot.keys import ChunkKey
     address, mode, key_hex = sys.argv[1], sys.argv[2], sys.argv[3]
     conn = ControlPool(p.AttachKind.SHM, 5, 5).checkout(address)
     key = ChunkKey(bytes.fromhex(key_hex))

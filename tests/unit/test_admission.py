@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from kvdepot.errors import CapacityExceeded, Unavailable
+from kvdepot.keys import ChunkKey
 from kvdepot.metadata.admission import ABSENT, KeyState, admit, settle_lost
-from kvdepot.metadata.keys import ChunkKey
 from kvdepot.metadata.types import Action, Allocation, NodeInfo, Replica
 from kvdepot.records import TierStats
 

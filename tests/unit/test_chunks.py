@@ -13,7 +13,7 @@ import pytest
 import xxhash
 
 from kvdepot.errors import CapacityExceeded, InvalidArgument, Unavailable
-from kvdepot.metadata.keys import ChunkKey
+from kvdepot.keys import ChunkKey
 from kvdepot.store.arena import Arena
 from kvdepot.store.chunks import ChunkStore, ChunkTooLarge, checksum
 

@@ -18,7 +18,7 @@ from kvdepot.errors import (
     Unavailable,
 )
 from kvdepot.grpc_errors import ERROR_TYPE_KEY, error_metadata, from_grpc, status_code
-from kvdepot.store.protocol import AuthRefused
+from kvdepot.wire.protocol import AuthRefused
 
 
 class FakeRpcError(grpc.RpcError):

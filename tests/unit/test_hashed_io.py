@@ -1,4 +1,4 @@
-"""Hashing while sending and receiving (store/sockets.py) and the shm copy."""
+"""Hashing while sending and receiving (kvdepot/wire/sockets.py) and the shm copy."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from kvdepot.connector.transport.shm import Copier, copy_hashed
 from kvdepot.store.chunks import checksum
-from kvdepot.store.sockets import CHECKSUM_SIZE, recv_exact, recv_hashed_into, send_hashed
+from kvdepot.wire.sockets import CHECKSUM_SIZE, recv_exact, recv_hashed_into, send_hashed
 
 
 def test_send_hashed_then_recv_hashed_agree_with_checksum() -> None:
@@ -53,7 +53,7 @@ def test_copy_hashed_copies_and_hashes_either_side() -> None:
 def test_xxh3_without_the_gil_matches_xxhash() -> None:
     import xxhash
 
-    from kvdepot.store.xxh3 import Xxh3Stream, xxh3_64
+    from kvdepot.wire.xxh3 import Xxh3Stream, xxh3_64
 
     for n in (0, 1, 1000, 64 << 10, (1 << 20) + 7):
         data = memoryview(os.urandom(n))

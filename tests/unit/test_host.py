@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvdepot.store import host
+from kvdepot.wire import host
 
 
 def dead_pid() -> int:

@@ -1,25 +1,22 @@
 """The import rules of pyproject.toml's ``[tool.importlinter]``, checked with lint-imports.
 
-Held now: the shared layer (errors, grpc_errors, registry, endpoints, records,
+Held now: the shared layer (every module and package directly in kvdepot/ but
+the applications: errors, grpc_errors, registry, endpoints, records,
 record_wire, config, security, auth, health, request_guard, metrics, logs,
-shutdown, repeat_log: every module directly in kvdepot/) imports nothing of
-metadata, store or connector, nor of the applications (kvdepot.apps: the
-command, local cluster, demo, certs, stats; kvdepot.proxy: the proxy and its
-router); store, metadata, connector and proto import no application; the
-store imports no connector; the metadata service imports neither the store nor
-the connector; kvdepot.errors imports no gRPC.
+shutdown, repeat_log, keys, and kvdepot/wire, the data plane's wire both ends
+import) imports nothing of metadata, store or connector, nor of the
+applications (kvdepot.apps: the command, local cluster, demo, certs, stats;
+kvdepot.proxy: the proxy and its router); store, metadata, connector and proto
+import no application; the store imports no connector and the connector no
+store; the metadata service imports neither the store nor the connector;
+kvdepot.errors imports no gRPC. A vLLM worker that loads the connector loads
+no kvdepot.store module (checked by importing it).
 
 Still to be moved before the rest of issue 18's rules can be contracts (they
-are not claimed, and nothing is ignored to make the ones above pass):
-
-- the connector imports the store's wire modules (store/protocol.py,
-  sockets.py, handshake.py, xxh3.py, host.py, nixl_agent.py) and
-  connector/vllm imports store/chunks.py: the data-plane wire package both
-  ends import is not there yet, so "connector -> shared layer only" and "a
-  vLLM worker loads no kvdepot.store module" do not hold;
-- metadata/keys.py, the types and the lookup packing are imported by store
-  and connector: they are the shared vocabulary but still live in metadata/,
-  so "store and connector never import metadata" does not hold.
+are not claimed, and nothing is ignored to make the ones above pass): the
+shared record types (metadata/types.py) and the lookup packing
+(metadata/lookup_wire.py) are imported by store and connector, so "store and
+connector never import metadata" does not hold.
 """
 
 from __future__ import annotations
@@ -64,4 +61,26 @@ def test_every_module_beside_the_shared_layer_is_in_its_contract() -> None:
     shared = next(c for c in contracts if c["name"].startswith("the shared layer"))
     assert {"kvdepot.apps", "kvdepot.proxy"} <= set(shared["forbidden_modules"])
     top = {f"kvdepot.{p.stem}" for p in (ROOT / "kvdepot").glob("*.py") if p.stem != "__init__"}
-    assert top == set(shared["source_modules"])
+    packages = {
+        f"kvdepot.{p.parent.name}"
+        for p in (ROOT / "kvdepot").glob("*/__init__.py")
+        if p.parent.name not in ("apps", "proxy")
+    }
+    assert top | packages == set(shared["source_modules"])
+
+
+def test_a_vllm_worker_loading_the_connector_loads_no_store_module() -> None:
+    code = (
+        "import sys\n"
+        "import kvdepot.connector.vllm, kvdepot.connector.client\n"
+        "from kvdepot.connector.transport import create_transport\n"
+        "print(sorted(m for m in sys.modules if m.startswith('kvdepot.store')))\n"
+    )
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        code = code.replace("kvdepot.connector.vllm, ", "")  # the client and transports still
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout

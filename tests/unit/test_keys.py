@@ -13,7 +13,7 @@ import pytest
 import xxhash
 
 from kvdepot.errors import InvalidArgument
-from kvdepot.metadata.keys import (
+from kvdepot.keys import (
     Namespace,
     block_keys,
     chunk_keys,
@@ -121,7 +121,7 @@ def test_bad_inputs() -> None:
 
 def test_same_keys_in_other_processes_whatever_the_hash_seed() -> None:
     code = (
-        "from kvdepot.metadata.keys import Namespace, chunk_keys;"
+        "from kvdepot.keys import Namespace, chunk_keys;"
         "print(chunk_keys(Namespace('m', extra=('a','b')), list(range(512)))[1].hex())"
     )
     outs = set()

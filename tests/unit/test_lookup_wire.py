@@ -8,9 +8,9 @@ import time
 import pytest
 
 from kvdepot.errors import Corrupt
+from kvdepot.keys import ChunkKey
 from kvdepot.metadata.index.base import IndexConfig
 from kvdepot.metadata.index.memory import MemoryIndex
-from kvdepot.metadata.keys import ChunkKey
 from kvdepot.metadata.lookup_wire import pack_lookup, unpack_lookup
 from kvdepot.metadata.types import (
     InventoryItem,

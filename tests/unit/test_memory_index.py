@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from kvdepot.errors import Unavailable
+from kvdepot.keys import ChunkKey
 from kvdepot.metadata.index import IndexConfig, create_backend
-from kvdepot.metadata.keys import ChunkKey
 from kvdepot.metadata.types import Action, InventoryItem, NodeInfo
 from kvdepot.records import TierStats
 

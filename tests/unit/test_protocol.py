@@ -12,8 +12,8 @@ from collections.abc import Iterator, Sequence
 import pytest
 
 from kvdepot.errors import Corrupt, InvalidArgument, Unavailable
-from kvdepot.metadata.keys import ChunkKey
-from kvdepot.store import protocol as p
+from kvdepot.keys import ChunkKey
+from kvdepot.wire import protocol as p
 
 
 def key(i: int) -> ChunkKey:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import pytest
 
 from kvdepot.errors import InvalidArgument
-from kvdepot.metadata.keys import ChunkKey
+from kvdepot.keys import ChunkKey
 from kvdepot.metadata.replica_tiers import ReplicaTierIndex, record_moves
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvdepot.errors import InvalidArgument
-from kvdepot.metadata.keys import Namespace, chunk_keys
+from kvdepot.keys import Namespace, chunk_keys
 from kvdepot.metadata.routing import (
     Candidate,
     RoutingWeights,

@@ -26,8 +26,8 @@ from kvdepot.auth import (
 )
 from kvdepot.errors import InvalidArgument, Unauthenticated
 from kvdepot.security import SecurityConfig, child_args, load_security
-from kvdepot.store.handshake import NONCE_BYTES, ServerHandshake, authenticate
-from kvdepot.store.protocol import (
+from kvdepot.wire.handshake import NONCE_BYTES, ServerHandshake, authenticate
+from kvdepot.wire.protocol import (
     HEADER,
     AuthRefused,
     ErrorCode,

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvdepot.metadata.keys import ChunkKey
-from kvdepot.store import protocol as p
+from kvdepot.keys import ChunkKey
 from kvdepot.store.chunks import ChunkStore, checksum
 from kvdepot.store.session import Session
+from kvdepot.wire import protocol as p
 
 PAGE = 4096
 

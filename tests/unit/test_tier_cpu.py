@@ -13,7 +13,7 @@ import statistics
 from collections import OrderedDict
 from pathlib import Path
 
-from kvdepot.metadata.keys import ChunkKey
+from kvdepot.keys import ChunkKey
 from kvdepot.store.chunks import ChunkStore, checksum
 from kvdepot.store.tiers.base import TierLimits
 from kvdepot.store.tiers.cpu import CpuTier

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvdepot.metadata.keys import ChunkKey
+from kvdepot.keys import ChunkKey
 from kvdepot.store.chunks import ChunkStore, checksum
 from kvdepot.store.tiers.policy import TieringOptions
 from kvdepot.store.tiers.ssd import SsdTier

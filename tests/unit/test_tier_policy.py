@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from kvdepot.errors import InvalidArgument
-from kvdepot.metadata.keys import ChunkKey
+from kvdepot.keys import ChunkKey
 from kvdepot.store.tiers import (
     LruPolicy,
     Tier,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvdepot.errors import CapacityExceeded, Corrupt, InvalidArgument, Unavailable
-from kvdepot.metadata.keys import ChunkKey
+from kvdepot.keys import ChunkKey
 from kvdepot.store.chunks import checksum
 from kvdepot.store.tiers import segments as fmt
 from kvdepot.store.tiers.ssd import SsdTier

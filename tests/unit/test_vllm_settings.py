@@ -10,7 +10,7 @@ from kvdepot.connector.vllm.layout import KVLayout
 from kvdepot.connector.vllm.plan import prefix_keys, tail_keys
 from kvdepot.connector.vllm.settings import ConnectorSettings
 from kvdepot.errors import InvalidArgument
-from kvdepot.metadata.keys import Namespace, block_keys, chunk_keys
+from kvdepot.keys import Namespace, block_keys, chunk_keys
 
 
 def test_defaults_are_the_clients() -> None:

@@ -246,7 +246,7 @@ def _plant_random(llm: Any, kv: dict[str, Any], prompts: list[list[int]]) -> Non
     from kvdepot.connector.vllm.layout import layout_from_config, namespace_for
     from kvdepot.connector.vllm.loader import header_bytes, write_header
     from kvdepot.connector.vllm.settings import ConnectorSettings
-    from kvdepot.metadata.keys import chunk_keys
+    from kvdepot.keys import chunk_keys
 
     cfg = llm.llm_engine.vllm_config
     settings = ConnectorSettings.from_extra(kv["kv_connector_extra_config"])

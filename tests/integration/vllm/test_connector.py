@@ -257,7 +257,7 @@ def corrupt_second_chunk_of(arena: Path, model: str, metadata: str) -> None:
         "from vllm.engine.arg_utils import EngineArgs\n"
         "from kvdepot.connector.vllm.layout import *\n"
         "from kvdepot.connector.vllm.settings import ConnectorSettings\n"
-        "from kvdepot.metadata.keys import chunk_keys\n"
+        "from kvdepot.keys import chunk_keys\n"
         "cfg = EngineArgs(model=sys.argv[1], skip_tokenizer_init=True, dtype='bfloat16',"
         " max_model_len=4096).create_engine_config()\n"
         "st = ConnectorSettings(metadata=sys.argv[2], chunk_tokens=128)\n"

@@ -26,7 +26,7 @@ from kvdepot.connector.vllm.plan import KVDepotConnectorMetadata, KVObject, Load
 from kvdepot.connector.vllm.settings import ConnectorSettings
 from kvdepot.connector.vllm.stats import Counters
 from kvdepot.connector.vllm.worker import WorkerSide
-from kvdepot.metadata.keys import Namespace, chunk_keys
+from kvdepot.keys import Namespace, chunk_keys
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration, pytest.mark.timeout(120)]
 

@@ -22,7 +22,7 @@ import secrets
 import socket
 
 from kvdepot.auth import CLUSTER, PROOF_BYTES, Authenticator, Principal, dataplane_proof
-from kvdepot.store.protocol import (
+from kvdepot.wire.protocol import (
     AuthRefused,
     ErrorCode,
     Header,

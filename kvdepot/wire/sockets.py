@@ -17,7 +17,7 @@ import threading
 from collections.abc import Sequence
 
 from kvdepot.errors import InvalidArgument, Unavailable
-from kvdepot.store.xxh3 import BlockHasher, xxh3_64
+from kvdepot.wire.xxh3 import BlockHasher, xxh3_64
 
 # sendmsg takes at most IOV_MAX buffers per call (1024 on Linux).
 try:

@@ -1,5 +1,5 @@
 """Wire format of the ``tcp`` data plane (the socket helpers both ends use live
-in :mod:`kvdepot.store.sockets` and are re-exported here).
+in :mod:`kvdepot.wire.sockets` and are re-exported here).
 
 Every message is a fixed 16-byte header, then fixed-size entries, then raw
 payloads back to back. Nothing is serialised per chunk: payload bytes go from
@@ -44,7 +44,7 @@ Requests and replies (n = header.count)::
                   header only (count 0): accepted, or no token needed.
                   A store with a token refuses any other request before an
                   accepted proof with ERROR UNAUTHENTICATED and closes the
-                  connection (see :mod:`kvdepot.store.handshake`).
+                  connection (see :mod:`kvdepot.wire.handshake`).
 
 Requests of clients that move the bytes themselves (``shm``: the client maps
 the arena; ``nixl``: one-sided RDMA READ/WRITE). Reservations and leases
@@ -96,20 +96,20 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvdepot.errors import Corrupt, InvalidArgument, Unauthenticated
-from kvdepot.metadata.keys import KEY_BYTES, ChunkKey
-from kvdepot.store.sockets import HASH_BLOCK as HASH_BLOCK
-from kvdepot.store.sockets import PeerClosed as PeerClosed
-from kvdepot.store.sockets import TimedOut as TimedOut
-from kvdepot.store.sockets import byte_view as byte_view
-from kvdepot.store.sockets import drain as drain
-from kvdepot.store.sockets import recv_exact as recv_exact
-from kvdepot.store.sockets import recv_exact_into as recv_exact_into
-from kvdepot.store.sockets import recv_hashed_into as recv_hashed_into
-from kvdepot.store.sockets import send_all as send_all
-from kvdepot.store.sockets import send_hashed as send_hashed
-from kvdepot.store.sockets import set_io_timeout as set_io_timeout
-from kvdepot.store.sockets import set_recv_timeout as set_recv_timeout
-from kvdepot.store.sockets import set_send_timeout as set_send_timeout
+from kvdepot.keys import KEY_BYTES, ChunkKey
+from kvdepot.wire.sockets import HASH_BLOCK as HASH_BLOCK
+from kvdepot.wire.sockets import PeerClosed as PeerClosed
+from kvdepot.wire.sockets import TimedOut as TimedOut
+from kvdepot.wire.sockets import byte_view as byte_view
+from kvdepot.wire.sockets import drain as drain
+from kvdepot.wire.sockets import recv_exact as recv_exact
+from kvdepot.wire.sockets import recv_exact_into as recv_exact_into
+from kvdepot.wire.sockets import recv_hashed_into as recv_hashed_into
+from kvdepot.wire.sockets import send_all as send_all
+from kvdepot.wire.sockets import send_hashed as send_hashed
+from kvdepot.wire.sockets import set_io_timeout as set_io_timeout
+from kvdepot.wire.sockets import set_recv_timeout as set_recv_timeout
+from kvdepot.wire.sockets import set_send_timeout as set_send_timeout
 
 _E = TypeVar("_E", bound=enum.IntEnum)
 

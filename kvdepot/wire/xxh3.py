@@ -70,6 +70,20 @@ def xxh3_64(data: memoryview) -> int:
     return int(_LIB.XXH3_64bits_dispatch(_address(data), data.nbytes))
 
 
+def checksum(data: memoryview | bytes | bytearray) -> int:
+    """The checksum every chunk carries: xxh3-64 of its bytes.
+
+    Computed by the writer over the whole chunk and checked whenever the bytes
+    cross the network or come off disk. Non-byte formats (a memoryview of
+    float16 values, say) are hashed as their raw bytes. Large inputs are
+    hashed without holding the GIL (see :func:`xxh3_64`).
+    """
+    view = data if isinstance(data, memoryview) else memoryview(data)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return xxh3_64(view)
+
+
 class Xxh3Stream:
     """Streaming xxh3-64: :meth:`update` with consecutive parts, then :meth:`digest`."""
 
