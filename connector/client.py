@@ -23,8 +23,8 @@ from kvdepot.connector.transport.auto import AutoTransport
 from kvdepot.connector.transport.base import GetItem, GetOutcome, PutItem, PutStatus, Transport
 from kvdepot.errors import ClientClosed, InvalidArgument, Unavailable
 from kvdepot.keys import KEY_BYTES, ChunkKey
-from kvdepot.metadata.lookup_wire import unpack_lookup
-from kvdepot.metadata.types import LookupResult
+from kvdepot.wire.lookup import unpack_lookup
+from kvdepot.types import LookupResult
 from kvdepot.proto.gen import metadata_pb2
 from kvdepot.security import NO_SECURITY, SecurityConfig
 
@@ -193,8 +193,10 @@ class KVDepotClient:
         self._lock = threading.Lock()
         # This node's store, once a reply named it (see get_into).
         self._local_address: str | None = None
-        # Whether get_into asks the index before this node's store: set after
-        # a read whose chunks the store held none of (see get_into).
+        # What get_into reads first (see there): another store that served
+        # the whole of the last read, else this node's store unless the last
+        # read came from several stores or none.
+        self._sticky: str | None = None
         self._lookup_first = False
         # A buffer smaller than its chunk is logged once, then only counted
         # in the GetResult's reasons: an engine repeats the mistake each load.
@@ -459,11 +461,12 @@ class KVDepotClient:
         is missing, evicted meanwhile, corrupt, on a store that died, or bigger
         than its buffer is a miss (``loaded[i]`` is False, ``reasons[i]`` says
         why) and its buffer content is undefined.
-        This node's store is read first: when it holds every chunk, the
-        metadata service is not asked at all. After a read whose chunks this
-        store held none of, the next read asks the metadata service first
-        (its answer lists this node's replicas first), until a read finds
-        chunks here again. ``count`` is passed to the lookup it makes
+        One store is read first, before any lookup: this node's store, or the
+        one other store that served the last read (a decode node reading what
+        one prefill node published). When it holds every chunk, the metadata
+        service is not asked at all. After a read that no single store served,
+        the next one asks the metadata service first (its answer lists this
+        node's replicas first). ``count`` is passed to the lookup it makes
         (``none`` when the caller counted the prompt already).
 
         Raises:
@@ -477,74 +480,82 @@ class KVDepotClient:
         if not ckeys:
             return GetResult((), 0, (), ())
         local = self._local_address
+        first = self._sticky or (None if self._lookup_first else local)
         early = None
-        if local is not None and not self._lookup_first:
-            # This node's store usually holds what this node reads: read it
-            # from there first. When it has every chunk (each read verified
-            # against its checksum) no metadata round trip is needed at all:
-            # a key names its bytes, wherever they are found.
-            early = self._read_local(local, ckeys, views)
+        if first is not None:
+            # A key names its bytes wherever they are found, and each read is
+            # verified against its checksum: a store that holds every chunk
+            # makes the metadata round trip unnecessary.
+            early = self._read_all(first, ckeys, views)
             if all(o.ok for o in early):
+                if first != local and self.config.replicate_on_read:
+                    self._replicate(
+                        ckeys, [v[: o.length] for v, o in zip(views, early, strict=True)]
+                    )
                 return _whole(early)
-            # A store that held none of them cost a round trip for nothing:
-            # the next read asks the index first.
-            self._lookup_first = not any(o.ok for o in early)
         try:
             reply = self.lookup_locations(ckeys, count=count)
         except Unavailable:
-            if early is not None or local is None:
+            if first == local or local is None:
                 raise
-            # Asked the index first and it is unreachable: this node's own
-            # chunks stay readable without it, as on the probe-first path.
-            outcomes = self._read_local(local, ckeys, views)
+            # The metadata service is unreachable: this node's own chunks
+            # stay readable without it, as when its store is read first.
+            outcomes = self._read_all(local, ckeys, views)
             if all(o.ok for o in outcomes):
-                self._lookup_first = False
+                self._sticky, self._lookup_first = None, False
                 return _whole(outcomes)
             raise
         self._learn_local(r for loc in reply.locations for r in loc.replicas)
         pull = _Pull(len(ckeys), reply)
-        if early is not None:
+        if early is not None and first is not None:
             for i in range(reply.hits):
                 if early[i].ok and early[i].length == reply.locations[i].size:
-                    pull.loaded_from(i, local or "")
+                    pull.loaded_from(i, first)
         todo = [i for i in range(reply.hits) if not pull.loaded[i] and self._fits(pull, i, views)]
         self._read_replicas(ckeys, views, pull, todo)
-        if early is None and local is not None:
-            self._after_lookup_first(local, ckeys, views, pull)
+        if local is not None and first != local:
+            self._read_unindexed(local, ckeys, views, pull)
+        self._remember(pull.sources)
         remote = [i for i, a in enumerate(pull.sources) if a and a != self._local_address]
         if remote and self.config.replicate_on_read:
-            self._replicate(
-                [ckeys[i] for i in remote], [views[i][: reply.locations[i].size] for i in remote]
-            )
+            self._replicate([ckeys[i] for i in remote], [views[i][: pull.sizes[i]] for i in remote])
         return pull.result()
 
-    def _read_local(
-        self, local: str, keys: list[ChunkKey], views: list[memoryview]
+    def _read_all(
+        self, address: str, keys: list[ChunkKey], views: list[memoryview]
     ) -> list[GetOutcome]:
-        """Read every chunk from this node's store (each verified)."""
+        """Read every chunk from the store at ``address`` (each verified)."""
         return self._transport.get_into(
-            local, [GetItem(k, v) for k, v in zip(keys, views, strict=True)]
+            address, [GetItem(k, v) for k, v in zip(keys, views, strict=True)]
         )
 
-    def _after_lookup_first(
+    def _remember(self, sources: list[str]) -> None:
+        """Which store the next read tries first, from where this one's chunks came."""
+        served = {a for a in sources if a}
+        local = self._local_address
+        if local is not None and local in served:
+            self._sticky, self._lookup_first = None, False
+        elif len(served) == 1:
+            (self._sticky,) = served
+        else:
+            # No chunk, or chunks from several stores: no one store would
+            # have served this read whole, so the next one asks the index first.
+            self._sticky, self._lookup_first = None, True
+
+    def _read_unindexed(
         self, local: str, keys: list[ChunkKey], views: list[memoryview], pull: _Pull
     ) -> None:
-        """After a read that asked the index first: read the keys it did not
-        name from this node's store where it named only this node's (a chunk
-        the store holds without an index entry, its put's PutStart having
-        failed, is found as on the probe-first path), and go back to reading
-        this store first once it served any chunk."""
+        """After a read that did not try this node's store first: read the keys
+        the lookup did not name from it where the lookup named only this
+        node's. A chunk the store holds without an index entry (its put's
+        PutStart failed) is found, as when this store is read first."""
         hits = pull.reply.hits
-        if any(pull.sources[i] == local for i in range(hits)):
-            self._lookup_first = False
-        if hits == len(keys) or any(pull.sources[i] not in ("", local) for i in range(hits)):
+        if hits == len(keys) or any(pull.sources[i] != local for i in range(hits)):
             return
         tail = list(range(hits, len(keys)))
-        outcomes = self._read_local(local, [keys[i] for i in tail], [views[i] for i in tail])
-        if not all(o.ok for o in outcomes) or not all(pull.loaded[:hits]):
-            return
-        pull.extend(tail, outcomes, local)
-        self._lookup_first = False
+        outcomes = self._read_all(local, [keys[i] for i in tail], [views[i] for i in tail])
+        if all(o.ok for o in outcomes):
+            pull.extend(tail, outcomes, local)
 
     def _read_replicas(
         self, keys: list[ChunkKey], views: list[memoryview], pull: _Pull, todo: list[int]

@@ -1,7 +1,7 @@
-"""The get path of a node's client: its own store first, or the index first
-after reads its own store could not serve.
+"""The get path of a client: one store read first (its own, or the one that
+served the last read whole), else the index first.
 
-A read the own store serves whole makes no metadata call; a read of chunks
+A read one store serves whole makes no metadata call; a read of chunks
 another node holds should not pay a miss on the own store each time. Either
 way every chunk read is verified and byte-exact, and a node's own chunks stay
 readable while the metadata service is unreachable.
@@ -58,11 +58,12 @@ def _put(client: KVDepotClient, keys: list[bytes]) -> None:
     assert client.put(keys, [payload(k, SIZE) for k in keys]).stored == len(keys)
 
 
-def test_reads_of_another_nodes_chunks_skip_the_own_store_until_it_serves_again(
+def test_reads_go_first_to_the_store_that_served_the_last_read_whole(
     cluster: LocalCluster, clients: tuple[KVDepotClient, KVDepotClient]
 ) -> None:
     reader, holder = clients
     own_store = cluster.stores[0].info["grpc_address"]
+    other_store = cluster.stores[1].info["grpc_address"]
     calls = CallLog(reader)
     first, second = _keys(3), _keys(3)
     _put(holder, first)
@@ -72,20 +73,38 @@ def test_reads_of_another_nodes_chunks_skip_the_own_store_until_it_serves_again(
     assert store_stats(own_store).get_misses == misses + 3
     assert calls.methods == ["Lookup"]
     calls.methods.clear()
-    _exact(reader, second)  # the index first: the own store is not asked
+    _exact(reader, second)  # node 1 served the last read: straight there, no lookup
+    assert calls.methods == []
     assert store_stats(own_store).get_misses == misses + 3
-    assert calls.methods == ["Lookup"]
-    # Its own chunks: the lookup names this node first, it reads them there
-    # and goes back to reading its own store first, without the index.
+    # Its own chunks: node 1 misses, the lookup names this node, and the
+    # next read of them goes to its own store first, without the index.
     own = _keys(2)
     _put(reader, own)
+    other_misses = store_stats(other_store).get_misses
     calls.methods.clear()
     _exact(reader, own)
     assert calls.methods == ["Lookup"]
+    assert store_stats(other_store).get_misses == other_misses + 2
     calls.methods.clear()
     _exact(reader, own)
     assert calls.methods == []
     assert store_stats(own_store).get_misses == misses + 3
+
+
+def test_after_a_read_no_single_store_served_the_index_is_asked_first(
+    cluster: LocalCluster, clients: tuple[KVDepotClient, KVDepotClient]
+) -> None:
+    reader, holder = clients
+    own_store = cluster.stores[0].info["grpc_address"]
+    remote = _keys(2)
+    _put(holder, remote)
+    unknown = _keys(2)
+    assert reader.get_into(unknown, [bytearray(SIZE) for _ in unknown]).leading == 0
+    misses = store_stats(own_store).get_misses
+    calls = CallLog(reader)
+    _exact(reader, remote)  # the miss served nothing: the index first
+    assert calls.methods == ["Lookup"]
+    assert store_stats(own_store).get_misses == misses
 
 
 def test_own_chunks_the_index_does_not_name_stay_readable_with_the_index_first(
@@ -94,18 +113,19 @@ def test_own_chunks_the_index_does_not_name_stay_readable_with_the_index_first(
     reader, holder = clients
     remote = _keys(2)
     _put(holder, remote)
-    _exact(reader, remote)  # from now on the index first
+    _exact(reader, remote)  # from now on node 1 first
     # In the own store, never indexed (as after a put whose PutStart failed).
     own = _keys(2)
     local = cluster.stores[0].info["address"]
     items = [PutItem(ChunkKey(k), memoryview(payload(k, SIZE))) for k in own]
     assert reader._transport.put(local, items) == [PutStatus.OK] * 2
     calls = CallLog(reader)
-    _exact(reader, own)  # the index names none of them: the own store is asked
+    # Node 1 misses, the index names none of them: the own store is asked.
+    _exact(reader, own)
     assert calls.methods == ["Lookup"]
     more = _keys(2)
     _put(holder, more)
-    _exact(reader, more)  # the index first again
+    _exact(reader, more)  # node 1 first again
     assert cluster.metadata is not None
     cluster.metadata.proc.send_signal(signal.SIGSTOP)
     try:
