@@ -15,7 +15,8 @@ Put and get of batches of chunks (256 KiB to 16 MiB) through:
   pipelined SET / GET of the batch;
 * ``kvdepot-tcp``, ``kvdepot-shm``, ``kvdepot-nixl``: a real local cluster
   (metadata service and store daemon processes) and ``KVDepotClient.put`` /
-  ``get_into``, metadata calls included, checksums verified end to end.
+  ``get_into``, metadata calls included, checksums verified end to end;
+* ``kvdepot-tcp-remote``, ``-lookup``, ``-probe``: see :class:`KVDepotRemote`.
 
 Systems run round-robin within each trial, so a ratio compares runs made
 under the same load. GB/s is the batch's bytes over the median batch time;
@@ -404,14 +405,17 @@ class KVDepotTwoTrips(KVDepot):
 
 
 class KVDepotRemote(KVDepot):
-    """Chunks on another node's store: puts from a client with no store of its
-    own (PutStart, the bytes, PutEnd), gets by a client of node 0 of chunks
-    that node 1 holds (its own store misses, a lookup, then node 1), over tcp."""
+    """Chunks node 1 holds, over tcp: puts from a client with no store (PutStart,
+    bytes, PutEnd), gets by a client of node 0. ``-remote``: node 1 served its
+    last get whole, so it is read first, no lookup (a decode node reading one
+    prefill node); ``-lookup``: a Lookup first (as after a get no one store
+    served whole); ``-probe``: node 0's store first (a miss, a Lookup, node 1)."""
 
-    def __init__(self, cluster: Any) -> None:
+    def __init__(self, cluster: Any, name: str = "kvdepot-tcp-remote") -> None:
         from kvdepot.connector.client import ClientConfig, KVDepotClient
 
-        self.name = "kvdepot-tcp-remote"
+        self.name = name
+        self._first = _READ_FIRST[name]
         nodes = [s.info["node_id"] for s in cluster.stores]
         address = cluster.metadata_address
         self._client = KVDepotClient(ClientConfig(metadata=address, transport="tcp"))
@@ -429,6 +433,8 @@ class KVDepotRemote(KVDepot):
             raise RuntimeError(f"{self.name}: setup put stored {result.stored} of {len(self._src)}")
 
     def get(self) -> None:
+        if self._first is not None:
+            self._reader._sticky, self._reader._lookup_first = None, self._first
         result = self._reader.get_into(self._keys, self._dst)
         if result.leading != len(self._keys):
             raise RuntimeError(f"{self.name}: get loaded {result.leading} of {len(self._keys)}")
@@ -436,6 +442,9 @@ class KVDepotRemote(KVDepot):
     def close(self) -> None:
         for c in (self._client, self._holder, self._reader):
             c.close()
+
+
+_READ_FIRST = {"kvdepot-tcp-remote": None, "kvdepot-tcp-lookup": True, "kvdepot-tcp-probe": False}
 
 
 class RssSampler:
@@ -586,6 +595,8 @@ def _ratios(rows: list[Row]) -> list[tuple[str, float, str]]:
         ("kvdepot-shm", "raw-shm", 0.9),
         ("kvdepot-nixl", "raw-tcp", 0.0),
         ("kvdepot-tcp-remote", "raw-tcp", 0.0),
+        ("kvdepot-tcp-lookup", "raw-tcp", 0.0),
+        ("kvdepot-tcp-probe", "raw-tcp", 0.0),
         ("kvdepot-tcp-2rt", "raw-tcp", 0.0),
         ("kvdepot-shm-2rt", "raw-shm", 0.0),
     ]
@@ -703,7 +714,7 @@ def main(argv: list[str] | None = None) -> int:
                     log(f"{cls.name}: not run ({exc})")
         kv = [w for w in wanted if w in ("kvdepot-tcp", "kvdepot-shm")]
         two = [w for w in wanted if w in ("kvdepot-tcp-2rt", "kvdepot-shm-2rt")]
-        remote = "kvdepot-tcp-remote" in wanted
+        remote = [w for w in wanted if w in _READ_FIRST]
         if kv or two or remote:
             env = None
             if args.profile is not None:
@@ -715,8 +726,7 @@ def main(argv: list[str] | None = None) -> int:
                 systems.append(KVDepot(w.split("-", 1)[1], cluster, store.info["node_id"]))
             for w in two:
                 systems.append(KVDepotTwoTrips(w.split("-")[1], cluster, store.info["node_id"]))
-            if remote:
-                systems.append(KVDepotRemote(cluster))
+            systems.extend(KVDepotRemote(cluster, w) for w in remote)
         if "kvdepot-nixl" in wanted:
             from kvdepot.wire.nixl import nixl_available
 

@@ -224,7 +224,15 @@ def top_functions(path: Path, n: int = 12) -> list[str]:
     ]
 
 
-_STAGED = ("kvdepot-tcp", "kvdepot-tcp-2rt", "kvdepot-shm", "kvdepot-shm-2rt", "kvdepot-tcp-remote")
+_STAGED = (
+    "kvdepot-tcp",
+    "kvdepot-tcp-2rt",
+    "kvdepot-shm",
+    "kvdepot-shm-2rt",
+    "kvdepot-tcp-remote",
+    "kvdepot-tcp-lookup",
+    "kvdepot-tcp-probe",
+)
 
 
 def run_stages(
