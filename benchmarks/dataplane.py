@@ -51,9 +51,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import grpc
 import numpy as np
-from stages import client_profiler, print_profiles, profile_env, run_stages
+from stages import client_profiler, print_profiles, profile_env, put_ceilings, run_stages
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -517,66 +516,6 @@ def _measure(
     return rows
 
 
-def _metadata_round_trips(address: str, node_id: str, size: int, batch: int) -> float:
-    """p50 ms of a put's metadata calls without the transfer, as kvdepot-tcp makes them.
-
-    A batch the client writes into its own store first (at most
-    ``LOCAL_FIRST_STREAM_BYTES`` over tcp) makes one call, ``PutStart``,
-    timed alone; a larger one makes two, timed as ``PutStart`` and a
-    ``PutRevoke`` (of the same shape as ``PutEnd``, leaving nothing behind).
-    """
-    from kvdepot.connector.client import LOCAL_FIRST_STREAM_BYTES
-    from kvdepot.proto.gen import metadata_pb2, metadata_pb2_grpc
-
-    both = size * batch > LOCAL_FIRST_STREAM_BYTES
-    times: list[float] = []
-    with grpc.insecure_channel(address) as channel:
-        stub = metadata_pb2_grpc.MetadataStub(channel)
-        for _ in range(41):
-            keys = [os.urandom(16) for _ in range(batch)]
-            t0 = time.perf_counter()
-            stub.PutStart(
-                metadata_pb2.PutStartRequest(
-                    keys=keys, sizes=[size] * batch, writer_node_id=node_id
-                ),
-                timeout=10,
-            )
-            if not both:
-                times.append(time.perf_counter() - t0)
-            stub.PutRevoke(metadata_pb2.PutRevokeRequest(keys=keys, node_id=node_id), timeout=10)
-            if both:
-                times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:]) * 1e3
-
-
-def _put_ceilings(
-    rows: list[Row], address: str, node_id: str, batch_of: Callable[[int], int]
-) -> list[str]:
-    """What kvdepot-tcp/raw-tcp put could reach with a transport as fast as raw-tcp.
-
-    A small put into the writer's own node is the transfer, then ``PutStart``
-    (which commits what was written); a larger one over tcp is ``PutStart``,
-    the transfer, ``PutEnd``. The round trips add to raw-tcp's batch time.
-    """
-    from kvdepot.connector.client import LOCAL_FIRST_STREAM_BYTES
-
-    raw = {r.size: r.p50_ms for r in rows if r.system == "raw-tcp" and r.op == "put"}
-    lines = []
-    for size in sorted(raw):
-        batch = batch_of(size)
-        calls = "PutStart + PutEnd" if size * batch > LOCAL_FIRST_STREAM_BYTES else "PutStart"
-        try:
-            md = _metadata_round_trips(address, node_id, size, batch)
-        except grpc.RpcError as exc:
-            lines.append(f"  {size // KiB:5d} KiB: not measured ({exc.code().name})")
-            continue
-        lines.append(
-            f"  {size // KiB:5d} KiB x {batch}: {calls} {md:5.2f} ms, raw-tcp batch "
-            f"{raw[size]:6.2f} ms -> kvdepot-tcp/raw-tcp put <= {raw[size] / (raw[size] + md):.2f}"
-        )
-    return lines
-
-
 def _small_target(a: str, op: str, size: int) -> float:
     """Targets below 4 MiB: shm puts within 0.9 of raw-shm from 1 MiB; a tcp put of
     256 KiB chunks at most twice raw-tcp's time (issue 19); the rest reported."""
@@ -659,16 +598,13 @@ def _cluster(capacity: str, env: dict[str, str] | None, nodes: int = 1) -> Itera
         c.stop()
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer trials: under a minute")
     ap.add_argument("--json", action="store_true", help="print the rows as a JSON list")
     ap.add_argument("--trials", type=int, help="batches timed per system, op and size")
     ap.add_argument(
-        "--batch",
-        type=int,
-        default=8,
-        help="chunks per put/get (default 8; --quick caps a batch at 64 MiB)",
+        "--batch", type=int, default=8, help="chunks per put/get (default 8; --quick: <= 64 MiB)"
     )
     ap.add_argument("--plot", type=Path, default=Path("benchmarks/dataplane.png"))
     ap.add_argument("--capacity", default="1GiB", help="arena of the store (default 1GiB)")
@@ -688,79 +624,60 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--profile", type=Path, help="cProfile the client and every daemon thread into this folder"
     )
-    args = ap.parse_args(argv)
-    sizes = tuple(int(k) * KiB for k in args.sizes.split(",")) if args.sizes else SIZES
-    trials = args.trials or (4 if args.quick else 15)
+    return ap
 
-    def batch_of(size: int) -> int:
-        return max(2, min(args.batch, (64 * MiB) // size)) if args.quick else args.batch
 
+def _start(
+    args: argparse.Namespace, stack: contextlib.ExitStack, log: Callable[[str], None]
+) -> tuple[list[System], Any, RssSampler | None]:
+    """The systems --systems names (each closed by ``stack``), the kvdepot
+    cluster if one was started, and the sampler of its store's memory."""
     wanted = args.systems.split(",")
-    out = sys.stderr if args.json else sys.stdout
-
-    def log(msg: str) -> None:
-        print(msg, file=out, flush=True)
-
-    started = time.monotonic()
     systems: list[System] = []
-    rows: list[Row] = []
+    cluster: Any = None
     rss: RssSampler | None = None
-    with contextlib.ExitStack() as stack:
-        for cls in (Memcpy, RawTcp, RawShm, Redis):
-            if cls.name in wanted:
-                try:
-                    systems.append(cls())
-                except Exception as exc:
-                    log(f"{cls.name}: not run ({exc})")
-        kv = [w for w in wanted if w in ("kvdepot-tcp", "kvdepot-shm")]
-        two = [w for w in wanted if w in ("kvdepot-tcp-2rt", "kvdepot-shm-2rt")]
-        remote = [w for w in wanted if w in _READ_FIRST]
-        if kv or two or remote:
-            env = None
-            if args.profile is not None:
-                env = profile_env(args.profile)
-            cluster = stack.enter_context(_cluster(args.capacity, env, 2 if remote else 1))
-            store = cluster.stores[0]
-            rss = RssSampler(store.pid)
-            for w in kv:
-                systems.append(KVDepot(w.split("-", 1)[1], cluster, store.info["node_id"]))
-            for w in two:
-                systems.append(KVDepotTwoTrips(w.split("-")[1], cluster, store.info["node_id"]))
-            systems.extend(KVDepotRemote(cluster, w) for w in remote)
-        if "kvdepot-nixl" in wanted:
-            from kvdepot.wire.nixl import nixl_available
+    for cls in (Memcpy, RawTcp, RawShm, Redis):
+        if cls.name in wanted:
+            try:
+                systems.append(cls())
+            except Exception as exc:
+                log(f"{cls.name}: not run ({exc})")
+    kv = [w for w in wanted if w in ("kvdepot-tcp", "kvdepot-shm")]
+    two = [w for w in wanted if w in ("kvdepot-tcp-2rt", "kvdepot-shm-2rt")]
+    remote = [w for w in wanted if w in _READ_FIRST]
+    if kv or two or remote:
+        env = profile_env(args.profile) if args.profile is not None else None
+        cluster = stack.enter_context(_cluster(args.capacity, env, 2 if remote else 1))
+        store = cluster.stores[0]
+        rss = RssSampler(store.pid)
+        for w in kv:
+            systems.append(KVDepot(w.split("-", 1)[1], cluster, store.info["node_id"]))
+        for w in two:
+            systems.append(KVDepotTwoTrips(w.split("-")[1], cluster, store.info["node_id"]))
+        systems.extend(KVDepotRemote(cluster, w) for w in remote)
+    if "kvdepot-nixl" in wanted:
+        from kvdepot.wire.nixl import nixl_available
 
-            if nixl_available():
-                env = dict(os.environ, KVDEPOT_STORE_NIXL="on", KVDEPOT_STORE_SHM="0")
-                env.setdefault("UCX_NET_DEVICES", "lo")
-                os.environ.setdefault("UCX_NET_DEVICES", "lo")
-                nixl_cluster = stack.enter_context(_cluster("512MiB", env))
-                systems.append(KVDepot("nixl", nixl_cluster, ""))
-            else:
-                log("kvdepot-nixl: not run (NIXL not installed: pip install kvdepot[rdma])")
-        for s in systems:
-            stack.callback(s.close)
-        log(
-            "batches of "
-            + ", ".join(f"{batch_of(s)} x {s // KiB} KiB" for s in sizes)
-            + f"; {trials} timed batches per system/op/size, round-robin"
-        )
-        profiler = client_profiler(args.profile)
-        rows = _measure(systems, sizes, batch_of, trials, log)
-        stage_rows: list[dict[str, Any]] = []
-        if args.stages:
-            stage_rows = run_stages(systems, sizes, batch_of, trials, log)
-        if profiler is not None:
-            profiler.disable()
-            profiler.dump_stats(str(args.profile / "client.prof"))
-        if rss is not None:
-            rss.stop()
-        ceilings: list[str] = []
-        if "kvdepot-tcp" in wanted:
-            ceilings = _put_ceilings(
-                rows, cluster.metadata_address, cluster.stores[0].info["node_id"], batch_of
-            )
-    elapsed = time.monotonic() - started
+        if nixl_available():
+            env = dict(os.environ, KVDEPOT_STORE_NIXL="on", KVDEPOT_STORE_SHM="0")
+            env.setdefault("UCX_NET_DEVICES", "lo")
+            os.environ.setdefault("UCX_NET_DEVICES", "lo")
+            nixl_cluster = stack.enter_context(_cluster("512MiB", env))
+            systems.append(KVDepot("nixl", nixl_cluster, ""))
+        else:
+            log("kvdepot-nixl: not run (NIXL not installed: pip install kvdepot[rdma])")
+    for s in systems:
+        stack.callback(s.close)
+    return systems, cluster, rss
+
+
+def _report(
+    rows: list[Row],
+    ceilings: list[str],
+    rss: RssSampler | None,
+    capacity: str,
+    log: Callable[[str], None],
+) -> None:
     log(f"\n{'system':14s} {'op':3s} {'size':>7s} {'GB/s':>6s} {'p50 ms':>8s} {'p99 ms':>8s}")
     for r in rows:
         log(f"{r.system:14s} {r.op:3s} {r.size // KiB:>5d}Ki {r.gbps:6.2f} "
@@ -778,13 +695,53 @@ def main(argv: list[str] | None = None) -> int:
     if rss is not None:
         from kvdepot.config import parse_size
 
-        arena = parse_size(args.capacity)
+        arena = parse_size(capacity)
         log(
             f"\nstore memory under load: max RSS {rss.max_rss / MiB:.0f} MiB "
             f"(shared arena pages {rss.max_shmem / MiB:.0f} MiB, "
             f"private {rss.max_anon / MiB:.0f} MiB)"
             f" vs arena {arena / MiB:.0f} MiB: overhead {(rss.max_rss - arena) / MiB:+.0f} MiB"
         )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    sizes = tuple(int(k) * KiB for k in args.sizes.split(",")) if args.sizes else SIZES
+    trials = args.trials or (4 if args.quick else 15)
+
+    def batch_of(size: int) -> int:
+        return max(2, min(args.batch, (64 * MiB) // size)) if args.quick else args.batch
+
+    out = sys.stderr if args.json else sys.stdout
+
+    def log(msg: str) -> None:
+        print(msg, file=out, flush=True)
+
+    started = time.monotonic()
+    with contextlib.ExitStack() as stack:
+        systems, cluster, rss = _start(args, stack, log)
+        log(
+            "batches of "
+            + ", ".join(f"{batch_of(s)} x {s // KiB} KiB" for s in sizes)
+            + f"; {trials} timed batches per system/op/size, round-robin"
+        )
+        profiler = client_profiler(args.profile)
+        rows = _measure(systems, sizes, batch_of, trials, log)
+        stage_rows: list[dict[str, Any]] = []
+        if args.stages:
+            stage_rows = run_stages(systems, sizes, batch_of, trials, log)
+        if profiler is not None:
+            profiler.disable()
+            profiler.dump_stats(str(args.profile / "client.prof"))
+        if rss is not None:
+            rss.stop()
+        ceilings: list[str] = []
+        if "kvdepot-tcp" in args.systems.split(","):
+            raw = {r.size: r.p50_ms for r in rows if r.system == "raw-tcp" and r.op == "put"}
+            node_id = cluster.stores[0].info["node_id"]
+            ceilings = put_ceilings(raw, cluster.metadata_address, node_id, batch_of)
+    elapsed = time.monotonic() - started
+    _report(rows, ceilings, rss, args.capacity, log)
     if _plot(rows, args.plot):
         log(f"plot: {args.plot}")
     log(f"elapsed {elapsed:.1f} s")

@@ -30,6 +30,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 KiB = 1 << 10
 
 # (module, attribute path, stage name, opaque). A name of None takes the
@@ -298,3 +300,63 @@ def print_profiles(directory: Path, log: Callable[[str], None]) -> None:
         log(f"\nprofile {path.name} (own time):")
         for line in top_functions(path):
             log("  " + line)
+
+
+def _metadata_round_trips(address: str, node_id: str, size: int, batch: int) -> float:
+    """p50 ms of a put's metadata calls without the transfer, as kvdepot-tcp makes them.
+
+    A batch the client writes into its own store first (at most
+    ``LOCAL_FIRST_STREAM_BYTES`` over tcp) makes one call, ``PutStart``,
+    timed alone; a larger one makes two, timed as ``PutStart`` and a
+    ``PutRevoke`` (of the same shape as ``PutEnd``, leaving nothing behind).
+    """
+    from kvdepot.connector.client import LOCAL_FIRST_STREAM_BYTES
+    from kvdepot.proto.gen import metadata_pb2, metadata_pb2_grpc
+
+    both = size * batch > LOCAL_FIRST_STREAM_BYTES
+    times: list[float] = []
+    with grpc.insecure_channel(address) as channel:
+        stub = metadata_pb2_grpc.MetadataStub(channel)
+        for _ in range(41):
+            keys = [os.urandom(16) for _ in range(batch)]
+            t0 = time.perf_counter()
+            stub.PutStart(
+                metadata_pb2.PutStartRequest(
+                    keys=keys, sizes=[size] * batch, writer_node_id=node_id
+                ),
+                timeout=10,
+            )
+            if not both:
+                times.append(time.perf_counter() - t0)
+            stub.PutRevoke(metadata_pb2.PutRevokeRequest(keys=keys, node_id=node_id), timeout=10)
+            if both:
+                times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:]) * 1e3
+
+
+def put_ceilings(
+    raw: dict[int, float], address: str, node_id: str, batch_of: Callable[[int], int]
+) -> list[str]:
+    """What kvdepot-tcp/raw-tcp put could reach with a transport as fast as raw-tcp.
+
+    A small put into the writer's own node is the transfer, then ``PutStart``
+    (which commits what was written); a larger one over tcp is ``PutStart``,
+    the transfer, ``PutEnd``. The round trips add to raw-tcp's batch time
+    (``raw``: its put p50 ms per chunk size).
+    """
+    from kvdepot.connector.client import LOCAL_FIRST_STREAM_BYTES
+
+    lines = []
+    for size in sorted(raw):
+        batch = batch_of(size)
+        calls = "PutStart + PutEnd" if size * batch > LOCAL_FIRST_STREAM_BYTES else "PutStart"
+        try:
+            md = _metadata_round_trips(address, node_id, size, batch)
+        except grpc.RpcError as exc:
+            lines.append(f"  {size // KiB:5d} KiB: not measured ({exc.code().name})")
+            continue
+        lines.append(
+            f"  {size // KiB:5d} KiB x {batch}: {calls} {md:5.2f} ms, raw-tcp batch "
+            f"{raw[size]:6.2f} ms -> kvdepot-tcp/raw-tcp put <= {raw[size] / (raw[size] + md):.2f}"
+        )
+    return lines
