@@ -47,8 +47,8 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvdepot.apps.cluster import wait_ready
-from kvdepot.metadata.lookup_wire import unpack_lookup
 from kvdepot.proto.gen import common_pb2, metadata_pb2, metadata_pb2_grpc
+from kvdepot.wire.lookup import unpack_lookup
 
 logger = logging.getLogger(__name__)
 

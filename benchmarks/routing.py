@@ -56,8 +56,8 @@ from typing import Any
 from kvdepot.keys import ChunkKey, Namespace, chunk_keys
 from kvdepot.metadata.index import IndexBackend, IndexConfig, create_backend
 from kvdepot.metadata.routing import Candidate, RoutingWeights, best, score_candidates
-from kvdepot.metadata.types import NodeInfo
 from kvdepot.records import TierStats
+from kvdepot.types import NodeInfo
 
 # -- model constants (an 8B-class model in bf16 on one accelerator each) -------
 CHUNK_TOKENS = 256

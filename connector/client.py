@@ -23,10 +23,10 @@ from kvdepot.connector.transport.auto import AutoTransport
 from kvdepot.connector.transport.base import GetItem, GetOutcome, PutItem, PutStatus, Transport
 from kvdepot.errors import ClientClosed, InvalidArgument, Unavailable
 from kvdepot.keys import KEY_BYTES, ChunkKey
-from kvdepot.wire.lookup import unpack_lookup
-from kvdepot.types import LookupResult
 from kvdepot.proto.gen import metadata_pb2
 from kvdepot.security import NO_SECURITY, SecurityConfig
+from kvdepot.types import LookupResult
+from kvdepot.wire.lookup import unpack_lookup
 
 logger = logging.getLogger(__name__)
 

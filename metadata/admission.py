@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from kvdepot.errors import CapacityExceeded, Unavailable
 from kvdepot.keys import ChunkKey
 from kvdepot.metadata.placement import choose_node
-from kvdepot.metadata.types import Action, Allocation, NodeId, NodeInfo, Replica
+from kvdepot.types import Action, Allocation, NodeId, NodeInfo, Replica
 
 
 @dataclass(frozen=True, slots=True)

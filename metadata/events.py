@@ -40,7 +40,7 @@ from typing import Any
 
 from kvdepot.errors import InvalidArgument
 from kvdepot.keys import ChunkKey
-from kvdepot.metadata.types import NodeId
+from kvdepot.types import NodeId
 
 logger = logging.getLogger(__name__)
 

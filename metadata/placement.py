@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from kvdepot.metadata.types import NodeId, NodeInfo
+from kvdepot.types import NodeId, NodeInfo
 
 
 def choose_node(

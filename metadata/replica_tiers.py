@@ -2,7 +2,7 @@
 
 A store node moves chunks between its tiers (DRAM to SSD when it fills, SSD
 back to DRAM when read) and reports each move with ``ReportMoved``, so that
-lookups can order replicas by tier (:data:`~kvdepot.metadata.types.TIER_RANK`).
+lookups can order replicas by tier (:data:`~kvdepot.types.TIER_RANK`).
 Recording a move is an optional capability of an index backend: one that
 implements :class:`ReplicaTierIndex` keeps tiers current; with one that does
 not, a replica keeps the tier it was announced with (at registration or
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from kvdepot.errors import InvalidArgument
 from kvdepot.keys import ChunkKey
-from kvdepot.metadata.types import TIER_RANK, NodeId
+from kvdepot.types import TIER_RANK, NodeId
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvdepot.errors import InvalidArgument
-from kvdepot.metadata.types import LookupResult, NodeId
+from kvdepot.types import LookupResult, NodeId
 
 _MAX_CANDIDATES = 1024
 _MAX_CANDIDATE_ID = 2048  # engine URLs

@@ -23,10 +23,14 @@ from kvdepot.keys import KEY_BYTES, ChunkKey
 from kvdepot.metadata.config import MetadataConfig
 from kvdepot.metadata.events import EventsConfig, KVEventPublisher
 from kvdepot.metadata.index import IndexBackend, IndexConfig, create_backend
-from kvdepot.metadata.lookup_wire import pack_lookup
 from kvdepot.metadata.replica_tiers import record_moves
 from kvdepot.metadata.routing import Candidate, RoutingWeights, best, score_candidates
-from kvdepot.metadata.types import (
+from kvdepot.metrics import ClusterCollector, MetricsServer, on_loop
+from kvdepot.proto.gen import common_pb2, metadata_pb2, metadata_pb2_grpc
+from kvdepot.repeat_log import RepeatLog
+from kvdepot.request_guard import abort_with
+from kvdepot.security import NO_SECURITY, SecurityConfig, add_port, aio_server
+from kvdepot.types import (
     COUNT_NONE,
     LEASE_REMAINING_KEY,
     Action,
@@ -38,7 +42,7 @@ from kvdepot.metadata.types import (
     TierUsage,
     TransferRate,
 )
-from kvdepot.metadata.validation import (
+from kvdepot.validation import (
     check_address,
     check_request_id,
     check_sizes,
@@ -47,11 +51,7 @@ from kvdepot.metadata.validation import (
     check_tier_stats,
     check_transfer,
 )
-from kvdepot.metrics import ClusterCollector, MetricsServer, on_loop
-from kvdepot.proto.gen import common_pb2, metadata_pb2, metadata_pb2_grpc
-from kvdepot.repeat_log import RepeatLog
-from kvdepot.request_guard import abort_with
-from kvdepot.security import NO_SECURITY, SecurityConfig, add_port, aio_server
+from kvdepot.wire.lookup import pack_lookup
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ def _watermarks(text: str) -> None:
 
 def _node_id(text: str) -> None:
     # The metadata service's own rule: a store it would refuse never starts.
-    from kvdepot.metadata.validation import check_text
+    from kvdepot.validation import check_text
 
     check_text(text, "a node id", required=False)
 

@@ -27,9 +27,9 @@ from kvdepot.errors import (
     Unavailable,
 )
 from kvdepot.health import HealthState
-from kvdepot.metadata.types import LEASE_REMAINING_KEY
 from kvdepot.proto.gen import metadata_pb2, metadata_pb2_grpc
 from kvdepot.repeat_log import RepeatLog
+from kvdepot.types import LEASE_REMAINING_KEY
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 from kvdepot.errors import InvalidArgument, NodeIdTaken, StaleRegistration
 from kvdepot.keys import ChunkKey
-from kvdepot.metadata.types import (
+from kvdepot.records import TierStats, TransferRate
+from kvdepot.types import (
     Allocation,
     IndexStats,
     InventoryItem,
@@ -17,7 +18,6 @@ from kvdepot.metadata.types import (
     NodeId,
     NodeInfo,
 )
-from kvdepot.records import TierStats, TransferRate
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,7 +148,7 @@ class IndexBackend(abc.ABC):
             writer_node_id: The node to place on first ("" for none).
             now: Monotonic time in seconds.
             request_id: The put's own id, the same on every retry of it
-                (:data:`~kvdepot.metadata.validation.MAX_REQUEST_ID` bytes at
+                (:data:`~kvdepot.validation.MAX_REQUEST_ID` bytes at
                 most). A key still pending under this id gets its allocation
                 again, on the same node, instead of ``SKIP_PENDING`` (on a new
                 node if that one is gone): a retry after a lost reply writes

@@ -21,7 +21,8 @@ from kvdepot.metadata.index.base import (
     stale_registration,
 )
 from kvdepot.metadata.replica_tiers import ReplicaTierIndex
-from kvdepot.metadata.types import (
+from kvdepot.records import TierStats, TransferRate
+from kvdepot.types import (
     TIER_RANK,
     Action,
     Allocation,
@@ -35,7 +36,6 @@ from kvdepot.metadata.types import (
     NodeStatus,
     Replica,
 )
-from kvdepot.records import TierStats, TransferRate
 
 logger = logging.getLogger(__name__)
 

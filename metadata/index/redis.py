@@ -81,7 +81,9 @@ from kvdepot.metadata.index.base import (
 )
 from kvdepot.metadata.index.redis_client import Connection, connect, flat, guarded, split_url
 from kvdepot.metadata.replica_tiers import ReplicaTierIndex
-from kvdepot.metadata.types import (
+from kvdepot.records import TierStats, TransferRate
+from kvdepot.repeat_log import RepeatLog
+from kvdepot.types import (
     TIER_RANK,
     Action,
     Allocation,
@@ -95,8 +97,6 @@ from kvdepot.metadata.types import (
     NodeStatus,
     Replica,
 )
-from kvdepot.records import TierStats, TransferRate
-from kvdepot.repeat_log import RepeatLog
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,8 @@ import pytest
 from kvdepot.errors import CapacityExceeded, NodeIdTaken, StaleRegistration, Unavailable
 from kvdepot.keys import ChunkKey
 from kvdepot.metadata.index import IndexBackend, IndexConfig, create_backend
-from kvdepot.metadata.types import (
+from kvdepot.records import TierStats
+from kvdepot.types import (
     COUNT_HITS,
     COUNT_NONE,
     Action,
@@ -25,7 +26,6 @@ from kvdepot.metadata.types import (
     LookupCounting,
     NodeInfo,
 )
-from kvdepot.records import TierStats
 from tests.conftest import free_port
 
 BACKENDS = [

@@ -9,8 +9,8 @@ import pytest
 from kvdepot.errors import CapacityExceeded, Unavailable
 from kvdepot.keys import ChunkKey
 from kvdepot.metadata.admission import ABSENT, KeyState, admit, settle_lost
-from kvdepot.metadata.types import Action, Allocation, NodeInfo, Replica
 from kvdepot.records import TierStats
+from kvdepot.types import Action, Allocation, NodeInfo, Replica
 
 
 def key(i: int) -> ChunkKey:

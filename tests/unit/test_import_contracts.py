@@ -3,20 +3,14 @@
 Held now: the shared layer (every module and package directly in kvdepot/ but
 the applications: errors, grpc_errors, registry, endpoints, records,
 record_wire, config, security, auth, health, request_guard, metrics, logs,
-shutdown, repeat_log, keys, and kvdepot/wire, the data plane's wire both ends
-import) imports nothing of metadata, store or connector, nor of the
-applications (kvdepot.apps: the command, local cluster, demo, certs, stats;
-kvdepot.proxy: the proxy and its router); store, metadata, connector and proto
-import no application; the store imports no connector and the connector no
-store; the metadata service imports neither the store nor the connector;
-kvdepot.errors imports no gRPC. A vLLM worker that loads the connector loads
-no kvdepot.store module (checked by importing it).
-
-Still to be moved before the rest of issue 18's rules can be contracts (they
-are not claimed, and nothing is ignored to make the ones above pass): the
-shared record types (metadata/types.py) and the lookup packing
-(metadata/lookup_wire.py) are imported by store and connector, so "store and
-connector never import metadata" does not hold.
+shutdown, repeat_log, keys, types, validation, and kvdepot/wire, the data
+plane's wire both ends import) imports nothing of metadata, store or
+connector, nor of the applications (kvdepot.apps: the command, local cluster,
+demo, certs, stats; kvdepot.proxy: the proxy and its router); store, metadata,
+connector and proto import no application; the store, the connector and the
+metadata service import nothing of each other; kvdepot.errors imports no gRPC.
+A vLLM worker that loads the connector loads no kvdepot.store module (checked
+by importing it). Nothing is ignored to make these pass.
 """
 
 from __future__ import annotations

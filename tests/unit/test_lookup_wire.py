@@ -11,8 +11,8 @@ from kvdepot.errors import Corrupt
 from kvdepot.keys import ChunkKey
 from kvdepot.metadata.index.base import IndexConfig
 from kvdepot.metadata.index.memory import MemoryIndex
-from kvdepot.metadata.lookup_wire import pack_lookup, unpack_lookup
-from kvdepot.metadata.types import (
+from kvdepot.proto.gen import common_pb2, metadata_pb2
+from kvdepot.types import (
     InventoryItem,
     KeyLocation,
     LookupResult,
@@ -20,7 +20,7 @@ from kvdepot.metadata.types import (
     NodeInfo,
     Replica,
 )
-from kvdepot.proto.gen import common_pb2, metadata_pb2
+from kvdepot.wire.lookup import pack_lookup, unpack_lookup
 
 
 def key(i: int) -> ChunkKey:

@@ -9,8 +9,8 @@ import pytest
 from kvdepot.errors import Unavailable
 from kvdepot.keys import ChunkKey
 from kvdepot.metadata.index import IndexConfig, create_backend
-from kvdepot.metadata.types import Action, InventoryItem, NodeInfo
 from kvdepot.records import TierStats
+from kvdepot.types import Action, InventoryItem, NodeInfo
 
 
 def key(i: int) -> ChunkKey:

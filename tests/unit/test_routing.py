@@ -13,8 +13,8 @@ from kvdepot.metadata.routing import (
     score_candidate,
     score_candidates,
 )
-from kvdepot.metadata.types import KeyLocation, LookupResult, Replica
 from kvdepot.proxy.router import EnginePool, parse_node_map, prompt_keys
+from kvdepot.types import KeyLocation, LookupResult, Replica
 
 MiB = 1 << 20
 W = RoutingWeights(

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
+from kvdepot import validation as v
 from kvdepot.errors import InvalidArgument
-from kvdepot.metadata import validation as v
 
 
 @pytest.mark.parametrize("address", ["127.0.0.1:7800", "[::1]:7800", "store-a.example:1"])

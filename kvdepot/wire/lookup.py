@@ -11,8 +11,8 @@ cluster the same few (node, tier) pairs answer for every key.
 from __future__ import annotations
 
 from kvdepot.errors import Corrupt
-from kvdepot.metadata.types import KeyLocation, LookupResult, NodeId, Replica
 from kvdepot.proto.gen import common_pb2, metadata_pb2
+from kvdepot.types import KeyLocation, LookupResult, NodeId, Replica
 
 
 def pack_lookup(result: LookupResult) -> metadata_pb2.LookupResponse:

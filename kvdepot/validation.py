@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 from kvdepot.endpoints import check_endpoint
 from kvdepot.errors import InvalidArgument
-from kvdepot.metadata.types import TIER_RANK
 from kvdepot.proto.gen import common_pb2
+from kvdepot.types import TIER_RANK
 
 MAX_TEXT = 256
 """Longest address or id accepted, in characters."""
