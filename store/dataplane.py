@@ -1,9 +1,11 @@
 """The ``tcp`` data plane server: chunk bytes in and out of the DRAM arena.
 
 One thread per connection, each looping over requests (see
-:mod:`kvdepot.wire.protocol` for the wire format). The threads spend their
-time in ``recv_into``/``sendmsg``, which release the GIL, so connections
-proceed in parallel.
+:mod:`kvdepot.wire.protocol` for the wire format): this module listens,
+admits connections, authenticates them and reads each request's header under
+the connection's deadlines; :mod:`kvdepot.store.handlers` answers the
+requests. The threads spend their time in ``recv_into``/``sendmsg``, which
+release the GIL, so connections proceed in parallel.
 
 Zero copy on both paths:
 
@@ -37,54 +39,29 @@ import threading
 import time
 
 from kvdepot.auth import Authenticator, RefusalLog, peer_host
-from kvdepot.errors import CapacityExceeded, InvalidArgument, Unavailable
-from kvdepot.keys import KEY_BYTES
-from kvdepot.store.chunks import ChunkStore, ReadLease, Reservation, checksum
+from kvdepot.errors import InvalidArgument, Unavailable
+from kvdepot.store.chunks import ChunkStore
+from kvdepot.store.handlers import ReplyFailed, RequestHandlers
 from kvdepot.store.session import HeldListener, Session
 from kvdepot.store.watchdog import RequestWatchdog
 from kvdepot.wire.handshake import ServerHandshake
 from kvdepot.wire.host import host_identity
 from kvdepot.wire.protocol import (
-    CHECKSUM,
-    COMMIT_ENTRY,
-    GET_ENTRY,
     HEADER,
-    LEASE_ID,
-    PUT_ENTRY,
     AttachFlags,
     AttachInfo,
-    AttachKind,
     AuthRefused,
-    DeleteCode,
     ErrorCode,
-    GetCode,
-    GetReplyEntry,
-    Header,
-    Opcode,
     PeerClosed,
     ProtocolError,
     ProtocolLimits,
-    PutCode,
-    PutEntry,
     TimedOut,
-    drain,
     encode_error,
-    pack_get_reply_entries,
-    pack_lease_reply_entries,
-    pack_reserve_reply_entries,
-    recv_exact,
     recv_exact_into,
-    recv_hashed_into,
-    send_all,
     set_io_timeout,
     set_recv_timeout,
     set_send_timeout,
-    unpack_commit_entries,
-    unpack_get_entries,
     unpack_header,
-    unpack_keys,
-    unpack_lease_ids,
-    unpack_put_entries,
 )
 
 logger = logging.getLogger(__name__)
@@ -130,22 +107,6 @@ class DataPlaneStats:
 
 
 _COUNTERS = tuple(f.name for f in dataclasses.fields(DataPlaneStats))
-
-
-_SESSION_OPS = frozenset(
-    {
-        Opcode.ATTACH,
-        Opcode.RESERVE,
-        Opcode.COMMIT,
-        Opcode.ABORT,
-        Opcode.LEASE,
-        Opcode.RELEASE,
-    }
-)
-
-
-class _ReplyFailed(Unavailable):
-    """Sending a reply failed: the peer left; not a protocol violation."""
 
 
 class DataPlaneServer:
@@ -232,6 +193,9 @@ class DataPlaneServer:
         self._lock = threading.Lock()
         self._connections: dict[socket.socket, threading.Thread] = {}
         self._counters = dict.fromkeys(_COUNTERS, 0)
+        self._handlers = RequestHandlers(
+            chunks, limits, self._watchdog, self._count, lambda: self._attach_info
+        )
 
     @property
     def address(self) -> tuple[str, int]:
@@ -402,10 +366,10 @@ class DataPlaneServer:
                 try:
                     request = unpack_header(header)
                     if gate.admit(conn, request):
-                        self._dispatch(conn, request, session)
+                        self._handlers.dispatch(conn, request, session)
                     elif gate.principal is not None:
                         session.tenant = gate.principal.tenant
-                except _ReplyFailed as exc:
+                except ReplyFailed as exc:
                     if self._watchdog.expired(conn):
                         raise self._too_slow() from exc
                     logger.debug("data plane peer %s left during a reply: %s", peer, str(exc))
@@ -466,8 +430,7 @@ class DataPlaneServer:
     def _hold_error(self, session: Session) -> ProtocolError:
         return ProtocolError(
             ErrorCode.LIMIT_EXCEEDED,
-            f"held {session.held} reservations and leases for more than "
-            f"{self._hold_timeout_s:g} s",
+            f"held {session.held} reservations and leases for more than {self._hold_timeout_s:g} s",
         )
 
     def _check_hold(self, session: Session) -> None:
@@ -523,236 +486,6 @@ class DataPlaneServer:
                     break
         except OSError:
             pass
-
-    def _dispatch(self, conn: socket.socket, header: Header, session: Session) -> None:
-        op = header.opcode
-        if op is Opcode.PUT:
-            self._handle_put(conn, self._checked_count(header), session, trailed=False)
-        elif op is Opcode.PUT_TRAILED:
-            self._handle_put(conn, self._checked_count(header), session, trailed=True)
-        elif op in _SESSION_OPS:
-            self._handle_session(conn, header, session)
-        elif op is Opcode.GET:
-            self._handle_get(conn, self._checked_count(header), session)
-        elif op is Opcode.DELETE:
-            self._handle_delete(conn, self._checked_count(header), session)
-        elif op is Opcode.PING:
-            if header.count:
-                raise ProtocolError(ErrorCode.MALFORMED, f"PING with count {header.count}")
-            self._reply(conn, [Header(Opcode.PONG, 0, header.aux).pack()])
-        else:
-            raise ProtocolError(ErrorCode.BAD_OPCODE, f"{op.name} is not a request")
-
-    def _checked_count(self, header: Header) -> int:
-        if header.count > self._limits.max_batch:
-            raise ProtocolError(
-                ErrorCode.LIMIT_EXCEEDED,
-                f"{header.opcode.name} of {header.count} entries is above the limit of "
-                f"{self._limits.max_batch}",
-            )
-        return header.count
-
-    def _reply(self, conn: socket.socket, buffers: list[bytes | bytearray | memoryview]) -> None:
-        try:
-            send_all(conn, buffers)
-        except Unavailable as exc:
-            raise _ReplyFailed(str(exc)) from exc
-
-    def _handle_put(
-        self, conn: socket.socket, n: int, session: Session, *, trailed: bool
-    ) -> None:
-        # PUT announces each checksum before the payload, PUT_TRAILED right
-        # after it; either way the payload is received straight into its
-        # reservation and hashed block by block while it arrives.
-        entries = unpack_put_entries(recv_exact(conn, n * PUT_ENTRY.size))
-        total = self._check_put_sizes(entries)
-        self._watchdog.arm(conn, total + (n * CHECKSUM.size if trailed else 0))
-        statuses = bytearray(n)
-        pending: list[tuple[Reservation, int]] = []
-        trailer = memoryview(bytearray(CHECKSUM.size))
-        try:
-            for i, e in enumerate(entries):
-                res: Reservation | None = None
-                code = PutCode.OK
-                if e.size == 0:
-                    code = PutCode.INVALID
-                else:
-                    try:
-                        res = self._chunks.reserve(session.key(e.key), e.size, e.checksum)
-                    except CapacityExceeded:
-                        code = PutCode.NO_SPACE
-                    except InvalidArgument:
-                        code = PutCode.INVALID
-                    else:
-                        if res is None:
-                            code = PutCode.EXISTS
-                if res is None:
-                    # Into a per-thread scratch buffer: one per connection.
-                    drain(conn, e.size + (CHECKSUM.size if trailed else 0))
-                    statuses[i] = code
-                    continue
-                # Registered before receiving, so a failure revokes it.
-                pending.append((res, e.checksum))
-                got = recv_hashed_into(conn, res.view)
-                expected = e.checksum
-                if trailed:
-                    recv_exact_into(conn, trailer)
-                    (expected,) = CHECKSUM.unpack(trailer)
-                    pending[-1] = (res, expected)
-                if got != expected:
-                    pending.pop()
-                    self._chunks.revoke(res)
-                    code = PutCode.CORRUPT
-                statuses[i] = code
-            for res, ck in pending:
-                self._chunks.commit(res, ck)
-        except BaseException:
-            # Nothing of a failed request becomes visible; revoking an already
-            # committed reservation is a no-op.
-            for res, _ in pending:
-                self._chunks.revoke(res)
-            raise
-        self._count_puts(statuses, total)
-        self._reply(conn, [Header(Opcode.PUT_REPLY, n).pack(), statuses])
-
-    def _check_put_sizes(self, entries: list[PutEntry]) -> int:
-        limits = self._limits
-        total = 0
-        for e in entries:
-            if e.size > limits.max_chunk_bytes:
-                raise ProtocolError(
-                    ErrorCode.LIMIT_EXCEEDED,
-                    f"chunk of {e.size} bytes is above the limit of {limits.max_chunk_bytes}",
-                )
-            total += e.size
-        if total > limits.max_request_bytes:
-            raise ProtocolError(
-                ErrorCode.LIMIT_EXCEEDED,
-                f"PUT of {total} bytes is above the limit of {limits.max_request_bytes}",
-            )
-        return total
-
-    def _count_puts(self, statuses: bytes | bytearray, total: int) -> None:
-        self._count(
-            puts=statuses.count(PutCode.OK),
-            bytes_in=total,
-            corrupt_puts=statuses.count(PutCode.CORRUPT),
-            put_rejected=statuses.count(PutCode.NO_SPACE) + statuses.count(PutCode.INVALID),
-        )
-
-    def _handle_session(self, conn: socket.socket, header: Header, session: Session) -> None:
-        # Control messages of clients that move the bytes themselves.
-        op = header.opcode
-        if op is Opcode.ATTACH:
-            if header.count:
-                raise ProtocolError(ErrorCode.MALFORMED, f"ATTACH with count {header.count}")
-            try:
-                kind = AttachKind(header.aux)
-            except ValueError:
-                raise ProtocolError(
-                    ErrorCode.MALFORMED, f"ATTACH of unknown kind {header.aux}"
-                ) from None
-            session.attach(kind)
-            info = self._attach_info
-            if session.tenant:
-                # The arena holds every tenant's chunks: a tenant never maps it.
-                info = AttachInfo(info.generation, info.arena_size, host_id=info.host_id)
-            body = info.pack()
-            self._reply(conn, [Header(Opcode.ATTACH_REPLY, len(body)).pack(), body])
-            return
-        n = self._checked_count(header)
-        if op is Opcode.RESERVE:
-            entries = unpack_put_entries(recv_exact(conn, n * PUT_ENTRY.size))
-            self._check_put_sizes(entries)
-            reserved = session.reserve(entries)
-            body = pack_reserve_reply_entries(reserved)
-            self._count(
-                put_rejected=sum(
-                    1 for r in reserved if r.status in (PutCode.NO_SPACE, PutCode.INVALID)
-                )
-            )
-            self._reply(conn, [Header(Opcode.RESERVE_REPLY, n).pack(), body])
-        elif op is Opcode.COMMIT:
-            commits = unpack_commit_entries(recv_exact(conn, n * COMMIT_ENTRY.size))
-            self._watchdog.disarm(conn)  # hashing the reserved bytes is the store's work
-            results = session.commit(commits)
-            statuses = bytes(code for code, _ in results)
-            self._count(
-                puts=statuses.count(PutCode.OK),
-                corrupt_puts=statuses.count(PutCode.CORRUPT),
-                bytes_in=sum(size for _, size in results),
-            )
-            self._reply(conn, [Header(Opcode.COMMIT_REPLY, n).pack(), statuses])
-        elif op is Opcode.ABORT:
-            keys = unpack_keys(recv_exact(conn, n * KEY_BYTES))
-            self._reply(conn, [Header(Opcode.ABORT_REPLY, n).pack(), bytes(session.abort(keys))])
-        elif op is Opcode.LEASE:
-            reads = unpack_get_entries(recv_exact(conn, n * GET_ENTRY.size))
-            self._watchdog.disarm(conn)  # a lease may promote a chunk off SSD first
-            leased = session.lease(reads)
-            ok = [r for r in leased if r.status is GetCode.OK]
-            self._count(
-                gets=len(ok),
-                get_misses=sum(1 for r in leased if r.status is GetCode.NOT_FOUND),
-                bytes_out=sum(r.length for r in ok),
-            )
-            body = pack_lease_reply_entries(leased)
-            self._reply(conn, [Header(Opcode.LEASE_REPLY, n).pack(), body])
-        elif op is Opcode.RELEASE:
-            ids = unpack_lease_ids(recv_exact(conn, n * LEASE_ID.size))
-            released = bytes(session.release(ids))
-            self._reply(conn, [Header(Opcode.RELEASE_REPLY, n).pack(), released])
-        else:  # pragma: no cover - _SESSION_OPS and this chain agree
-            raise ProtocolError(ErrorCode.BAD_OPCODE, f"{op.name} is not a session request")
-
-    def _handle_get(self, conn: socket.socket, n: int, session: Session) -> None:
-        entries = unpack_get_entries(recv_exact(conn, n * GET_ENTRY.size))
-        self._watchdog.disarm(conn)  # reads off SSD are the store's work
-        leases: list[ReadLease] = []
-        try:
-            replies: list[GetReplyEntry] = []
-            payloads: list[bytes | bytearray | memoryview] = []
-            # Chunks on SSD are read in parallel, off this thread.
-            acquired = self._chunks.acquire_many([session.key(e.key) for e in entries])
-            leases = [lease for lease in acquired if lease is not None]
-            for e, lease in zip(entries, acquired, strict=True):
-                if lease is None:
-                    replies.append(GetReplyEntry(GetCode.NOT_FOUND))
-                    continue
-                size = lease.size
-                length = e.length or size - e.offset
-                if e.offset >= size or length <= 0 or e.offset + length > size:
-                    replies.append(GetReplyEntry(GetCode.INVALID))
-                    continue
-                if length == size:
-                    # Whole chunk: the writer's checksum, checked end to end.
-                    view, ck = lease.view, lease.checksum
-                else:
-                    view = lease.view[e.offset : e.offset + length]
-                    ck = checksum(view)
-                replies.append(GetReplyEntry(GetCode.OK, length, ck))
-                payloads.append(view)
-            # Counted before the reply goes out, so a client that has its
-            # answer also sees it in the stats.
-            self._count(
-                gets=len(payloads),
-                get_misses=sum(1 for r in replies if r.status is GetCode.NOT_FOUND),
-                bytes_out=sum(r.length for r in replies),
-            )
-            head = Header(Opcode.GET_REPLY, n).pack() + pack_get_reply_entries(replies)
-            self._watchdog.arm(conn, len(head) + sum(r.length for r in replies))
-            self._reply(conn, [head, *payloads])
-        finally:
-            for lease in leases:
-                self._chunks.release(lease)
-
-    def _handle_delete(self, conn: socket.socket, n: int, session: Session) -> None:
-        keys = unpack_keys(recv_exact(conn, n * KEY_BYTES))
-        statuses = bytes(
-            DeleteCode.OK if self._chunks.delete(session.key(key)) else DeleteCode.NOT_FOUND
-            for key in keys
-        )
-        self._reply(conn, [Header(Opcode.DELETE_REPLY, n).pack(), statuses])
 
 
 def _peer_name(peer: object) -> str:
