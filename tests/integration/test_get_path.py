@@ -9,6 +9,7 @@ readable while the metadata service is unreachable.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 from collections.abc import Iterator
@@ -18,8 +19,12 @@ import pytest
 
 from kvdepot.apps.cluster import LocalCluster
 from kvdepot.connector.client import ClientConfig, KVDepotClient
-from kvdepot.connector.transport import PutItem, PutStatus
+from kvdepot.connector.transport import GetItem, PutItem, PutStatus, TcpTransport
+from kvdepot.connector.transport.tcp import OVERLAP_MIN_BYTES
 from kvdepot.keys import ChunkKey
+from kvdepot.store.chunks import ChunkStore
+from kvdepot.store.dataplane import DataPlaneServer
+from kvdepot.wire.xxh3 import _address
 from tests.integration.test_cluster import payload, store_stats
 from tests.integration.test_put_path import CallLog
 
@@ -137,3 +142,39 @@ def test_own_chunks_the_index_does_not_name_stay_readable_with_the_index_first(
     out = [np.zeros(SIZE, dtype=np.uint8) for _ in range(3)]
     got = reader.get_into([*more, *own[:1]], out)
     assert calls.methods == ["Lookup"] and got.leading == 2
+
+
+def test_a_large_chunk_corrupted_in_the_store_is_a_miss_over_tcp() -> None:
+    # Chunks from OVERLAP_MIN_BYTES up are hashed on a helper thread while the
+    # next one arrives: a wrong byte must still make that chunk (only) a miss.
+    chunks = ChunkStore(3 * OVERLAP_MIN_BYTES)
+    server = DataPlaneServer(chunks)
+    server.start()
+    try:
+        host, port = server.address
+        address = f"{host}:{port}"
+        rng = np.random.default_rng(7)
+        sizes = (OVERLAP_MIN_BYTES, OVERLAP_MIN_BYTES + 4096, SIZE)
+        data = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+        keys = [ChunkKey(k) for k in _keys(3)]
+        with TcpTransport() as t:
+            items = [PutItem(k, memoryview(d)) for k, d in zip(keys, data, strict=True)]
+            assert t.put(address, items) == [PutStatus.OK] * 3
+            lease = chunks.acquire(keys[0])
+            assert lease is not None
+            # A byte flipped in the store's memory, past the first hash block.
+            ctypes.memset(_address(lease.view) + 3_000_001, int(data[0][3_000_001]) ^ 0xFF, 1)
+            chunks.release(lease)
+            out = [np.zeros(n, dtype=np.uint8) for n in sizes]
+            got = t.get_into(
+                address, [GetItem(k, memoryview(o)) for k, o in zip(keys, out, strict=True)]
+            )
+            assert [g.ok for g in got] == [False, True, True]
+            assert got[0].error == "checksum mismatch"
+            assert all(np.array_equal(o, d) for o, d in zip(out[1:], data[1:], strict=True))
+            # The connection stays in step: the next read on it is exact.
+            again = t.get_into(address, [GetItem(keys[1], memoryview(out[1]))])
+            assert again[0].ok and np.array_equal(out[1], data[1])
+    finally:
+        server.stop()
+        chunks.close()
