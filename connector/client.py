@@ -22,7 +22,7 @@ from kvdepot.connector.transport.arena import ArenaTransport
 from kvdepot.connector.transport.auto import AutoTransport
 from kvdepot.connector.transport.base import GetItem, GetOutcome, PutItem, PutStatus, Transport
 from kvdepot.errors import ClientClosed, InvalidArgument, Unavailable
-from kvdepot.keys import KEY_BYTES, ChunkKey
+from kvdepot.keys import ChunkKey, validate_keys
 from kvdepot.proto.gen import metadata_pb2
 from kvdepot.security import NO_SECURITY, SecurityConfig
 from kvdepot.types import LookupResult
@@ -134,9 +134,6 @@ def _as_view(buf: Buffer, writable: bool, i: int = 0) -> memoryview:
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
-_BYTES_LIKE = (bytes, bytearray, memoryview)
-
-
 def _sequence(items: Any, what: str) -> Sequence[Any]:
     # A str or bytes is a sequence too, of characters: one key is not a list.
     # Anything else indexable with a length will do (a 2-D numpy array of buffers).
@@ -148,16 +145,7 @@ def _sequence(items: Any, what: str) -> Sequence[Any]:
 
 
 def _check_keys(keys: Sequence[bytes]) -> list[ChunkKey]:
-    out = []
-    for i, k in enumerate(_sequence(keys, "keys")):
-        if not isinstance(k, _BYTES_LIKE):
-            raise InvalidArgument(
-                f"key {i} is a {type(k).__name__}; chunk keys are {KEY_BYTES} bytes"
-            )
-        if len(k) != KEY_BYTES:
-            raise InvalidArgument(f"key {i} is {len(k)} bytes; chunk keys are {KEY_BYTES}")
-        out.append(ChunkKey(bytes(k)))
-    return out
+    return validate_keys(_sequence(keys, "keys"))
 
 
 def _views(buffers: Sequence[Buffer], n: int, writable: bool) -> list[memoryview]:

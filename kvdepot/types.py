@@ -18,10 +18,6 @@ instance holds: the milliseconds left of that instance's lease."""
 TIER_RANK = {"gpu": 0, "cpu": 1, "ssd": 2}
 
 
-TierUsage = TierStats
-"""The old name of :class:`~kvdepot.records.TierStats` (metadata/service.py still spells it)."""
-
-
 _NO_TRANSFER = TransferRate()  # frozen: one instance serves as every default
 
 

@@ -19,7 +19,7 @@ from kvdepot.errors import (
     Unavailable,
 )
 from kvdepot.health import HealthState
-from kvdepot.keys import KEY_BYTES, ChunkKey
+from kvdepot.keys import ChunkKey, validate_keys
 from kvdepot.metadata.config import MetadataConfig
 from kvdepot.metadata.events import EventsConfig, KVEventPublisher
 from kvdepot.metadata.index import IndexBackend, IndexConfig, create_backend
@@ -27,6 +27,12 @@ from kvdepot.metadata.replica_tiers import record_moves
 from kvdepot.metadata.routing import Candidate, RoutingWeights, best, score_candidates
 from kvdepot.metrics import ClusterCollector, MetricsServer, on_loop
 from kvdepot.proto.gen import common_pb2, metadata_pb2, metadata_pb2_grpc
+from kvdepot.record_wire import (
+    tier_stats_from_proto,
+    tier_stats_to_proto,
+    transfer_from_proto,
+    transfer_to_proto,
+)
 from kvdepot.repeat_log import RepeatLog
 from kvdepot.request_guard import abort_with
 from kvdepot.security import NO_SECURITY, SecurityConfig, add_port, aio_server
@@ -39,8 +45,6 @@ from kvdepot.types import (
     LookupCounting,
     NodeInfo,
     Replica,
-    TierUsage,
-    TransferRate,
 )
 from kvdepot.validation import (
     check_address,
@@ -67,40 +71,6 @@ _ACTIONS = {
 }
 
 
-def tiers_from_proto(tiers: Sequence[common_pb2.TierStats]) -> tuple[TierUsage, ...]:
-    return tuple(
-        TierUsage(
-            name=t.name,
-            capacity_bytes=t.capacity_bytes,
-            used_bytes=t.used_bytes,
-            chunks=t.chunks,
-            hits=t.hits,
-            misses=t.misses,
-            evictions=t.evictions,
-            promotions=t.promotions,
-            demotions=t.demotions,
-        )
-        for t in tiers
-    )
-
-
-def tiers_to_proto(tiers: Sequence[TierUsage]) -> list[common_pb2.TierStats]:
-    return [
-        common_pb2.TierStats(
-            name=t.name,
-            capacity_bytes=t.capacity_bytes,
-            used_bytes=t.used_bytes,
-            chunks=t.chunks,
-            hits=t.hits,
-            misses=t.misses,
-            evictions=t.evictions,
-            promotions=t.promotions,
-            demotions=t.demotions,
-        )
-        for t in tiers
-    ]
-
-
 def _replica_pb(r: Replica) -> common_pb2.Replica:
     return common_pb2.Replica(node_id=r.node_id, address=r.address, tier=r.tier)
 
@@ -112,14 +82,10 @@ def stats_to_proto(s: IndexStats) -> metadata_pb2.ClusterStats:
                 node_id=n.info.node_id,
                 address=n.info.address,
                 grpc_address=n.info.grpc_address,
-                tiers=tiers_to_proto(n.info.tiers),
+                tiers=tier_stats_to_proto(n.info.tiers),
                 chunks_indexed=n.chunks_indexed,
                 lease_remaining_s=n.lease_remaining_s,
-                transfer=common_pb2.TransferRate(
-                    bytes_in_per_s=n.info.transfer.bytes_in_per_s,
-                    bytes_out_per_s=n.info.transfer.bytes_out_per_s,
-                    window_s=n.info.transfer.window_s,
-                ),
+                transfer=transfer_to_proto(n.info.transfer),
             )
             for n in s.nodes
         ],
@@ -174,10 +140,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
             raise InvalidArgument(
                 f"{len(keys)} keys in one request; the limit is {self._config.max_keys_per_request}"
             )
-        for i, k in enumerate(keys):
-            if len(k) != KEY_BYTES:
-                raise InvalidArgument(f"key {i} is {len(k)} bytes; chunk keys are {KEY_BYTES}")
-        return [ChunkKey(bytes(k)) for k in keys]
+        return validate_keys(keys)
 
     @staticmethod
     def _sizes(keys: Sequence[ChunkKey], sizes: Sequence[int]) -> list[int]:
@@ -222,7 +185,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
                 for k, c in zip(keys, request.inventory, strict=True)
             ]
             info = NodeInfo(
-                node_id, request.address, request.grpc_address, tiers_from_proto(request.tiers)
+                node_id, request.address, request.grpc_address, tier_stats_from_proto(request.tiers)
             )
             epoch = await self._index.register_node(
                 info, inventory, time.monotonic(), instance, request.force
@@ -252,9 +215,10 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
             if request.HasField("transfer"):
                 t = request.transfer
                 check_transfer(t)
-                transfer = TransferRate(t.bytes_in_per_s, t.bytes_out_per_s, t.window_s)
+                transfer = transfer_from_proto(t)
+            tiers = tier_stats_from_proto(request.tiers)
             known = await self._index.heartbeat(
-                node_id, tiers_from_proto(request.tiers), time.monotonic(), transfer, request.epoch
+                node_id, tiers, time.monotonic(), transfer, request.epoch
             )
         except StaleRegistration as exc:
             logger.warning("refused a heartbeat: %s", exc)
