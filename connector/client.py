@@ -449,13 +449,14 @@ class KVDepotClient:
         is missing, evicted meanwhile, corrupt, on a store that died, or bigger
         than its buffer is a miss (``loaded[i]`` is False, ``reasons[i]`` says
         why) and its buffer content is undefined.
-        One store is read first, before any lookup: this node's store, or the
-        one other store that served the last read (a decode node reading what
-        one prefill node published). When it holds every chunk, the metadata
-        service is not asked at all. After a read that no single store served,
-        the next one asks the metadata service first (its answer lists this
-        node's replicas first). ``count`` is passed to the lookup it makes
-        (``none`` when the caller counted the prompt already).
+        One store is read first, before any lookup: this node's store, or,
+        with ``count="none"``, the one other store that served the last read
+        (a decode node reading what one prefill node published). When it
+        holds every chunk, the metadata service is not asked at all. After a
+        read that no single store served, the next one asks the metadata
+        service first (its answer lists this node's replicas first).
+        ``count`` is passed to the lookup it makes (``none`` when the caller
+        counted the prompt already).
 
         Raises:
             InvalidArgument: mismatched keys and buffers, or bad keys.
@@ -468,7 +469,11 @@ class KVDepotClient:
         if not ckeys:
             return GetResult((), 0, (), ())
         local = self._local_address
-        first = self._sticky or (None if self._lookup_first else local)
+        # Another store is read first only for a caller that counted the
+        # prompt already: a counted read always reaches the index, so the
+        # cluster's hits agree with what was read.
+        sticky = self._sticky if count == "none" else None
+        first = sticky or (None if self._lookup_first else local)
         early = None
         if first is not None:
             # A key names its bytes wherever they are found, and each read is

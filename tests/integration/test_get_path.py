@@ -52,7 +52,7 @@ def clients(cluster: LocalCluster) -> Iterator[tuple[KVDepotClient, KVDepotClien
 
 def _exact(client: KVDepotClient, keys: list[bytes]) -> None:
     out = [np.zeros(SIZE, dtype=np.uint8) for _ in keys]
-    got = client.get_into(keys, out)
+    got = client.get_into(keys, out, count="none")
     assert got.loaded == (True,) * len(keys), got.reasons
     assert got.bytes_received == SIZE * len(keys)
     for k, buf in zip(keys, out, strict=True):
@@ -140,7 +140,7 @@ def test_own_chunks_the_index_does_not_name_stay_readable_with_the_index_first(
     # A read the own store cannot serve whole still needs the index.
     calls.methods.clear()
     out = [np.zeros(SIZE, dtype=np.uint8) for _ in range(3)]
-    got = reader.get_into([*more, *own[:1]], out)
+    got = reader.get_into([*more, *own[:1]], out, count="none")
     assert calls.methods == ["Lookup"] and got.leading == 2
 
 
