@@ -115,7 +115,13 @@ def kill_mid_put(
         # Frozen, the store holds the writer inside its next transfer: the
         # kill then lands in the middle of a put, never between two.
         os.kill(victim.pid, signal.SIGSTOP)
-        wait_for(lambda: in_call(t, "_put_batch"), 4, "the writer never reached the store")
+        # Inside a transfer to the store: its batch, or the own-node write
+        # (or a put to a placed node) still setting up its connection.
+        wait_for(
+            lambda: any(in_call(t, f) for f in ("_put_batch", "_write_local", "_put_to")),
+            4,
+            "the writer never reached the store",
+        )
         os.kill(victim.pid, signal.SIGKILL)
         victim.proc.wait()
         killed_at = time.monotonic()
