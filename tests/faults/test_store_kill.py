@@ -94,11 +94,16 @@ def kill_mid_put(
     """
     results: list[PutResult] = []
     errors: list[BaseException] = []
+    # The writer pauses after a dozen chunks until the store is frozen: a fast
+    # transport could otherwise finish all 48 before the SIGSTOP lands.
+    frozen = threading.Event()
     with KVDepotClient(client_config(cl, transport, "victim")) as writer:
 
         def publish() -> None:
             try:
                 for i in range(0, len(keys), 4):
+                    if i == 12:
+                        frozen.wait(30)
                     batch = keys[i : i + 4]
                     results.append(writer.put(batch, [data(k) for k in batch]))
             except BaseException as exc:  # reported by the assertions below
@@ -115,6 +120,7 @@ def kill_mid_put(
         # Frozen, the store holds the writer inside its next transfer: the
         # kill then lands in the middle of a put, never between two.
         os.kill(victim.pid, signal.SIGSTOP)
+        frozen.set()
         # Inside a transfer to the store: its batch, or the own-node write
         # (or a put to a placed node) still setting up its connection.
         wait_for(
