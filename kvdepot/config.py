@@ -33,6 +33,9 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 
 RULE = "kvdepot.rule"
 """Key of a field's :class:`Rule` in its ``dataclasses.field`` metadata."""
 
+FLAG = "kvdepot.flag"
+"""Key of a field's :class:`Flag` (its command-line option) in its metadata."""
+
 FILE_TABLES = ("metadata", "store", "security")
 """The tables a ``--config`` file may hold; any other is a typo."""
 
@@ -181,10 +184,60 @@ class Parsed(Rule):
         return None
 
 
-def setting(default: T, rule: Rule | None = None) -> T:
-    """A config dataclass field with its default and the :class:`Rule` it obeys."""
-    out: Any = dataclasses.field(default=default, metadata={RULE: rule} if rule else {})
+@dataclass(frozen=True, slots=True)
+class Flag:
+    """The command-line option of a setting (see :func:`setting`).
+
+    Attributes:
+        name: The option, e.g. ``--lease-ttl``. A boolean setting's option
+            takes no value and sets the opposite of the default (``--no-shm``).
+            A name with a space or ending in ``=`` is one form of an option
+            several settings share (``--watermarks cpu=``), which its command
+            declares and parses itself.
+        help: The line ``--help`` shows.
+        metavar: The value's name in ``--help``; empty: argparse's.
+        group: The ``--help`` section it is listed under; empty: the command's own.
+    """
+
+    name: str
+    help: str = ""
+    metavar: str = ""
+    group: str = ""
+
+    @property
+    def shared(self) -> bool:
+        """Whether this is one form of an option several settings share."""
+        return " " in self.name or self.name.endswith("=")
+
+    @property
+    def dest(self) -> str:
+        """The attribute argparse stores the option's value under."""
+        return self.name[2:].replace("-", "_")
+
+
+def setting(
+    default: T,
+    rule: Rule | None = None,
+    *,
+    flag: str = "",
+    help: str = "",
+    metavar: str = "",
+    group: str = "",
+) -> T:
+    """A config dataclass field: its default, the :class:`Rule` it obeys and,
+    when ``flag`` is given, its command-line option (a :class:`Flag`)."""
+    metadata: dict[str, Any] = {}
+    if rule is not None:
+        metadata[RULE] = rule
+    if flag:
+        metadata[FLAG] = Flag(flag, help, metavar, group)
+    out: Any = dataclasses.field(default=default, metadata=metadata)
     return cast(T, out)
+
+
+def flags_of(cls: type) -> dict[str, Flag]:
+    """The command-line option of each setting of ``cls`` that has one, in field order."""
+    return {f.name: f.metadata[FLAG] for f in dataclasses.fields(cls) if FLAG in f.metadata}
 
 
 _SCALARS = (bool, int, float, str)

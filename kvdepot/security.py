@@ -52,7 +52,7 @@ from kvdepot.auth import (
     peer_host,
     tenant_key,
 )
-from kvdepot.config import InvalidSetting, load_config, validate
+from kvdepot.config import InvalidSetting, load_config, setting, validate
 from kvdepot.endpoints import split_endpoint
 from kvdepot.errors import InvalidArgument, Unavailable
 from kvdepot.request_guard import MalformedRequestGuard
@@ -89,6 +89,10 @@ def _check_private(path: str) -> None:
         )
 
 
+SECURITY_GROUP = "security"
+"""The ``--help`` section of the security options."""
+
+
 @dataclass(frozen=True, slots=True)
 class SecurityConfig:
     """Authentication and TLS settings of one process (daemon or client).
@@ -117,13 +121,45 @@ class SecurityConfig:
     """
 
     auth_token: str = field(default="", repr=False)
-    auth_token_file: str = ""
-    tls: bool = False
-    tls_cert: str = ""
-    tls_key: str = ""
-    tls_ca: str = ""
-    tls_client_auth: bool = False
-    tls_server_name: str = ""
+    auth_token_file: str = setting(
+        "",
+        flag="--auth-token-file",
+        metavar="PATH",
+        help="file with the cluster token (daemons: also `tenant NAME TOKEN` lines)",
+        group=SECURITY_GROUP,
+    )
+    tls: bool = setting(
+        False, flag="--tls", help="speak TLS to gRPC (system CA roots)", group=SECURITY_GROUP
+    )
+    tls_cert: str = setting(
+        "",
+        flag="--tls-cert",
+        metavar="PEM",
+        help="certificate served (daemons) / presented",
+        group=SECURITY_GROUP,
+    )
+    tls_key: str = setting(
+        "", flag="--tls-key", metavar="PEM", help="private key of --tls-cert", group=SECURITY_GROUP
+    )
+    tls_ca: str = setting(
+        "",
+        flag="--tls-ca",
+        metavar="PEM",
+        help="CA that verifies peers (implies --tls)",
+        group=SECURITY_GROUP,
+    )
+    tls_client_auth: bool = setting(
+        False,
+        flag="--tls-client-auth",
+        help="daemons require client certificates",
+        group=SECURITY_GROUP,
+    )
+    tls_server_name: str = setting(
+        "",
+        flag="--tls-server-name",
+        help="name expected in daemons' certificates",
+        group=SECURITY_GROUP,
+    )
 
     def __post_init__(self) -> None:
         validate(self)

@@ -31,21 +31,41 @@ class MetadataConfig:
             on ``host``; ``None`` (the default) serves none, 0 picks a free port.
     """
 
-    host: str = "127.0.0.1"
-    port: int = setting(7700, Port())
-    index: str = "memory://"
-    lease_ttl_s: float = setting(5.0, positive())
-    heartbeat_interval_s: float = setting(1.0, positive())
-    allocation_ttl_s: float = setting(30.0, positive())
+    host: str = setting("127.0.0.1", flag="--host", help="bind address (default 127.0.0.1)")
+    port: int = setting(7700, Port(), flag="--port", help="gRPC port (default 7700; 0 picks one)")
+    index: str = setting("memory://", flag="--index", help="index backend URL (default memory://)")
+    lease_ttl_s: float = setting(
+        5.0, positive(), flag="--lease-ttl", help="store lease in seconds (default 5)"
+    )
+    heartbeat_interval_s: float = setting(
+        1.0, positive(), flag="--heartbeat-interval", help="store heartbeat seconds (default 1)"
+    )
+    allocation_ttl_s: float = setting(
+        30.0, positive(), flag="--allocation-ttl", help="uncommitted put lifetime (default 30)"
+    )
     reap_interval_s: float = setting(0.5, positive())
     max_keys_per_request: int = setting(65536, Number(low=1))
-    kv_events: str = ""
-    kv_events_replay: str = ""
-    kv_events_block_size: int = setting(256, Number(low=1))
+    kv_events: str = setting(
+        "",
+        flag="--kv-events",
+        metavar="ENDPOINT",
+        help="publish KV events (vLLM ZeroMQ format) on e.g. tcp://127.0.0.1:5557 (default off)",
+    )
+    kv_events_replay: str = setting(
+        "", flag="--kv-events-replay", metavar="ENDPOINT", help="replay socket (default port+1)"
+    )
+    kv_events_block_size: int = setting(
+        256, Number(low=1), flag="--kv-events-block-size", help="tokens per chunk in events (256)"
+    )
     route_link_bytes_per_s: float = setting(12.5e9, positive())
     route_prefill_tokens_per_s: float = setting(10_000.0, positive())
     route_load_penalty_s: float = setting(0.05, Number(low=0))
-    metrics_port: int | None = setting(None, Port())
+    metrics_port: int | None = setting(
+        None,
+        Port(),
+        flag="--metrics-port",
+        help="serve Prometheus /metrics on this port (default off)",
+    )
 
     def __post_init__(self) -> None:
         validate(self)

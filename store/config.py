@@ -18,6 +18,9 @@ from kvdepot.config import (
 )
 from kvdepot.endpoints import parse_endpoints
 
+TIERS = "tiers (GPU, DRAM, SSD)"
+"""The ``--help`` section of the tiers' options."""
+
 FSYNC_POLICIES = ("always", "segment", "never")
 """When the SSD tier syncs its files (see ``kvdepot.store.tiers.ssd``)."""
 
@@ -125,43 +128,155 @@ class StoreConfig:
             dropped instead of demoted.
     """
 
-    node_id: str = setting("", Parsed(_node_id))
-    host: str = "127.0.0.1"
-    port: int = setting(7800, Port())
-    grpc_port: int = setting(0, Port())
-    advertise_host: str = ""
-    metadata: str = setting("127.0.0.1:7700", Parsed(parse_endpoints))
-    capacity_bytes: int = setting(1 << 30, Number(low=4096))
-    arena_path: str = setting("", FilePath())
-    shm: bool = True
-    nixl: str = setting("auto", Choice(("auto", "on", "off")))
-    max_chunk_bytes: int = setting(0, Number(low=0))
+    node_id: str = setting(
+        "", Parsed(_node_id), flag="--node-id", help="node name (default derived from the address)"
+    )
+    host: str = setting("127.0.0.1", flag="--host", help="bind address (default 127.0.0.1)")
+    port: int = setting(
+        7800, Port(), flag="--port", help="data-plane port (default 7800; 0 picks one)"
+    )
+    grpc_port: int = setting(
+        0, Port(), flag="--grpc-port", help="gRPC stats port (default 0: pick one)"
+    )
+    advertise_host: str = setting(
+        "", flag="--advertise-host", help="host other nodes reach this one at"
+    )
+    metadata: str = setting(
+        "127.0.0.1:7700",
+        Parsed(parse_endpoints),
+        flag="--metadata",
+        help="metadata service host:port (default 127.0.0.1:7700)",
+    )
+    capacity_bytes: int = setting(
+        1 << 30,
+        Number(low=4096),
+        flag="--capacity",
+        help="DRAM arena size, e.g. 4GiB (default 1GiB)",
+    )
+    arena_path: str = setting(
+        "", FilePath(), flag="--arena-path", help="file backing the arena, e.g. /dev/shm/kvdepot"
+    )
+    shm: bool = setting(True, flag="--no-shm", help="do not offer same-host shared memory")
+    nixl: str = setting(
+        "auto", Choice(("auto", "on", "off")), flag="--nixl", help="offer NIXL (RDMA) transfers"
+    )
+    max_chunk_bytes: int = setting(
+        0,
+        Number(low=0),
+        flag="--max-chunk",
+        help="largest chunk accepted (default: the arena size)",
+    )
     idle_timeout_s: float = setting(60.0, positive())
     io_timeout_s: float = setting(30.0, positive())
     min_rate_bytes: int = setting(1 << 20, Number(low=1))
     hold_timeout_s: float = setting(60.0, positive())
     max_connections: int = setting(1024, Number(low=1))
-    verify_shm_commits: bool = False
+    verify_shm_commits: bool = setting(
+        False,
+        flag="--verify-shm-commits",
+        help="hash chunks shm clients wrote again before committing them",
+    )
     register_retry_s: float = setting(0.5, positive())
-    force_node_id: bool = False
-    metrics_port: int | None = setting(None, Port())
-    cpu_watermarks: str = setting("0.95:0.85", Parsed(_watermarks))
-    pin_memory: str = setting("auto", Choice(("auto", "on", "off")))
-    gpu_capacity_bytes: int = setting(0, Number(low=0))
-    gpu_device: str = "cuda"
-    gpu_watermarks: str = setting("0.95:0.85", Parsed(_watermarks))
-    ssd_dir: str = setting("", Directory())
-    ssd_capacity_bytes: int = setting(0, Number(low=0))
-    ssd_watermarks: str = setting("0.95:0.9", Parsed(_watermarks))
-    ssd_segment_bytes: int = setting(0, Number(low=0))
-    ssd_fsync: str = setting("segment", Choice(FSYNC_POLICIES))
-    ssd_io_threads: int = setting(4, Number(low=1, high=256))
-    ssd_verify_on_open: bool = True
-    ssd_compact_ratio: float = setting(0.5, Number(low=0, high=1, high_open=True))
-    eviction_policy: str = setting("lru", Parsed(_eviction_policy))
-    promote_hits: int = setting(1, Number(low=0))
-    gpu_promote_hits: int = setting(2, Number(low=0))
-    demotion_buffer_bytes: int = setting(256 << 20, Number(low=0))
+    force_node_id: bool = setting(
+        False,
+        flag="--force-node-id",
+        help="take --node-id over even while another live store holds it (default: refuse)",
+    )
+    metrics_port: int | None = setting(
+        None,
+        Port(),
+        flag="--metrics-port",
+        help="serve Prometheus /metrics on this port (default off)",
+    )
+    cpu_watermarks: str = setting("0.95:0.85", Parsed(_watermarks), flag="--watermarks cpu=")
+    pin_memory: str = setting(
+        "auto",
+        Choice(("auto", "on", "off")),
+        flag="--pin-memory",
+        help="page-lock DRAM for CUDA",
+        group=TIERS,
+    )
+    gpu_capacity_bytes: int = setting(
+        0,
+        Number(low=0),
+        flag="--gpu-capacity",
+        help="GPU tier size, e.g. 8GiB (default: no GPU tier)",
+        group=TIERS,
+    )
+    gpu_device: str = setting(
+        "cuda", flag="--gpu-device", help="torch device of the GPU tier (default cuda)", group=TIERS
+    )
+    gpu_watermarks: str = setting("0.95:0.85", Parsed(_watermarks), flag="--watermarks gpu=")
+    ssd_dir: str = setting(
+        "",
+        Directory(),
+        flag="--ssd-dir",
+        help="directory of the SSD tier (default: no SSD tier)",
+        group=TIERS,
+    )
+    ssd_capacity_bytes: int = setting(
+        0,
+        Number(low=0),
+        flag="--ssd-capacity",
+        help="SSD tier size (default 90%% of the free space)",
+        group=TIERS,
+    )
+    ssd_watermarks: str = setting("0.95:0.9", Parsed(_watermarks), flag="--watermarks ssd=")
+    ssd_segment_bytes: int = setting(
+        0,
+        Number(low=0),
+        flag="--ssd-segment",
+        help="SSD segment file size (default min(64MiB, cap/8))",
+        group=TIERS,
+    )
+    ssd_fsync: str = setting(
+        "segment", Choice(FSYNC_POLICIES), flag="--ssd-fsync", help="default segment", group=TIERS
+    )
+    ssd_io_threads: int = setting(
+        4,
+        Number(low=1, high=256),
+        flag="--ssd-io-threads",
+        help="SSD writer threads (default 4)",
+        group=TIERS,
+    )
+    ssd_verify_on_open: bool = setting(
+        True, flag="--no-ssd-verify", help="do not check SSD chunks at start", group=TIERS
+    )
+    ssd_compact_ratio: float = setting(
+        0.5,
+        Number(low=0, high=1, high_open=True),
+        flag="--ssd-compact-ratio",
+        help="freed share that compacts (0.5)",
+        group=TIERS,
+    )
+    eviction_policy: str = setting(
+        "lru",
+        Parsed(_eviction_policy),
+        flag="--eviction-policy",
+        help="order tiers give chunks up in (default lru)",
+        group=TIERS,
+    )
+    promote_hits: int = setting(
+        1,
+        Number(low=0),
+        flag="--promote-hits",
+        help="SSD reads that promote to DRAM (1)",
+        group=TIERS,
+    )
+    gpu_promote_hits: int = setting(
+        2,
+        Number(low=0),
+        flag="--gpu-promote-hits",
+        help="DRAM reads that promote to GPU (2)",
+        group=TIERS,
+    )
+    demotion_buffer_bytes: int = setting(
+        256 << 20,
+        Number(low=0),
+        flag="--demotion-buffer",
+        help="most bytes on their way to SSD (default 256MiB)",
+        group=TIERS,
+    )
 
     def __post_init__(self) -> None:
         validate(self)

@@ -17,15 +17,14 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvdepot.apps.cli_settings import (
-    METADATA_FLAGS,
-    SECURITY_FLAGS,
-    STORE_FLAGS,
     OneLineParser,
+    add_setting_flags,
     check_environment,
     check_flag,
     explained,
-    flag_values,
+    flag_names,
     native_stderr_muted,
+    setting_overrides,
     watermark_overrides,
 )
 from kvdepot.config import load_config
@@ -70,8 +69,8 @@ def cmd_metadata(args: argparse.Namespace) -> int:
         env=os.environ,
         file=args.config,
         section="metadata",
-        overrides=flag_values(args, METADATA_FLAGS),
-        flags=METADATA_FLAGS,
+        overrides=setting_overrides(args, MetadataConfig),
+        flags=flag_names(MetadataConfig),
     )
     security = _security(args)
     if args.check:
@@ -110,15 +109,8 @@ def cmd_store(args: argparse.Namespace) -> int:
         env=os.environ,
         file=args.config,
         section="store",
-        overrides={
-            **flag_values(args, STORE_FLAGS),
-            "shm": False if args.no_shm else None,
-            "force_node_id": True if args.force_node_id else None,
-            "verify_shm_commits": True if args.verify_shm_commits else None,
-            "ssd_verify_on_open": False if args.no_ssd_verify else None,
-            **watermark_overrides(args),
-        },
-        flags=STORE_FLAGS,
+        overrides={**setting_overrides(args, StoreConfig), **watermark_overrides(args)},
+        flags=flag_names(StoreConfig),
     )
     security = _security(args)
     if args.check:
@@ -127,29 +119,15 @@ def cmd_store(args: argparse.Namespace) -> int:
     return _run_until_signal(lambda: run_store(config, announce=_announce, security=security))
 
 
-def _add_tier_flags(s: argparse.ArgumentParser) -> None:
-    t = s.add_argument_group("tiers (GPU, DRAM, SSD)")
-    t.add_argument("--gpu-capacity", help="GPU tier size, e.g. 8GiB (default: no GPU tier)")
-    t.add_argument("--gpu-device", help="torch device of the GPU tier (default cuda)")
-    t.add_argument("--ssd-dir", help="directory of the SSD tier (default: no SSD tier)")
-    t.add_argument("--ssd-capacity", help="SSD tier size (default 90%% of the free space)")
-    t.add_argument("--ssd-segment", help="SSD segment file size (default min(64MiB, cap/8))")
-    t.add_argument("--ssd-fsync", choices=["always", "segment", "never"], help="default segment")
-    t.add_argument("--ssd-io-threads", help="SSD writer threads (default 4)")
-    t.add_argument("--no-ssd-verify", action="store_true", help="do not check SSD chunks at start")
-    t.add_argument("--ssd-compact-ratio", help="freed share that compacts (0.5)")
-    t.add_argument("--eviction-policy", help="order tiers give chunks up in (default lru)")
-    t.add_argument("--promote-hits", help="SSD reads that promote to DRAM (1)")
-    t.add_argument("--gpu-promote-hits", help="DRAM reads that promote to GPU (2)")
-    t.add_argument(
+def _add_watermark_flag(s: argparse.ArgumentParser) -> None:
+    # One option for three settings (cpu_watermarks, gpu_watermarks, ssd_watermarks).
+    s.add_argument(
         "--watermarks",
         action="append",
         default=[],
         metavar="TIER=HIGH:LOW",
-        help="demote above HIGH down to LOW, e.g. cpu=0.95:0.85 (repeatable)",
+        help="tiers: demote above HIGH down to LOW, e.g. cpu=0.95:0.85 (repeatable)",
     )
-    t.add_argument("--pin-memory", choices=["auto", "on", "off"], help="page-lock DRAM for CUDA")
-    t.add_argument("--demotion-buffer", help="most bytes on their way to SSD (default 256MiB)")
 
 
 # -- up -----------------------------------------------------------------------
@@ -396,42 +374,23 @@ def cmd_certs(args: argparse.Namespace) -> int:
 
 # -- security flags (every command that serves or calls gRPC) ----------------------
 def _add_security_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group(
-        "security",
+    from kvdepot.security import SECURITY_GROUP, SecurityConfig
+
+    about = (
         "the token itself comes from KVDEPOT_AUTH_TOKEN or a file, never a flag; "
-        "see README 'Security'",
+        "see README 'Security'"
     )
-    g.add_argument(
-        "--auth-token-file",
-        metavar="PATH",
-        help="file with the cluster token (daemons: also `tenant NAME TOKEN` lines)",
-    )
-    g.add_argument("--tls", action="store_true", help="speak TLS to gRPC (system CA roots)")
-    g.add_argument("--tls-cert", metavar="PEM", help="certificate served (daemons) / presented")
-    g.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
-    g.add_argument("--tls-ca", metavar="PEM", help="CA that verifies peers (implies --tls)")
-    g.add_argument(
-        "--tls-client-auth", action="store_true", help="daemons require client certificates"
-    )
-    g.add_argument("--tls-server-name", help="name expected in daemons' certificates")
+    add_setting_flags(p, SecurityConfig, descriptions={SECURITY_GROUP: about})
 
 
 def _security(args: argparse.Namespace) -> Any:
-    from kvdepot.security import load_security
+    from kvdepot.security import SecurityConfig, load_security
 
     return load_security(
         os.environ,
         getattr(args, "config", None),
-        {
-            "auth_token_file": args.auth_token_file,
-            "tls": True if args.tls else None,
-            "tls_cert": args.tls_cert,
-            "tls_key": args.tls_key,
-            "tls_ca": args.tls_ca,
-            "tls_client_auth": True if args.tls_client_auth else None,
-            "tls_server_name": args.tls_server_name,
-        },
-        SECURITY_FLAGS,
+        setting_overrides(args, SecurityConfig),
+        flag_names(SecurityConfig),
     )
 
 
@@ -443,22 +402,11 @@ def _asdict(obj: Any) -> dict[str, Any]:
 
 def _add_metadata_command(sub: Subcommands) -> None:
     """`kvdepot metadata`: the metadata service's flags."""
+    from kvdepot.metadata.config import MetadataConfig
+
     m = sub.add_parser("metadata", help="run the metadata service")
     m.add_argument("--config", help="TOML/JSON file with a [metadata] table")
-    m.add_argument("--host", help="bind address (default 127.0.0.1)")
-    m.add_argument("--port", help="gRPC port (default 7700; 0 picks one)")
-    m.add_argument("--index", help="index backend URL (default memory://)")
-    m.add_argument("--lease-ttl", help="store lease in seconds (default 5)")
-    m.add_argument("--heartbeat-interval", help="store heartbeat seconds (default 1)")
-    m.add_argument("--allocation-ttl", help="uncommitted put lifetime (default 30)")
-    m.add_argument(
-        "--kv-events",
-        metavar="ENDPOINT",
-        help="publish KV events (vLLM ZeroMQ format) on e.g. tcp://127.0.0.1:5557 (default off)",
-    )
-    m.add_argument("--kv-events-replay", metavar="ENDPOINT", help="replay socket (default port+1)")
-    m.add_argument("--kv-events-block-size", help="tokens per chunk in events (256)")
-    m.add_argument("--metrics-port", help="serve Prometheus /metrics on this port (default off)")
+    add_setting_flags(m, MetadataConfig)
     m.add_argument("--check", action="store_true", help="validate the config, print it, exit")
     _add_security_flags(m)
     m.set_defaults(func=cmd_metadata)
@@ -466,31 +414,12 @@ def _add_metadata_command(sub: Subcommands) -> None:
 
 def _add_store_command(sub: Subcommands) -> None:
     """`kvdepot store`: a store daemon's flags."""
+    from kvdepot.store.config import StoreConfig
+
     s = sub.add_parser("store", help="run a store daemon")
     s.add_argument("--config", help="TOML/JSON file with a [store] table")
-    s.add_argument("--node-id", help="node name (default derived from the address)")
-    s.add_argument(
-        "--force-node-id",
-        action="store_true",
-        help="take --node-id over even while another live store holds it (default: refuse)",
-    )
-    s.add_argument("--host", help="bind address (default 127.0.0.1)")
-    s.add_argument("--port", help="data-plane port (default 7800; 0 picks one)")
-    s.add_argument("--grpc-port", help="gRPC stats port (default 0: pick one)")
-    s.add_argument("--advertise-host", help="host other nodes reach this one at")
-    s.add_argument("--metadata", help="metadata service host:port (default 127.0.0.1:7700)")
-    s.add_argument("--capacity", help="DRAM arena size, e.g. 4GiB (default 1GiB)")
-    s.add_argument("--arena-path", help="file backing the arena, e.g. /dev/shm/kvdepot")
-    s.add_argument("--max-chunk", help="largest chunk accepted (default: the arena size)")
-    s.add_argument("--no-shm", action="store_true", help="do not offer same-host shared memory")
-    s.add_argument(
-        "--verify-shm-commits",
-        action="store_true",
-        help="hash chunks shm clients wrote again before committing them",
-    )
-    s.add_argument("--nixl", choices=["auto", "on", "off"], help="offer NIXL (RDMA) transfers")
-    s.add_argument("--metrics-port", help="serve Prometheus /metrics on this port (default off)")
-    _add_tier_flags(s)
+    add_setting_flags(s, StoreConfig)
+    _add_watermark_flag(s)
     s.add_argument("--check", action="store_true", help="validate the config, print it, exit")
     _add_security_flags(s)
     s.set_defaults(func=cmd_store)

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from kvdepot.config import FLAG, RULE, Choice, flags_of
 from kvdepot.errors import KVDepotError
 
 if TYPE_CHECKING:
@@ -22,67 +24,60 @@ if TYPE_CHECKING:
 EXIT_USAGE = 2
 """Exit status of a usage error (argparse's)."""
 
-# The flag of each setting a daemon's flags set: the overrides are read from
-# them, and an error names the flag the user typed.
-METADATA_FLAGS = {
-    "host": "--host",
-    "port": "--port",
-    "index": "--index",
-    "lease_ttl_s": "--lease-ttl",
-    "heartbeat_interval_s": "--heartbeat-interval",
-    "allocation_ttl_s": "--allocation-ttl",
-    "kv_events": "--kv-events",
-    "kv_events_replay": "--kv-events-replay",
-    "kv_events_block_size": "--kv-events-block-size",
-    "metrics_port": "--metrics-port",
-}
-STORE_FLAGS = {
-    "node_id": "--node-id",
-    "host": "--host",
-    "port": "--port",
-    "grpc_port": "--grpc-port",
-    "advertise_host": "--advertise-host",
-    "metadata": "--metadata",
-    "capacity_bytes": "--capacity",
-    "arena_path": "--arena-path",
-    "max_chunk_bytes": "--max-chunk",
-    "nixl": "--nixl",
-    "metrics_port": "--metrics-port",
-    "gpu_capacity_bytes": "--gpu-capacity",
-    "gpu_device": "--gpu-device",
-    "ssd_dir": "--ssd-dir",
-    "ssd_capacity_bytes": "--ssd-capacity",
-    "ssd_segment_bytes": "--ssd-segment",
-    "ssd_fsync": "--ssd-fsync",
-    "ssd_io_threads": "--ssd-io-threads",
-    "ssd_compact_ratio": "--ssd-compact-ratio",
-    "eviction_policy": "--eviction-policy",
-    "promote_hits": "--promote-hits",
-    "gpu_promote_hits": "--gpu-promote-hits",
-    "pin_memory": "--pin-memory",
-    "demotion_buffer_bytes": "--demotion-buffer",
-    "cpu_watermarks": "--watermarks cpu=",
-    "gpu_watermarks": "--watermarks gpu=",
-    "ssd_watermarks": "--watermarks ssd=",
-}
-SECURITY_FLAGS = {
-    "auth_token_file": "--auth-token-file",
-    "tls": "--tls",
-    "tls_cert": "--tls-cert",
-    "tls_key": "--tls-key",
-    "tls_ca": "--tls-ca",
-    "tls_client_auth": "--tls-client-auth",
-    "tls_server_name": "--tls-server-name",
-}
+def add_setting_flags(
+    parser: argparse.ArgumentParser, cls: type, descriptions: Mapping[str, str] | None = None
+) -> None:
+    """Add the command-line option of each setting of ``cls`` that has one.
+
+    Options come from the fields' :class:`~kvdepot.config.Flag` metadata: a
+    boolean setting's option takes no value, a :class:`~kvdepot.config.Choice`
+    lists its words; an option several settings share is left to the command.
+    Every option defaults to ``None`` (not given), so the environment and the
+    file still apply (see :func:`setting_overrides`). ``descriptions`` gives
+    a ``--help`` section's text by its title.
+    """
+    groups: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        flag = f.metadata.get(FLAG)
+        if flag is None or flag.shared:
+            continue
+        target: Any = parser
+        if flag.group:
+            if flag.group not in groups:
+                about = (descriptions or {}).get(flag.group)
+                groups[flag.group] = parser.add_argument_group(flag.group, about)
+            target = groups[flag.group]
+        kwargs: dict[str, Any] = {"help": flag.help}
+        if isinstance(f.default, bool):
+            kwargs["action"] = "store_true"
+        else:
+            rule = f.metadata.get(RULE)
+            if isinstance(rule, Choice):
+                kwargs["choices"] = list(rule.values)
+            if flag.metavar:
+                kwargs["metavar"] = flag.metavar
+        target.add_argument(flag.name, **kwargs)
 
 
-def flag_values(args: argparse.Namespace, flags: dict[str, str]) -> dict[str, Any]:
-    """The value of each flag in ``flags`` (``None``: not given) by setting name."""
-    out = {}
-    for name, flag in flags.items():
-        if flag.startswith("--") and " " not in flag:
-            out[name] = getattr(args, flag[2:].replace("-", "_"))
+def setting_overrides(args: argparse.Namespace, cls: type) -> dict[str, Any]:
+    """The value of each option :func:`add_setting_flags` added for ``cls``, by
+    setting name (``None``: not given; a boolean's option: its default's opposite)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        flag = f.metadata.get(FLAG)
+        if flag is None or flag.shared:
+            continue
+        value = getattr(args, flag.dest)
+        if isinstance(f.default, bool):
+            out[f.name] = (not f.default) if value else None
+        else:
+            out[f.name] = value
     return out
+
+
+def flag_names(cls: type) -> dict[str, str]:
+    """The option of each setting of ``cls`` that has one, as errors name it."""
+    return {name: flag.name for name, flag in flags_of(cls).items()}
 
 
 def watermark_overrides(args: argparse.Namespace) -> dict[str, Any]:

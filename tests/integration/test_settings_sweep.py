@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from kvdepot.apps import cli_settings as cli
+from kvdepot.apps.cli_settings import flag_names
 from kvdepot.config import (
     Choice,
     Directory,
@@ -162,9 +162,9 @@ def common_cases(c: Component, token_0644: Path, not_pem: Path) -> Iterator[Case
 
 def components() -> dict[str, Component]:
     metadata = Component("metadata", ("metadata", "--check"), MetadataConfig,
-                         "KVDEPOT_METADATA_", "metadata", cli.METADATA_FLAGS)
+                         "KVDEPOT_METADATA_", "metadata", flag_names(MetadataConfig))
     store = Component("store", ("store", "--check"), StoreConfig, "KVDEPOT_STORE_", "store",
-                      cli.STORE_FLAGS)
+                      flag_names(StoreConfig))
     # A client command reads no file; a value that passed would make it call a
     # daemon that is not there (one line too, but not naming the setting).
     stats = Component("stats", ("stats", "--metadata", f"127.0.0.1:{free_port()}"),
