@@ -567,7 +567,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    try:
+        # Building the parser imports the configs (and grpc with the security one).
+        parser = build_parser()
+    except KeyboardInterrupt:
+        return 130
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
