@@ -19,6 +19,8 @@ from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 from redis import exceptions as rx
 from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.cluster import ClusterNode
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
 
 from kvdepot.endpoints import split_endpoint
 from kvdepot.errors import InvalidArgument, KVDepotError, Unavailable
@@ -93,12 +95,27 @@ def split_url(url: str) -> tuple[str, str | None]:
     return urlunsplit(parts._replace(query=rest)), prefix
 
 
-def connect(url: str) -> Redis | RedisCluster:
+def reconnect_policy() -> Retry:
+    """How a single server's client retries a command whose connection broke.
+
+    A restarted server leaves every pooled connection dead; each is found so
+    by its next command ("Connection closed by server"). That command runs
+    again on a new connection, after a short backoff, instead of failing the
+    RPC. Only connection errors: a command that timed out may have run.
+    (``Redis.from_url`` builds its pool without the client's default retry,
+    so without this a broken connection fails at once.)
+    """
+    return Retry(ExponentialBackoff(cap=0.2, base=0.02), 2, supported_errors=(rx.ConnectionError,))
+
+
+def connect(url: str, retry: Retry | None = None) -> Redis | RedisCluster:
     """A redis-py asyncio client for an index URL (without ``prefix``).
 
     ``redis://host:port/db`` and ``rediss://…`` give a single-server client;
     ``redis+cluster://[user:password@]host:port[,host:port…]`` a cluster client
-    with those startup nodes.
+    with those startup nodes. ``retry`` (default :func:`reconnect_policy`)
+    applies to a single server; a cluster client keeps its own redirections
+    and retries.
     """
     # No per-read socket timeout: redis-py arms one per reply, which costs more
     # than the reply itself on a 128-command pipeline. Each index operation
@@ -107,7 +124,7 @@ def connect(url: str) -> Redis | RedisCluster:
     parts = urlsplit(url)
     if parts.scheme != "redis+cluster":
         try:
-            client: Redis = Redis.from_url(url, **timeouts)
+            client: Redis = Redis.from_url(url, retry=retry or reconnect_policy(), **timeouts)
         except ValueError as exc:
             raise InvalidArgument(f"bad index url {url!r}: {exc}") from None
         return client

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from pathlib import Path
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -26,7 +27,7 @@ from kvdepot.types import (
     LookupCounting,
     NodeInfo,
 )
-from tests.conftest import free_port
+from tests.conftest import _redis_binaries, _start_redis, _stop_redis, free_port
 
 BACKENDS = [
     "memory",
@@ -333,6 +334,36 @@ def test_unreachable_redis_is_unavailable() -> None:
             await index.close()
 
     asyncio.run(go())
+
+
+@pytest.mark.redis
+def test_a_restarted_redis_breaks_no_call_on_the_dead_pooled_connections(tmp_path: Path) -> None:
+    """Each pooled connection dies with the server; its next command runs
+    again on a new connection instead of failing (a fault run found PutStart
+    Unavailable long after Redis was back, on a connection idle since)."""
+    binary = _redis_binaries("redis-server")["redis-server"]
+    port = free_port()
+    procs = [_start_redis(binary, tmp_path, port)]
+
+    async def go() -> None:
+        index = create_backend(IndexConfig(f"redis://127.0.0.1:{port}/0"))
+        try:
+            await index.register_node(node("a"), [], now())
+            # Eight calls at once hold eight connections of the pool.
+            await asyncio.gather(*(index.lookup([key(i)], "", 0) for i in range(8)))
+            procs[0].kill()
+            procs[0].wait()
+            procs.append(_start_redis(binary, tmp_path, port))
+            await index.register_node(node("a"), [], now())
+            hits = await asyncio.gather(*(index.lookup([key(i)], "", 0) for i in range(8)))
+            assert [h.hits for h in hits] == [0] * 8
+        finally:
+            await index.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        _stop_redis(procs)
 
 
 def test_big_batches_span_several_calls(make_index: MakeIndex) -> None:
