@@ -188,7 +188,11 @@ def test_ctrl_c_while_up_starts_stops_everything_quietly() -> None:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-        # Interrupted while starting (130), or once it had started (0).
+        # Interrupted while starting (130), or once it had started (0); on a
+        # loaded machine the signal may even come before the interpreter has
+        # set up its handler: killed by it, before anything was started.
+        if proc.returncode == -signal.SIGINT and not daemons and not stderr:
+            continue
         assert proc.returncode in (0, 130), (delay, proc.returncode, stderr[-3000:])
         assert "kvdepot: error" not in stderr, stderr[-3000:]
         assert_clean_stderr(stderr)
