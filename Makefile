@@ -76,7 +76,7 @@ system-deps:
 	@-service docker stop >/dev/null 2>&1 || true
 
 test: install $(VENV)/.installed-vllm $(VENV)/.installed-nixl system-deps
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra --durations=30
 
 proto: install
 	$(BIN)/python -m kvdepot.proto.generate
