@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from pathlib import Path
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
