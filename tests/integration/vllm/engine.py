@@ -12,7 +12,7 @@ SPEC: ``{"model": dir, "prompts": [[ids…]…], "max_tokens": n, "logprobs": k,
 prompts) and ``"tp"`` (tensor-parallel ranks, a process each). Prints one
 JSON line with the generated tokens, their logprobs, the top-k per position,
 timings, the connector's process counters, whether the hybrid manager ran,
-and the engine's preemptions.
+the engine's block size and its preemptions.
 """
 
 from __future__ import annotations
@@ -214,6 +214,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         "connector": stats,
         "engine_connector": engine_stats,
         "hybrid": not config.scheduler_config.disable_hybrid_kv_cache_manager,
+        "block_size": config.cache_config.block_size,
         "preemptions": _metric(llm, "vllm:num_preemptions") if spec.get("num_blocks") else None,
     }
 
