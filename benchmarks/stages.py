@@ -37,7 +37,7 @@ KiB = 1 << 10
 # (module, attribute path, stage name, opaque). A name of None takes the
 # stage from the first argument (the metadata method).
 _TARGETS: list[tuple[str, str, str | None, bool]] = [
-    ("kvdepot.connector.metadata", "MetadataConnection.call", None, True),
+    ("kvdepot.metadata_client", "MetadataClient.call", None, True),
     ("kvdepot.connector.transport.tcp", "_Pool.checkout", "connection checkout", True),
     ("kvdepot.connector.transport.control", "ControlPool.checkout", "connection checkout", True),
     ("kvdepot.connector.transport.control", "ControlConnection.reserve", "control RESERVE", True),

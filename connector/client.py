@@ -16,14 +16,16 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvdepot.config import InvalidSetting, Number, Parsed, positive, setting, validate
-from kvdepot.connector.metadata import MetadataConnection, parse_endpoints
 from kvdepot.connector.transport import create_transport
 from kvdepot.connector.transport.arena import ArenaTransport
 from kvdepot.connector.transport.auto import AutoTransport
 from kvdepot.connector.transport.base import GetItem, GetOutcome, PutItem, PutStatus, Transport
+from kvdepot.endpoints import parse_endpoints
 from kvdepot.errors import ClientClosed, InvalidArgument, Unavailable
 from kvdepot.keys import ChunkKey, validate_keys
+from kvdepot.metadata_client import MetadataClient
 from kvdepot.proto.gen import metadata_pb2
+from kvdepot.retry import RetryPolicy
 from kvdepot.security import NO_SECURITY, SecurityConfig
 from kvdepot.types import LookupResult
 from kvdepot.wire.lookup import unpack_lookup
@@ -161,16 +163,25 @@ class KVDepotClient:
     Thread-safe: one client may be shared by the threads of an engine.
     """
 
-    def __init__(self, config: ClientConfig, transport: Transport | None = None) -> None:
+    def __init__(
+        self,
+        config: ClientConfig,
+        transport: Transport | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> None:
         """Connect to the metadata service; data-plane connections open on use.
 
         Args:
             config: The client's configuration.
             transport: Moves the bytes to and from every store; by default the
                 one ``config.transport`` names (``auto`` picks per store).
+            retry: How a metadata call retries the replicas; by default each
+                once, without waiting (an engine must not stall on an outage).
         """
         self.config = config
-        self._metadata = MetadataConnection(config.metadata, config.rpc_timeout_s, config.security)
+        self._metadata = MetadataClient(
+            config.metadata, config.rpc_timeout_s, config.security, retry=retry
+        )
         self._transport = transport or create_transport(
             config.transport,
             connect_timeout_s=config.connect_timeout_s,
@@ -213,9 +224,6 @@ class KVDepotClient:
         """Open the metadata channel now (up to ``timeout_s``); whether it is up."""
         self._check_open()
         return self._metadata.wait_ready(timeout_s)
-
-    def _call(self, method: str, request: Any) -> Any:
-        return self._metadata.call(method, request)
 
     def _learn_local(self, nodes: Iterable[Any]) -> None:
         # Replicas and allocations name nodes with their data-plane address.
@@ -261,8 +269,7 @@ class KVDepotClient:
         # (the connection resends the same message): if a replica allocated
         # the keys and died before answering, the next one hands the same
         # allocations back instead of reporting them pending until they expire.
-        reply = self._call(
-            "PutStart",
+        reply = self._metadata.put_start(
             metadata_pb2.PutStartRequest(
                 keys=ckeys,
                 sizes=sizes,
@@ -344,8 +351,7 @@ class KVDepotClient:
         done = [i for i, s in enumerate(statuses) if s in _WRITTEN]
         lost = [i for i, s in enumerate(statuses) if s not in _WRITTEN]
         if done:
-            self._call(
-                "PutEnd",
+            self._metadata.put_end(
                 metadata_pb2.PutEndRequest(
                     keys=[keys[i] for i in done],
                     node_id=node_id,
@@ -359,8 +365,7 @@ class KVDepotClient:
                 address,
                 sorted({s.name for s in statuses if s not in _WRITTEN}),
             )
-            self._call(
-                "PutRevoke",
+            self._metadata.put_revoke(
                 metadata_pb2.PutRevokeRequest(keys=[keys[i] for i in lost], node_id=node_id),
             )
         tally.stored += len(done)
@@ -389,8 +394,7 @@ class KVDepotClient:
             raise InvalidArgument("key_tokens must be integers") from None
         if any(not 0 <= t < 2**32 for t in tokens):
             raise InvalidArgument("key_tokens must be in [0, 2**32)")
-        return self._call(
-            "Lookup",
+        return self._metadata.lookup(
             metadata_pb2.LookupRequest(
                 keys=ckeys,
                 client_node_id=self.config.node_id,
@@ -605,8 +609,7 @@ class KVDepotClient:
         statuses = self._transport.put(local, items)
         done = [i for i, st in enumerate(statuses) if st in _WRITTEN]
         if done:
-            self._call(
-                "PutEnd",
+            self._metadata.put_end(
                 metadata_pb2.PutEndRequest(
                     keys=[keys[i] for i in done],
                     node_id=self.config.node_id,
@@ -666,7 +669,7 @@ class KVDepotClient:
     def stats(self) -> metadata_pb2.ClusterStats:
         """Cluster-wide statistics from the metadata service."""
         self._check_open()
-        return self._call("GetStats", metadata_pb2.GetStatsRequest())
+        return self._metadata.get_stats()
 
 
 @dataclass(slots=True)

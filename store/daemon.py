@@ -23,7 +23,7 @@ from kvdepot.errors import InvalidArgument, Unavailable
 from kvdepot.health import HealthState
 from kvdepot.keys import ChunkKey
 from kvdepot.metrics import MetricsServer, StoreCollector, on_loop
-from kvdepot.proto.gen import common_pb2, metadata_pb2, metadata_pb2_grpc, store_pb2, store_pb2_grpc
+from kvdepot.proto.gen import common_pb2, metadata_pb2, store_pb2, store_pb2_grpc
 from kvdepot.record_wire import tier_stats_to_proto, transfer_to_proto
 from kvdepot.security import NO_SECURITY, SecurityConfig, add_port, aio_channel, aio_server
 from kvdepot.shutdown import finish, uninterrupted
@@ -395,9 +395,8 @@ class StoreDaemon:
             self._removed.clear()
             try:
                 if keys:
-                    await self._stub().ReportRemoved(
-                        metadata_pb2.ReportRemovedRequest(node_id=self.node_id, keys=keys),
-                        timeout=5,
+                    await self.lease.client.report_removed(
+                        metadata_pb2.ReportRemovedRequest(node_id=self.node_id, keys=keys), 5
                     )
                     keys = []
                 await self._report_moved()
@@ -406,10 +405,6 @@ class StoreDaemon:
                 self._removed.update(keys)
                 await asyncio.sleep(self.config.register_retry_s)
                 self._removed_event.set()
-
-    def _stub(self) -> metadata_pb2_grpc.MetadataStub:
-        assert self.lease is not None
-        return self.lease.stub()
 
     async def _report_moved(self) -> None:
         """Tell the metadata service the tier each moved chunk is in now."""
@@ -422,12 +417,13 @@ class StoreDaemon:
         for tier, keys in sorted(by_tier.items()):
             for i in range(0, len(keys), MOVED_BATCH):
                 batch = keys[i : i + MOVED_BATCH]
+                assert self.lease is not None
                 try:
-                    reply = await self._stub().ReportMoved(
+                    reply = await self.lease.client.report_moved(
                         metadata_pb2.ReportMovedRequest(
                             node_id=self.node_id, keys=batch, tier=tier
                         ),
-                        timeout=5,
+                        5,
                     )
                 except grpc.aio.AioRpcError as exc:
                     if exc.code() != grpc.StatusCode.UNIMPLEMENTED:

@@ -27,8 +27,10 @@ from kvdepot.errors import (
     Unavailable,
 )
 from kvdepot.health import HealthState
-from kvdepot.proto.gen import metadata_pb2, metadata_pb2_grpc
+from kvdepot.metadata_client import AsyncMetadataClient
+from kvdepot.proto.gen import metadata_pb2
 from kvdepot.repeat_log import RepeatLog
+from kvdepot.retry import Backoff
 from kvdepot.types import LEASE_REMAINING_KEY
 
 logger = logging.getLogger(__name__)
@@ -76,7 +78,9 @@ class MetadataLease:
         registration: The RegisterNode request of this moment (its
             inventory); ``force`` and nothing else is set here.
         heartbeat: The Heartbeat request of this moment; ``epoch`` is set here.
-        retry_s: Base delay between attempts that found no service.
+        retry_s: Base delay between attempts that found no service; it
+            doubles with each round of replicas that all failed, up to
+            ``RETRY_CAP_S`` (or ``retry_s`` if longer).
         force: Take the node id over at the first registration.
     """
 
@@ -93,9 +97,9 @@ class MetadataLease:
         force: bool = False,
     ) -> None:
         self.node_id = node_id
-        self._endpoints = endpoints
-        self._channels = channels
-        self._current = 0
+        self.client = AsyncMetadataClient(
+            endpoints, channels, Backoff(retry_s, max(retry_s, RETRY_CAP_S))
+        )
         self._health = health
         self._registration = registration
         self._heartbeat = heartbeat
@@ -118,13 +122,9 @@ class MetadataLease:
         self._held_until: float | None = None
         self._waited_from = 0.0
 
-    def stub(self) -> metadata_pb2_grpc.MetadataStub:
-        """A stub of the replica in use."""
-        return metadata_pb2_grpc.MetadataStub(self._channels[self._current])
-
     @property
     def endpoint(self) -> str:
-        return self._endpoints[self._current]
+        return self.client.endpoint
 
     async def run(self) -> None:
         """Hold the lease until cancelled; raise why this store cannot.
@@ -155,17 +155,16 @@ class MetadataLease:
 
     async def _renew(self) -> None:
         """Register (when not registered) or heartbeat, once."""
-        stub = self.stub()
         if self._holds:
             request = self._heartbeat()
             request.epoch = self.epoch
-            reply = await stub.Heartbeat(request, timeout=max(1.0, self.heartbeat_s * 2))
+            reply = await self.client.heartbeat(request, max(1.0, self.heartbeat_s * 2))
             if reply.lease_ttl_ms:
                 self.lease_s = reply.lease_ttl_ms / 1000
             return
         registration = self._registration()
         registration.force = self._force
-        answer = await stub.RegisterNode(registration, timeout=10)
+        answer = await self.client.register_node(registration, 10)
         self._force = False
         self._holds = True
         self._held_until = None
@@ -190,8 +189,7 @@ class MetadataLease:
 
     def _fail_over(self) -> None:
         # Replicas share the index: any of them can take our heartbeats.
-        if len(self._channels) > 1:
-            self._current = (self._current + 1) % len(self._channels)
+        if self.client.fail_over():
             self._repeats.failed(
                 "failover", logging.WARNING, "failing over to metadata %s", self.endpoint
             )
@@ -293,10 +291,7 @@ class MetadataLease:
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             self._fail_over()
         self._failures += 1
-        # Every replica is tried at the base delay; each round that all of
-        # them failed doubles it, up to a cap well inside a lease.
-        rounds = min(self._failures // len(self._endpoints), 8)
-        return float(min(max(self._retry_s, RETRY_CAP_S), self._retry_s * 2**rounds))
+        return self.client.delay(self._failures)
 
     def _answered(self) -> None:
         self._last_ok = time.monotonic()

@@ -23,7 +23,6 @@ import pytest
 
 from kvdepot.apps.cluster import LocalCluster
 from kvdepot.connector.client import ClientConfig, KVDepotClient
-from kvdepot.connector.metadata import MetadataConnection
 from kvdepot.errors import (
     ClientClosed,
     InvalidArgument,
@@ -32,6 +31,7 @@ from kvdepot.errors import (
     Unavailable,
 )
 from kvdepot.keys import Namespace, chunk_keys
+from kvdepot.metadata_client import MetadataClient
 from kvdepot.proto.gen import metadata_pb2
 
 pytestmark = pytest.mark.integration
@@ -163,7 +163,7 @@ def test_errors_keep_their_class_across_grpc(cluster: LocalCluster) -> None:
     # A heartbeat of a replaced registration: FAILED_PRECONDITION, which an
     # invalid argument shares, comes back as StaleRegistration.
     node = cluster.stores[0].info["node_id"]
-    conn = MetadataConnection(cluster.metadata_address, 5.0)
+    conn = MetadataClient(cluster.metadata_address, 5.0)
     try:
         with pytest.raises(StaleRegistration) as info:
             conn.call("Heartbeat", metadata_pb2.HeartbeatRequest(node_id=node, epoch=1))
