@@ -7,9 +7,10 @@ Used by the connector tests and ``benchmarks/vllm_ttft.py``::
 SPEC: ``{"model": dir, "prompts": [[ids…]…], "max_tokens": n, "logprobs": k,
 "kv": {…KVTransferConfig fields…} | null}``, optionally ``"dtype"``,
 ``"hybrid"`` (false: vLLM's hybrid KV cache manager off), ``"num_blocks"``
-(a KV cache that small), ``"together"`` (all prompts in one batch) and
+(a KV cache that small), ``"together"`` (all prompts in one batch),
 ``"reset_cache"`` (vLLM's prefix cache and the connector's reset between
-prompts) and ``"tp"`` (tensor-parallel ranks, a process each). Prints one
+prompts), ``"tp"`` (tensor-parallel ranks, a process each) and
+``"enforce_eager"`` (no torch.compile: a faster start). Prints one
 JSON line with the generated tokens, their logprobs, the top-k per position,
 timings, the connector's process counters, whether the hybrid manager ran,
 the engine's block size and its preemptions.
@@ -167,6 +168,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         max_model_len=spec.get("max_model_len", 4096),
         distributed_executor_backend=extra.pop("distributed_executor_backend", "uni"),
         enable_prefix_caching=spec.get("prefix_caching", False),
+        enforce_eager=bool(spec.get("enforce_eager", False)),
         kv_transfer_config=KVTransferConfig(**kv) if kv else None,
         seed=0,
         **extra,
