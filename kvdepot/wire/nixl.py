@@ -1,28 +1,21 @@
 """Loading NIXL and starting an agent, for both ends of the NIXL data plane.
 
-UCX reads its configuration from the environment when it loads, so
-:func:`load_nixl` sets safe defaults (only where the operator set nothing)
-before importing NIXL:
-
-* ``UCX_MODULES`` excludes the InfiniBand/EFA modules on hosts without RDMA
-  devices: the bundled libraries crash at process exit otherwise, and they
-  have nothing to drive there;
-* on such hosts peer-failure error handling is off (UCX's shared-memory
-  transports reject transfers with it on).
+UCX takes its configuration (``UCX_NET_DEVICES``, ``UCX_TLS``, ...) from the
+environment the operator starts the process with; this module sets none of
+it. What it decides for the host goes in the backend's parameters instead:
+on hosts without RDMA devices peer-failure error handling is off (UCX's
+shared-memory transports reject transfers with it on).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 from typing import Any
 
 from kvdepot.errors import Unavailable
 from kvdepot.wire.host import rdma_devices
 
-NO_RDMA_UCX_MODULES = "^ib,ib_mlx5,ib_efa,rdmacm"
-"""UCX modules left out where the host has no RDMA device."""
 
 def nixl_available() -> bool:
     """Whether NIXL is installed (checked without loading its libraries)."""
@@ -33,13 +26,11 @@ def nixl_available() -> bool:
 
 
 def load_nixl() -> Any:
-    """Import NIXL's API after setting UCX defaults for this host; return its module.
+    """Import NIXL's API; return its module.
 
     Raises:
         Unavailable: NIXL is not installed or does not load.
     """
-    if not rdma_devices():
-        os.environ.setdefault("UCX_MODULES", NO_RDMA_UCX_MODULES)
     try:
         from nixl import _api
     except Exception as exc:  # ImportError, or a bundled library failing to load
