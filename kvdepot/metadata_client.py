@@ -30,8 +30,8 @@ from kvdepot.grpc_errors import error_type_name, from_grpc
 from kvdepot.proto.gen import metadata_pb2 as pb
 from kvdepot.proto.gen import metadata_pb2_grpc
 from kvdepot.retry import Backoff, RetryPolicy
-from kvdepot.security import SecurityConfig
 from kvdepot.security import channel as secure_channel
+from kvdepot.security_config import SecurityConfig
 
 logger = logging.getLogger(__name__)
 

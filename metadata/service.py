@@ -35,7 +35,8 @@ from kvdepot.record_wire import (
 )
 from kvdepot.repeat_log import RepeatLog
 from kvdepot.request_guard import abort_with
-from kvdepot.security import NO_SECURITY, SecurityConfig, add_port, aio_server
+from kvdepot.security import add_port, aio_server
+from kvdepot.security_config import NO_SECURITY, SecurityConfig
 from kvdepot.types import (
     COUNT_NONE,
     LEASE_REMAINING_KEY,

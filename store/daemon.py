@@ -25,7 +25,8 @@ from kvdepot.keys import ChunkKey
 from kvdepot.metrics import MetricsServer, StoreCollector, on_loop
 from kvdepot.proto.gen import common_pb2, metadata_pb2, store_pb2, store_pb2_grpc
 from kvdepot.record_wire import tier_stats_to_proto, transfer_to_proto
-from kvdepot.security import NO_SECURITY, SecurityConfig, add_port, aio_channel, aio_server
+from kvdepot.security import add_port, aio_channel, aio_server
+from kvdepot.security_config import NO_SECURITY, SecurityConfig
 from kvdepot.shutdown import finish, uninterrupted
 from kvdepot.store.chunks import ChunkStore
 from kvdepot.store.config import StoreConfig

@@ -22,7 +22,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from kvdepot.endpoints import parse_endpoints
 from kvdepot.errors import InvalidArgument
-from kvdepot.security import PluginSecurity
+from kvdepot.security_config import PluginSecurity
 
 SCHEME = "kvdepot"
 PLUGIN_TYPE = "kvdepot"

@@ -49,8 +49,8 @@ from kvdepot.errors import InvalidArgument, KVDepotError, Unauthenticated, Unava
 from kvdepot.grpc_errors import from_grpc
 from kvdepot.keys import ChunkKey
 from kvdepot.proto.gen import store_pb2, store_pb2_grpc
-from kvdepot.security import SecurityConfig
 from kvdepot.security import channel as secure_channel
+from kvdepot.security_config import SecurityConfig
 from kvdepot.wire.nixl import create_agent, nixl_available
 from kvdepot.wire.protocol import (
     AttachFlags,

@@ -9,7 +9,7 @@ from typing import Any
 from kvdepot.connector.codec import CodecSpec, check_codec_name
 from kvdepot.connector.transport import available_transports
 from kvdepot.errors import InvalidArgument
-from kvdepot.security import PluginSecurity
+from kvdepot.security_config import PluginSecurity
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

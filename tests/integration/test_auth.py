@@ -28,7 +28,8 @@ from kvdepot.connector.transport.shm import ShmTransport
 from kvdepot.connector.transport.tcp import TcpTransport
 from kvdepot.errors import Unauthenticated, Unavailable
 from kvdepot.proto.gen import metadata_pb2, metadata_pb2_grpc, store_pb2, store_pb2_grpc
-from kvdepot.security import SecurityConfig, channel
+from kvdepot.security import channel
+from kvdepot.security_config import SecurityConfig
 from kvdepot.wire.protocol import (
     GET_ENTRY,
     HEADER,

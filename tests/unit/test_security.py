@@ -25,7 +25,8 @@ from kvdepot.auth import (
     peer_host,
 )
 from kvdepot.errors import InvalidArgument, Unauthenticated
-from kvdepot.security import SecurityConfig, child_args, load_security
+from kvdepot.security import server_credentials
+from kvdepot.security_config import SecurityConfig, child_args, load_security
 from kvdepot.wire.handshake import NONCE_BYTES, ServerHandshake, authenticate
 from kvdepot.wire.protocol import (
     HEADER,
@@ -237,12 +238,14 @@ def test_certs_are_a_ca_and_two_certificates(tmp_path: Path) -> None:
     assert [str(a) for a in san.get_values_for_type(x509.IPAddress)] == ["10.0.0.7"]
     server.verify_directly_issued_by(ca)
     # Usable as configured: both halves of a daemon's and a client's settings.
-    SecurityConfig(
-        tls_cert=str(paths.server_cert),
-        tls_key=str(paths.server_key),
-        tls_ca=str(paths.ca),
-        tls_client_auth=True,
-    ).server_credentials()
+    server_credentials(
+        SecurityConfig(
+            tls_cert=str(paths.server_cert),
+            tls_key=str(paths.server_key),
+            tls_ca=str(paths.ca),
+            tls_client_auth=True,
+        )
+    )
     with pytest.raises(InvalidArgument, match="--force"):
         make_certs(tmp_path / "tls")
     make_certs(tmp_path / "tls", force=True)
@@ -290,7 +293,7 @@ def test_the_vllm_and_lmcache_settings_share_one_set_of_security_fields(tmp_path
 
     from kvdepot.connector.lmcache.settings import PluginSettings
     from kvdepot.connector.vllm.settings import ConnectorSettings
-    from kvdepot.security import PluginSecurity
+    from kvdepot.security_config import PluginSecurity
 
     shared = {f.name: f.default for f in fields(PluginSecurity)}
     for cls in (ConnectorSettings, PluginSettings):
