@@ -26,7 +26,7 @@ from kvdepot.keys import ChunkKey, validate_keys
 from kvdepot.metadata_client import MetadataClient
 from kvdepot.proto.gen import metadata_pb2
 from kvdepot.retry import RetryPolicy
-from kvdepot.security_config import NO_SECURITY, SecurityConfig
+from kvdepot.rpc.security_config import NO_SECURITY, SecurityConfig
 from kvdepot.types import LookupResult
 from kvdepot.wire.lookup import unpack_lookup
 

@@ -2,13 +2,13 @@
 
 Every error raised to a caller is a :class:`KVDepotError`; the subclass says
 what the caller should do about it. Third-party errors (gRPC, sockets) are
-translated at the boundary (:func:`kvdepot.grpc_errors.from_grpc`, the
+translated at the boundary (:func:`kvdepot.rpc.errors.from_grpc`, the
 transport code).
 
 This module imports nothing but the standard library, so every process (a
 vLLM worker, a tool reading a config) can raise and catch these without
 loading gRPC. Each class names its canonical RPC status (``rpc_status``, a
-``google.rpc.Code`` name); :mod:`kvdepot.grpc_errors` maps it to gRPC's codes
+``google.rpc.Code`` name); :mod:`kvdepot.rpc.errors` maps it to gRPC's codes
 and carries the class across gRPC, so that a client raises the class the
 service raised.
 """

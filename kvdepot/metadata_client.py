@@ -8,7 +8,7 @@ engine's client) or :class:`~kvdepot.retry.Backoff` (the store's lease)
 says, never by a loop written at the call site.
 
 The synchronous client raises kvdepot's errors, with the class the service
-raised (see :func:`kvdepot.grpc_errors.from_grpc`) and the replica that
+raised (see :func:`kvdepot.rpc.errors.from_grpc`) and the replica that
 answered. The asynchronous one leaves gRPC's errors to its caller, the store's
 lease, which reads their codes and trailing metadata (a held node id's
 remaining lease) to decide what a refusal means.
@@ -26,12 +26,12 @@ import grpc
 
 from kvdepot.endpoints import parse_endpoints
 from kvdepot.errors import ClientClosed, Unavailable
-from kvdepot.grpc_errors import error_type_name, from_grpc
 from kvdepot.proto.gen import metadata_pb2 as pb
 from kvdepot.proto.gen import metadata_pb2_grpc
 from kvdepot.retry import Backoff, RetryPolicy
-from kvdepot.security import channel as secure_channel
-from kvdepot.security_config import SecurityConfig
+from kvdepot.rpc.errors import error_type_name, from_grpc
+from kvdepot.rpc.security import channel as secure_channel
+from kvdepot.rpc.security_config import SecurityConfig
 
 logger = logging.getLogger(__name__)
 

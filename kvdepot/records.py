@@ -3,7 +3,7 @@
 A store node measures its tiers and its data-plane throughput; the metadata
 service stores what the node reported (in the index, Redis included) and
 serves it back in ``ClusterStats``. Both ends use these records, so a field
-is added once; :mod:`kvdepot.record_wire` converts them to and from protobuf.
+is added once; :mod:`kvdepot.wire.records` converts them to and from protobuf.
 """
 
 from __future__ import annotations

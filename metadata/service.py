@@ -18,7 +18,6 @@ from kvdepot.errors import (
     StaleRegistration,
     Unavailable,
 )
-from kvdepot.health import HealthState
 from kvdepot.keys import ChunkKey, validate_keys
 from kvdepot.metadata.config import MetadataConfig
 from kvdepot.metadata.events import EventsConfig, KVEventPublisher
@@ -27,16 +26,11 @@ from kvdepot.metadata.replica_tiers import record_moves
 from kvdepot.metadata.routing import Candidate, RoutingWeights, best, score_candidates
 from kvdepot.metrics import ClusterCollector, MetricsServer, on_loop
 from kvdepot.proto.gen import common_pb2, metadata_pb2, metadata_pb2_grpc
-from kvdepot.record_wire import (
-    tier_stats_from_proto,
-    tier_stats_to_proto,
-    transfer_from_proto,
-    transfer_to_proto,
-)
 from kvdepot.repeat_log import RepeatLog
-from kvdepot.request_guard import abort_with
-from kvdepot.security import add_port, aio_server
-from kvdepot.security_config import NO_SECURITY, SecurityConfig
+from kvdepot.rpc.health import HealthState
+from kvdepot.rpc.request_guard import abort_with
+from kvdepot.rpc.security import add_port, aio_server
+from kvdepot.rpc.security_config import NO_SECURITY, SecurityConfig
 from kvdepot.types import (
     COUNT_NONE,
     LEASE_REMAINING_KEY,
@@ -57,6 +51,12 @@ from kvdepot.validation import (
     check_transfer,
 )
 from kvdepot.wire.lookup import pack_lookup
+from kvdepot.wire.records import (
+    tier_stats_from_proto,
+    tier_stats_to_proto,
+    transfer_from_proto,
+    transfer_to_proto,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -20,13 +20,12 @@ import grpc
 
 from kvdepot.endpoints import parse_endpoints
 from kvdepot.errors import InvalidArgument, Unavailable
-from kvdepot.health import HealthState
 from kvdepot.keys import ChunkKey
 from kvdepot.metrics import MetricsServer, StoreCollector, on_loop
 from kvdepot.proto.gen import common_pb2, metadata_pb2, store_pb2, store_pb2_grpc
-from kvdepot.record_wire import tier_stats_to_proto, transfer_to_proto
-from kvdepot.security import add_port, aio_channel, aio_server
-from kvdepot.security_config import NO_SECURITY, SecurityConfig
+from kvdepot.rpc.health import HealthState
+from kvdepot.rpc.security import add_port, aio_channel, aio_server
+from kvdepot.rpc.security_config import NO_SECURITY, SecurityConfig
 from kvdepot.shutdown import finish, uninterrupted
 from kvdepot.store.chunks import ChunkStore
 from kvdepot.store.config import StoreConfig
@@ -39,6 +38,7 @@ from kvdepot.store.tiers.factory import build_chunk_store
 from kvdepot.wire.host import default_arena_path, rdma_devices, reap_stale_arenas
 from kvdepot.wire.nixl import nixl_available
 from kvdepot.wire.protocol import AttachFlags, ProtocolLimits
+from kvdepot.wire.records import tier_stats_to_proto, transfer_to_proto
 
 logger = logging.getLogger(__name__)
 

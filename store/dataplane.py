@@ -38,8 +38,8 @@ import struct
 import threading
 import time
 
-from kvdepot.auth import Authenticator, RefusalLog, peer_host
 from kvdepot.errors import InvalidArgument, Unavailable
+from kvdepot.rpc.auth import Authenticator, RefusalLog, peer_host
 from kvdepot.store.chunks import ChunkStore
 from kvdepot.store.handlers import ReplyFailed, RequestHandlers
 from kvdepot.store.session import HeldListener, Session

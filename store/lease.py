@@ -26,11 +26,11 @@ from kvdepot.errors import (
     Unauthenticated,
     Unavailable,
 )
-from kvdepot.health import HealthState
 from kvdepot.metadata_client import AsyncMetadataClient
 from kvdepot.proto.gen import metadata_pb2
 from kvdepot.repeat_log import RepeatLog
 from kvdepot.retry import Backoff
+from kvdepot.rpc.health import HealthState
 from kvdepot.types import LEASE_REMAINING_KEY
 
 logger = logging.getLogger(__name__)

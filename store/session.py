@@ -20,9 +20,9 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from kvdepot.auth import tenant_key
 from kvdepot.errors import CapacityExceeded, InvalidArgument
 from kvdepot.keys import ChunkKey
+from kvdepot.rpc.auth import tenant_key
 from kvdepot.store.chunks import ChunkStore, ReadLease, Reservation, checksum
 from kvdepot.wire.protocol import (
     AttachKind,

@@ -22,7 +22,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from kvdepot.endpoints import parse_endpoints
 from kvdepot.errors import InvalidArgument
-from kvdepot.security_config import PluginSecurity
+from kvdepot.rpc.security_config import PluginSecurity
 
 SCHEME = "kvdepot"
 PLUGIN_TYPE = "kvdepot"
@@ -37,7 +37,7 @@ def plugin_key(plugin_name: str, option: str) -> str:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PluginSettings(PluginSecurity):
     """How one LMCache remote backend reaches kvdepot: the fields below and the
-    token and TLS settings of :class:`~kvdepot.security.PluginSecurity`.
+    token and TLS settings of :class:`~kvdepot.rpc.security.PluginSecurity`.
 
     Attributes:
         metadata: Metadata service replicas, ``host:port[,host:port]``.

@@ -27,7 +27,7 @@ from kvdepot.connector.transport.shm import ShmTransport
 from kvdepot.connector.transport.tcp import TcpTransport
 from kvdepot.errors import InvalidArgument, KVDepotError
 from kvdepot.keys import ChunkKey
-from kvdepot.security_config import SecurityConfig
+from kvdepot.rpc.security_config import SecurityConfig
 from kvdepot.wire.host import rdma_devices
 from kvdepot.wire.protocol import ProtocolLimits
 

@@ -46,11 +46,11 @@ from kvdepot.connector.transport.tcp import (
     TcpTransport,
 )
 from kvdepot.errors import InvalidArgument, KVDepotError, Unauthenticated, Unavailable
-from kvdepot.grpc_errors import from_grpc
 from kvdepot.keys import ChunkKey
 from kvdepot.proto.gen import store_pb2, store_pb2_grpc
-from kvdepot.security import channel as secure_channel
-from kvdepot.security_config import SecurityConfig
+from kvdepot.rpc.errors import from_grpc
+from kvdepot.rpc.security import channel as secure_channel
+from kvdepot.rpc.security_config import SecurityConfig
 from kvdepot.wire.nixl import create_agent, nixl_available
 from kvdepot.wire.protocol import (
     AttachFlags,

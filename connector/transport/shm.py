@@ -53,7 +53,7 @@ from kvdepot.connector.transport.tcp import (
 )
 from kvdepot.errors import InvalidArgument, KVDepotError, Unauthenticated, Unavailable
 from kvdepot.keys import ChunkKey
-from kvdepot.security_config import SecurityConfig
+from kvdepot.rpc.security_config import SecurityConfig
 from kvdepot.wire.host import host_identity
 from kvdepot.wire.protocol import (
     HASH_BLOCK,

@@ -40,7 +40,7 @@ from kvdepot.connector.transport.base import (
 from kvdepot.connector.transport.control import connect, looks_alive, parse_address
 from kvdepot.errors import InvalidArgument, KVDepotError, Unauthenticated
 from kvdepot.keys import ChunkKey, validate_key
-from kvdepot.security_config import SecurityConfig
+from kvdepot.rpc.security_config import SecurityConfig
 from kvdepot.wire.protocol import (
     GET_REPLY_ENTRY,
     DeleteCode,

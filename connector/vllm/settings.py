@@ -9,13 +9,13 @@ from typing import Any
 from kvdepot.connector.codec import CodecSpec, check_codec_name
 from kvdepot.connector.transport import available_transports
 from kvdepot.errors import InvalidArgument
-from kvdepot.security_config import PluginSecurity
+from kvdepot.rpc.security_config import PluginSecurity
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ConnectorSettings(PluginSecurity):
     """The connector's ``kv_connector_extra_config``: the fields below and the
-    token and TLS settings of :class:`~kvdepot.security.PluginSecurity`
+    token and TLS settings of :class:`~kvdepot.rpc.security.PluginSecurity`
     (``auth_token_file``, ``tls_*``; ``KVDEPOT_AUTH_TOKEN`` and ``KVDEPOT_TLS_*``
     in the engine's environment work too).
 

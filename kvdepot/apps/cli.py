@@ -307,7 +307,7 @@ def cmd_health(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from kvdepot.security import channel as secure_channel
+    from kvdepot.rpc.security import channel as secure_channel
 
     with secure_channel(args.target, _security(args)) as channel:
         try:
@@ -374,7 +374,7 @@ def cmd_certs(args: argparse.Namespace) -> int:
 
 # -- security flags (every command that serves or calls gRPC) ----------------------
 def _add_security_flags(p: argparse.ArgumentParser) -> None:
-    from kvdepot.security_config import SECURITY_GROUP, SecurityConfig
+    from kvdepot.rpc.security_config import SECURITY_GROUP, SecurityConfig
 
     about = (
         "the token itself comes from KVDEPOT_AUTH_TOKEN or a file, never a flag; "
@@ -384,7 +384,7 @@ def _add_security_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _security(args: argparse.Namespace) -> Any:
-    from kvdepot.security_config import SecurityConfig, load_security
+    from kvdepot.rpc.security_config import SecurityConfig, load_security
 
     return load_security(
         os.environ,

@@ -19,7 +19,7 @@ from kvdepot.config import FLAG, RULE, Choice, flags_of
 from kvdepot.errors import KVDepotError
 
 if TYPE_CHECKING:
-    from kvdepot.security_config import SecurityConfig
+    from kvdepot.rpc.security_config import SecurityConfig
 
 EXIT_USAGE = 2
 """Exit status of a usage error (argparse's)."""
@@ -112,7 +112,7 @@ def check_environment() -> None:
     from kvdepot.config import check_environment as check
     from kvdepot.connector.client import ClientConfig
     from kvdepot.metadata.config import MetadataConfig
-    from kvdepot.security_config import ENV_PREFIX, SecurityConfig
+    from kvdepot.rpc.security_config import ENV_PREFIX, SecurityConfig
     from kvdepot.store.config import StoreConfig
 
     check(
@@ -139,7 +139,7 @@ def explained(
 
     if not isinstance(exc, Unavailable) or args.command not in CLIENT_COMMANDS:
         return str(exc)
-    from kvdepot.security import explain_refusal
+    from kvdepot.rpc.security import explain_refusal
 
     targets = getattr(args, "target", None) or getattr(args, "metadata", None) or ""
     try:

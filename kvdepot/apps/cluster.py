@@ -29,8 +29,8 @@ import grpc
 
 from kvdepot.errors import Unavailable
 from kvdepot.proto.gen import metadata_pb2, metadata_pb2_grpc
-from kvdepot.security import channel as secure_channel
-from kvdepot.security_config import NO_SECURITY, SecurityConfig, child_args
+from kvdepot.rpc.security import channel as secure_channel
+from kvdepot.rpc.security_config import NO_SECURITY, SecurityConfig, child_args
 
 logger = logging.getLogger(__name__)
 

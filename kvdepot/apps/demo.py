@@ -26,7 +26,7 @@ import numpy as np
 
 from kvdepot.config import parse_size
 from kvdepot.errors import InvalidArgument, KVDepotError
-from kvdepot.security_config import NO_SECURITY, SecurityConfig, child_args, load_security
+from kvdepot.rpc.security_config import NO_SECURITY, SecurityConfig, child_args, load_security
 
 CHUNK_TOKENS = 256
 NAMESPACE_MODEL = "kvdepot-demo/tiny-llama"

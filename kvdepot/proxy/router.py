@@ -21,8 +21,8 @@ import grpc
 from kvdepot.errors import InvalidArgument
 from kvdepot.keys import ChunkKey, Namespace, chunk_keys
 from kvdepot.proto.gen import metadata_pb2, metadata_pb2_grpc
-from kvdepot.security import aio_channel
-from kvdepot.security_config import SecurityConfig
+from kvdepot.rpc.security import aio_channel
+from kvdepot.rpc.security_config import SecurityConfig
 
 logger = logging.getLogger(__name__)
 

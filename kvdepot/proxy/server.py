@@ -24,7 +24,7 @@ from kvdepot.config import Port, positive, setting, validate
 from kvdepot.errors import InvalidArgument, Unavailable
 from kvdepot.keys import ChunkKey, Namespace
 from kvdepot.proxy.router import ROUTING_MODES, Choice, EnginePool, KVRouter, prompt_keys
-from kvdepot.security_config import SecurityConfig
+from kvdepot.rpc.security_config import SecurityConfig
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import secrets
 import socket
 
-from kvdepot.auth import CLUSTER, PROOF_BYTES, Authenticator, Principal, dataplane_proof
+from kvdepot.rpc.auth import CLUSTER, PROOF_BYTES, Authenticator, Principal, dataplane_proof
 from kvdepot.wire.protocol import (
     AuthRefused,
     ErrorCode,

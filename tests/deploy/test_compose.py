@@ -25,7 +25,7 @@ import pytest
 from kvdepot.connector.client import ClientConfig, KVDepotClient
 from kvdepot.errors import KVDepotError, Unauthenticated
 from kvdepot.keys import KEY_BYTES
-from kvdepot.security_config import SecurityConfig
+from kvdepot.rpc.security_config import SecurityConfig
 from tests.conftest import free_port
 from tests.deploy.dockerhost import Engine, Project, free_subnet
 

@@ -91,4 +91,4 @@ def test_store_is_not_serving_until_registered(tmp_path: Path) -> None:
                 p.wait()
     log = (tmp_path / "store.log").read_text()
     assert "NOT_SERVING (not registered with a metadata service yet)" in log
-    assert "WARNING kvdepot.health" not in log
+    assert "WARNING kvdepot.rpc.health" not in log

@@ -28,8 +28,8 @@ from kvdepot.connector.transport.shm import ShmTransport
 from kvdepot.connector.transport.tcp import TcpTransport
 from kvdepot.errors import Unauthenticated, Unavailable
 from kvdepot.proto.gen import metadata_pb2, metadata_pb2_grpc, store_pb2, store_pb2_grpc
-from kvdepot.security import channel
-from kvdepot.security_config import SecurityConfig
+from kvdepot.rpc.security import channel
+from kvdepot.rpc.security_config import SecurityConfig
 from kvdepot.wire.protocol import (
     GET_ENTRY,
     HEADER,
@@ -374,7 +374,7 @@ def test_tenants_see_only_their_own_chunks(authed: LocalCluster) -> None:
 
 
 def test_the_cluster_token_sees_tenant_chunks_where_they_are(authed: LocalCluster) -> None:
-    from kvdepot.auth import tenant_key
+    from kvdepot.rpc.auth import tenant_key
 
     keys, data = _keys(7, 2), _payloads(2, 8)
     with _tenant_client(authed, TEAM_A) as a:

@@ -42,7 +42,7 @@ from kvdepot.config import (
 )
 from kvdepot.connector.client import ClientConfig
 from kvdepot.metadata.config import MetadataConfig
-from kvdepot.security_config import SecurityConfig
+from kvdepot.rpc.security_config import SecurityConfig
 from kvdepot.store.config import StoreConfig
 from tests.conftest import free_port
 

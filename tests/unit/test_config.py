@@ -55,7 +55,7 @@ def test_command_line_options_come_from_the_fields() -> None:
     environment and the file (None)."""
     from kvdepot.apps.cli import build_parser
     from kvdepot.apps.cli_settings import flag_names, setting_overrides
-    from kvdepot.security_config import SecurityConfig
+    from kvdepot.rpc.security_config import SecurityConfig
 
     parser = build_parser()
     store_flags = flag_names(StoreConfig)

@@ -24,7 +24,7 @@ from kvdepot.connector.client import ClientConfig
 from kvdepot.errors import InvalidArgument
 from kvdepot.metadata.config import MetadataConfig
 from kvdepot.proxy.server import ProxyConfig
-from kvdepot.security_config import SecurityConfig
+from kvdepot.rpc.security_config import SecurityConfig
 from kvdepot.store.config import StoreConfig
 
 CONFIGS = (MetadataConfig, StoreConfig, ClientConfig, SecurityConfig)

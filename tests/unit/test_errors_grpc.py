@@ -17,7 +17,7 @@ from kvdepot.errors import (
     Unauthenticated,
     Unavailable,
 )
-from kvdepot.grpc_errors import ERROR_TYPE_KEY, error_metadata, from_grpc, status_code
+from kvdepot.rpc.errors import ERROR_TYPE_KEY, error_metadata, from_grpc, status_code
 from kvdepot.wire.protocol import AuthRefused
 
 

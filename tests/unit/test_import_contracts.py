@@ -1,14 +1,15 @@
 """The import rules of pyproject.toml's ``[tool.importlinter]``, checked with lint-imports.
 
 Held now: the shared layer (every module and package directly in kvdepot/ but
-the applications: errors, grpc_errors, registry, endpoints, records,
-record_wire, config, security, auth, health, request_guard, metrics, logs,
-shutdown, repeat_log, keys, types, validation, and kvdepot/wire, the data
-plane's wire both ends import) imports nothing of metadata, store or
+the applications: errors, registry, endpoints, records, config, keys, types,
+validation, metadata_client, retry, metrics, logs, shutdown, repeat_log;
+kvdepot/rpc, the gRPC plumbing; kvdepot/wire, the data plane's wire both ends
+import) imports nothing of metadata, store or
 connector, nor of the applications (kvdepot.apps: the command, local cluster,
 demo, certs, stats; kvdepot.proxy: the proxy and its router); store, metadata,
 connector and proto import no application; the store, the connector and the
-metadata service import nothing of each other; kvdepot.errors imports no gRPC.
+metadata service import nothing of each other; kvdepot.errors and
+kvdepot.rpc.security_config import no gRPC.
 A vLLM worker that loads the connector loads no kvdepot.store module (checked
 by importing it). Nothing is ignored to make these pass.
 """

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from kvdepot.apps.certs import make_certs
-from kvdepot.auth import (
+from kvdepot.errors import InvalidArgument, Unauthenticated
+from kvdepot.rpc.auth import (
     CLUSTER,
     Authenticator,
     Principal,
@@ -24,9 +25,8 @@ from kvdepot.auth import (
     parse_token_file,
     peer_host,
 )
-from kvdepot.errors import InvalidArgument, Unauthenticated
-from kvdepot.security import server_credentials
-from kvdepot.security_config import SecurityConfig, child_args, load_security
+from kvdepot.rpc.security import server_credentials
+from kvdepot.rpc.security_config import SecurityConfig, child_args, load_security
 from kvdepot.wire.handshake import NONCE_BYTES, ServerHandshake, authenticate
 from kvdepot.wire.protocol import (
     HEADER,
@@ -145,7 +145,7 @@ def test_child_args_never_carry_the_token(tmp_path: Path) -> None:
 
 def test_refusals_are_logged_once_per_peer(caplog: pytest.LogCaptureFixture) -> None:
     log = RefusalLog("test service", interval_s=3600)
-    with caplog.at_level(logging.WARNING, logger="kvdepot.auth"):
+    with caplog.at_level(logging.WARNING, logger="kvdepot.rpc.auth"):
         for _ in range(50):
             log.refuse("10.0.0.1", "wrong auth token")
         log.refuse("10.0.0.2", "no auth token")
@@ -293,7 +293,7 @@ def test_the_vllm_and_lmcache_settings_share_one_set_of_security_fields(tmp_path
 
     from kvdepot.connector.lmcache.settings import PluginSettings
     from kvdepot.connector.vllm.settings import ConnectorSettings
-    from kvdepot.security_config import PluginSecurity
+    from kvdepot.rpc.security_config import PluginSecurity
 
     shared = {f.name: f.default for f in fields(PluginSecurity)}
     for cls in (ConnectorSettings, PluginSettings):

@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import fields
 
 from kvdepot.proto.gen import common_pb2
-from kvdepot.record_wire import (
+from kvdepot.records import TierStats, TransferRate
+from kvdepot.wire.records import (
     tier_stats_from_proto,
     tier_stats_to_proto,
     transfer_from_proto,
     transfer_to_proto,
 )
-from kvdepot.records import TierStats, TransferRate
 
 
 def test_tier_stats_keep_every_field_both_ways() -> None:

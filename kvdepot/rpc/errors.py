@@ -3,7 +3,7 @@
 A service answers a :class:`~kvdepot.errors.KVDepotError` with the status its
 class names (:func:`status_code`) and the class's name in the trailing
 metadata under :data:`ERROR_TYPE_KEY` (:func:`error_metadata`, sent by
-:func:`kvdepot.request_guard.abort_with`); :func:`from_grpc` raises the same
+:func:`kvdepot.rpc.request_guard.abort_with`); :func:`from_grpc` raises the same
 subclass on the client, also where two classes share a code. This is the only
 place that ties the error classes to gRPC, so that :mod:`kvdepot.errors`
 imports no gRPC.

@@ -9,7 +9,7 @@ constant time against every accepted token. A tenant's chunk keys are moved
 into its own key space (:func:`tenant_key`) by every daemon alike.
 :class:`RefusalLog` logs refused peers once per peer and minute.
 
-How these reach gRPC and the CLI is :mod:`kvdepot.security`.
+How these reach gRPC and the CLI is :mod:`kvdepot.rpc.security`.
 """
 
 from __future__ import annotations

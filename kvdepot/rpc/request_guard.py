@@ -9,7 +9,7 @@ other bad field, before a handler sees them.
 A handler's :class:`~kvdepot.errors.KVDepotError` becomes its status here too:
 :func:`abort_with` answers with the class's code, the error's message and the
 class's name in the trailing metadata, so the client raises the same class
-(:func:`kvdepot.grpc_errors.from_grpc`). One that escapes a handler is answered
+(:func:`kvdepot.rpc.errors.from_grpc`). One that escapes a handler is answered
 the same way instead of as ``UNKNOWN`` with a traceback in the service's log.
 """
 
@@ -22,7 +22,7 @@ from typing import Any
 import grpc
 
 from kvdepot.errors import KVDepotError
-from kvdepot.grpc_errors import error_metadata, status_code
+from kvdepot.rpc.errors import error_metadata, status_code
 
 
 class _Malformed:

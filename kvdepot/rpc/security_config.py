@@ -1,9 +1,9 @@
 """The security settings of one process: its token and TLS files, loaded and handed on.
 
 :class:`SecurityConfig` says what a process presents and accepts (see
-:mod:`kvdepot.security` for what the services do with it); it imports no
+:mod:`kvdepot.rpc.security` for what the services do with it); it imports no
 gRPC until it builds TLS credentials, so a command's options and a plugin's
-settings cost no gRPC import (:mod:`kvdepot.security` turns its TLS files
+settings cost no gRPC import (:mod:`kvdepot.rpc.security` turns its TLS files
 into gRPC credentials). :class:`PluginSecurity` is the same set of a
 client inside another program, :func:`load_security` builds one at an entry
 point, :func:`child_args` hands one to a ``kvdepot`` child process.
@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvdepot.auth import Authenticator, TokenSet, parse_token_file
 from kvdepot.config import InvalidSetting, load_config, setting, validate
 from kvdepot.errors import InvalidArgument
+from kvdepot.rpc.auth import Authenticator, TokenSet, parse_token_file
 
 
 def _read(path: str, what: str) -> bytes:

@@ -1,6 +1,6 @@
 """Authentication and TLS of kvdepot's gRPC services and data plane.
 
-One :class:`SecurityConfig` per process (:mod:`kvdepot.security_config`)
+One :class:`SecurityConfig` per process (:mod:`kvdepot.rpc.security_config`)
 says what it presents and what it accepts:
 
 * a **cluster token**, a shared secret every daemon and client of the cluster
@@ -12,9 +12,9 @@ says what it presents and what it accepts:
   refused with ``UNAUTHENTICATED`` or a closed connection, and logged once per
   peer and minute, not once per request;
 * optional **tenant tokens**, bound to a tenant name in a daemon's token file
-  (see :func:`kvdepot.auth.parse_token_file`): a client that presents one is
+  (see :func:`kvdepot.rpc.auth.parse_token_file`): a client that presents one is
   that tenant. Its keys are moved into the tenant's own key space on arrival,
-  by the metadata service and the stores alike (:func:`kvdepot.auth.tenant_key`), so it finds
+  by the metadata service and the stores alike (:func:`kvdepot.rpc.auth.tenant_key`), so it finds
   and reads only chunks published with its token, never another tenant's
   (nor those published with the cluster token), cannot tell whether another
   tenant holds a prefix, and cannot overwrite one; it may only publish, look
@@ -40,17 +40,17 @@ from typing import Any, NamedTuple
 
 import grpc
 
-from kvdepot.auth import (
+from kvdepot.endpoints import split_endpoint
+from kvdepot.errors import InvalidArgument, Unavailable
+from kvdepot.rpc.auth import (
     Authenticator,
     RefusalLog,
     is_loopback,
     peer_host,
     tenant_key,
 )
-from kvdepot.endpoints import split_endpoint
-from kvdepot.errors import InvalidArgument, Unavailable
-from kvdepot.request_guard import MalformedRequestGuard
-from kvdepot.security_config import (
+from kvdepot.rpc.request_guard import MalformedRequestGuard
+from kvdepot.rpc.security_config import (
     NO_SECURITY,
     SecurityConfig,
 )
