@@ -10,12 +10,20 @@ cancels the daemon's main coroutine, whose ``finally`` cleans up) and any
 later one is only noted: it can never cancel the cleanup half way. SIGKILL
 still skips it; a store's next start removes the arena file such a kill
 leaves behind.
+
+A stop is bounded (``stop_timeout_s``): a cleanup or an interpreter exit that
+hangs (a stalled dependency, a library's shutdown) would otherwise keep a
+supervisor waiting until its own SIGKILL, and say nothing. Past the bound
+the process writes every thread's stack to stderr (``Timeout (0:00:30)!``
+and the tracebacks, from :mod:`faulthandler`'s watchdog, which needs no
+GIL) and exits with status 1.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import logging
 import os
 import signal
@@ -37,13 +45,23 @@ def _noted(signum: int, frame: object) -> None:
     pass
 
 
-def run_until_signal(main: Callable[[], Coroutine[Any, Any, None]]) -> int:
+def run_until_signal(
+    main: Callable[[], Coroutine[Any, Any, None]], stop_timeout_s: float | None = None
+) -> int:
     """Run ``main()`` until it returns or a SIGINT/SIGTERM stops it; returns 0.
 
     Meant for a process's entry point: from the call on, SIGINT and SIGTERM
     never interrupt this process at a random point, during the cleanup nor
     after it (the process is about to exit then). Whatever ``main`` raises
     other than the cancellation a signal asked for propagates.
+
+    Args:
+        main: The daemon's main coroutine function.
+        stop_timeout_s: Longest the process may take to exit after the first
+            signal, its cleanup and the interpreter's exit included; past it
+            the threads' stacks go to stderr and the process exits with
+            status 1. ``None``: unbounded. The bound stays armed when this
+            returns, so call it only where the process exits next.
 
     Raises:
         KVDepotError: ``main`` raised it, or was cancelled by no signal.
@@ -60,7 +78,7 @@ def run_until_signal(main: Callable[[], Coroutine[Any, Any, None]]) -> int:
     # A parent may start us with them blocked until now (LocalCluster does).
     signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
     try:
-        asyncio.run(_serve(main, read_fd))
+        asyncio.run(_serve(main, read_fd, stop_timeout_s))
     finally:
         signal.set_wakeup_fd(previous)
         os.close(read_fd)
@@ -68,7 +86,9 @@ def run_until_signal(main: Callable[[], Coroutine[Any, Any, None]]) -> int:
     return 0
 
 
-async def _serve(main: Callable[[], Coroutine[Any, Any, None]], read_fd: int) -> None:
+async def _serve(
+    main: Callable[[], Coroutine[Any, Any, None]], read_fd: int, stop_timeout_s: float | None
+) -> None:
     loop = asyncio.get_running_loop()
     task = asyncio.ensure_future(main())
     seen: list[int] = []
@@ -82,6 +102,8 @@ async def _serve(main: Callable[[], Coroutine[Any, Any, None]], read_fd: int) ->
                 name = signal.Signals(signum).name
                 if not seen:
                     logger.info("%s: stopping", name)
+                    if stop_timeout_s is not None:
+                        faulthandler.dump_traceback_later(stop_timeout_s, exit=True)
                     task.cancel()
                 elif len(seen) == 1:
                     logger.info(

@@ -29,6 +29,9 @@ class MetadataConfig:
         route_load_penalty_s: Default seconds per unit of load in ``Route``.
         metrics_port: Port of the Prometheus ``/metrics`` HTTP endpoint, bound
             on ``host``; ``None`` (the default) serves none, 0 picks a free port.
+        stop_timeout_s: Longest the process takes to exit after SIGTERM or
+            SIGINT; past it, it writes its threads' stacks to stderr and exits
+            with status 1 (see :mod:`kvdepot.shutdown`).
     """
 
     host: str = setting("127.0.0.1", flag="--host", help="bind address (default 127.0.0.1)")
@@ -65,6 +68,9 @@ class MetadataConfig:
         Port(),
         flag="--metrics-port",
         help="serve Prometheus /metrics on this port (default off)",
+    )
+    stop_timeout_s: float = setting(
+        30.0, positive(), flag="--stop-timeout", help="seconds a stop may take (default 30)"
     )
 
     def __post_init__(self) -> None:

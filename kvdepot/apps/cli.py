@@ -51,10 +51,12 @@ def _announce(line: str) -> None:
     sys.stdout.flush()
 
 
-def _run_until_signal(main: Callable[[], Coroutine[Any, Any, None]]) -> int:
+def _run_until_signal(
+    main: Callable[[], Coroutine[Any, Any, None]], stop_timeout_s: float | None = None
+) -> int:
     from kvdepot.shutdown import run_until_signal
 
-    return run_until_signal(main)
+    return run_until_signal(main, stop_timeout_s)
 
 
 # -- metadata -----------------------------------------------------------------
@@ -95,7 +97,7 @@ def cmd_metadata(args: argparse.Namespace) -> int:
         finally:
             await finish(server.stop())
 
-    return _run_until_signal(main)
+    return _run_until_signal(main, config.stop_timeout_s)
 
 
 # -- store --------------------------------------------------------------------

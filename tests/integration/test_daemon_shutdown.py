@@ -199,3 +199,66 @@ def test_ctrl_c_while_up_starts_stops_everything_quietly() -> None:
         assert "ERROR" not in stderr, stderr[-3000:]
         assert not arenas_of(sorted(daemons)), f"an arena was left behind (at {delay} s)"
         assert not [p for p in daemons if alive(p)], "a daemon outlived kvdepot up"
+
+
+HANGING_CLEANUP = """
+import asyncio, sys, time
+from kvdepot.shutdown import run_until_signal
+
+def stuck_in_cleanup():
+    time.sleep(float(sys.argv[2]))  # a cleanup that never returns in time
+
+async def main():
+    try:
+        print("up", flush=True)
+        await asyncio.sleep(3600)
+    finally:
+        stuck_in_cleanup()
+
+timeout = float(sys.argv[1])
+sys.exit(run_until_signal(main, timeout if timeout > 0 else None))
+"""
+
+
+@pytest.mark.parametrize(("cleanup_s", "bound_s"), [(600, 2.0), (0.2, 2.0), (3, 0)])
+def test_a_stop_is_bounded_and_a_hang_names_where_it_hung(cleanup_s: float, bound_s: float) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HANGING_CLEANUP, str(bound_s), str(cleanup_s)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "up\n"
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - started
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if cleanup_s > bound_s > 0:
+        # Past the bound: the stacks on stderr, then exit status 1, long
+        # before the cleanup would have ended.
+        assert proc.returncode == 1, err
+        assert took < 30, took
+        assert "Timeout (0:00:02)!" in err, err
+        assert "stuck_in_cleanup" in err, err
+    else:
+        # Within the bound, or unbounded: a clean stop after the whole cleanup.
+        assert proc.returncode == 0, err
+        assert took >= cleanup_s * 0.9, took
+        assert "Timeout" not in err, err
+
+
+def test_the_metadata_daemons_stop_bound_is_a_setting(tmp_path: Path) -> None:
+    kvdepot = [sys.executable, "-m", "kvdepot.apps.cli", "metadata"]
+    out = subprocess.run(
+        [*kvdepot, "--check", "--stop-timeout", "5"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert '"stop_timeout_s": 5.0' in out.stdout
+    bad = subprocess.run(
+        [*kvdepot, "--check", "--stop-timeout", "0"], capture_output=True, text=True, timeout=60
+    )
+    assert bad.returncode != 0
+    assert bad.stderr.strip().count("\n") == 0 and "--stop-timeout" in bad.stderr, bad.stderr
