@@ -28,7 +28,7 @@ meanwhile, so a put never waits for the disk. A background thread
 moves hot chunks up, so that the write path rarely has to make room.
 
 Every state change happens under one lock (the placement primitives are in
-:mod:`kvdepot.store.placement`). Nothing under it waits for a disk: reads
+:mod:`kvdepot.store.tier_placement`). Nothing under it waits for a disk: reads
 and writes of slow tiers run outside it (only a new SSD segment file is
 created under it), and copies between GPU and DRAM are device copies. The
 ``on_removed`` and ``on_moved`` callbacks run outside it, so they may call
@@ -53,7 +53,7 @@ from kvdepot.store.chunk_types import (
     ReadLease,
     Reservation,
 )
-from kvdepot.store.placement import MovedListener, RemovedListener, TierPlacement
+from kvdepot.store.tier_placement import MovedListener, RemovedListener, TierPlacement
 from kvdepot.store.tiering import Copy, Entry, Level, Mover, State
 from kvdepot.store.tiers.base import TIER_ORDER, Tier, TierLimits
 from kvdepot.store.tiers.cpu import CpuTier

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from kvdepot.connector.lmcache.adapter import KVDepotConnectorAdapter
 from kvdepot.connector.lmcache.connector import KVDepotConnector, KVDepotLMCacheConnector
-from kvdepot.connector.lmcache.keys import chunk_key
+from kvdepot.connector.lmcache.engine_keys import chunk_key
 from kvdepot.connector.lmcache.settings import PluginSettings
 
 __all__ = [

@@ -30,14 +30,14 @@ from typing import Any, TypeVar
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from kvdepot.connector.client import ClientConfig, KVDepotClient
-from kvdepot.connector.lmcache.chunks import (
+from kvdepot.connector.lmcache.encoding import (
     ChunkGeometry,
     FramedChunks,
     MemoryObj,
     RawChunks,
     release,
 )
-from kvdepot.connector.lmcache.keys import chunk_key
+from kvdepot.connector.lmcache.engine_keys import chunk_key
 from kvdepot.connector.lmcache.settings import PluginSettings, resolve
 from kvdepot.errors import InvalidArgument, KVDepotError
 from kvdepot.keys import ChunkKey

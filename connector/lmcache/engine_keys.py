@@ -12,7 +12,7 @@ equal, so the kvdepot key is a digest of all of them::
 
 where ``field(b) = u32le(len(b)) || b``, so no two different keys encode to
 the same bytes. ``encoding`` is how the chunk's bytes are stored (see
-:mod:`kvdepot.connector.lmcache.chunks`): bytes written in one encoding are
+:mod:`kvdepot.connector.lmcache.encoding`): bytes written in one encoding are
 never read back in another. Integers are signed big-endian in as few bytes
 as they need (LMCache's chunk hashes may be negative or wider than 64 bits);
 a chunk hash given as bytes is kept apart from an integer one by a type byte.

@@ -1,7 +1,7 @@
 """How LMCache's memory objects become kvdepot chunks, and back.
 
 Two encodings; LMCache's configuration picks one for all chunks, and it is
-part of every key (:mod:`kvdepot.connector.lmcache.keys`), so bytes are never
+part of every key (:mod:`kvdepot.connector.lmcache.engine_keys`), so bytes are never
 read back in an encoding they were not written in.
 
 ``raw`` (LMCache's ``naive`` serde, chunk-wise storage: the usual setup)
