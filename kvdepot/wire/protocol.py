@@ -13,7 +13,7 @@ Header (16 bytes, every message)::
     0       4     magic     b"KVDP"
     4       1     version   1
     5       1     opcode    see Opcode
-    6       2     flags     reserved: sent as 0, ignored on receipt
+    6       2     flags     HeaderFlags; bits a receiver does not know are ignored
     8       4     count     entries that follow (ERROR: message length)
     12      4     aux       opcode-specific (PING/PONG: nonce echoed; else 0)
 
@@ -21,7 +21,8 @@ Requests and replies (n = header.count)::
 
     PUT           header, n x PutEntry, then the n payloads back to back
       PutEntry    0 key 16B | 16 size u64 | 24 checksum u64            (32 bytes)
-    PUT_REPLY     header, n x status u8 (PutCode)
+    PUT_REPLY     header, n x status u8 (PutCode); with HeaderFlags.INDEX
+                  (asked for by the PUT), then n x index code u8 (IndexCode)
     GET           header, n x GetEntry
       GetEntry    0 key 16B | 16 offset u64 | 24 length u64 (0 = to the end)  (32 bytes)
     GET_REPLY     header, n x GetReplyEntry, then the payloads of the OK
@@ -46,6 +47,19 @@ Requests and replies (n = header.count)::
                   accepted proof with ERROR UNAUTHENTICATED and closes the
                   connection (see :mod:`kvdepot.wire.handshake`).
 
+Indexing by the store (``HeaderFlags.INDEX``): a writer publishing into its
+own node's store sets the flag on PUT, PUT_TRAILED or COMMIT to ask the store
+to commit the chunks this message stores into the cluster's index itself, as
+replicas on the store's node, after its own commit (one ``PutStart`` with
+``written`` flags, shared with other writers' commits of the moment). The
+reply (PUT_REPLY, COMMIT_REPLY) then carries the flag too and, after its n
+status bytes, n x index code u8 (IndexCode): NEW (in the index, the first
+replica in the cluster), ELSEWHERE (in the index; another node stored the
+chunk already, this node is one more replica) or NOT_INDEXED (not stored
+here, not asked, or the index did not commit it within the store's bounded
+wait: the writer commits it itself). A reply without the flag (a store that
+predates it) indexed nothing. Only chunks answered OK are ever indexed.
+
 Requests of clients that move the bytes themselves (``shm``: the client maps
 the arena; ``nixl``: one-sided RDMA READ/WRITE). Reservations and leases
 belong to the connection that took them: when it closes, for whatever reason,
@@ -63,7 +77,8 @@ the store revokes every reservation and releases every lease it still holds::
                   The store hashes the reserved bytes and commits the chunk
                   only if they match: the checksum is checked end to end.
     COMMIT_REPLY  header, n x status u8 (PutCode: OK, CORRUPT, INVALID = not
-                  reserved on this connection)
+                  reserved on this connection); with HeaderFlags.INDEX, then
+                  n x index code u8 (IndexCode), as a PUT_REPLY
     ABORT         header, n x key 16B: revoke reservations of this connection
     ABORT_REPLY   header, n x status u8 (HeldCode)
     LEASE         header, n x GetEntry
@@ -177,6 +192,26 @@ REQUEST_OPCODES = frozenset(
         Opcode.AUTH,
     }
 )
+
+
+class HeaderFlags(enum.IntFlag):
+    """Bits of a header's ``flags``."""
+
+    NONE = 0
+    INDEX = 1
+    """On PUT, PUT_TRAILED, COMMIT: the store commits what it stores into the
+    index too. On PUT_REPLY, COMMIT_REPLY: index codes follow the statuses."""
+
+
+class IndexCode(enum.IntEnum):
+    """Per chunk, whether the store committed it into the index (HeaderFlags.INDEX)."""
+
+    NOT_INDEXED = 0
+    """Not in the index by this request: the writer commits it itself."""
+    NEW = 1
+    """Committed; no other node had stored it."""
+    ELSEWHERE = 2
+    """Committed as one more replica; another node had stored it already."""
 
 
 class AttachKind(enum.IntEnum):
@@ -597,6 +632,19 @@ def unpack_statuses(data: bytes, kind: type[_E]) -> list[_E]:
         return [kind(b) for b in data]
     except ValueError as exc:
         raise ProtocolError(ErrorCode.MALFORMED, f"unknown {kind.__name__}: {exc}") from None
+
+
+def recv_index_codes(sock: socket.socket, header: Header) -> list[IndexCode]:
+    """The index codes of a PUT_REPLY or COMMIT_REPLY whose statuses were read:
+    read when its header carries ``HeaderFlags.INDEX``, else all NOT_INDEXED.
+
+    Raises:
+        ProtocolError: An unknown code.
+        Unavailable: The connection failed.
+    """
+    if not header.flags & HeaderFlags.INDEX:
+        return [IndexCode.NOT_INDEXED] * header.count
+    return unpack_statuses(recv_exact(sock, header.count), IndexCode)
 
 
 def encode_error(code: ErrorCode, message: str) -> bytes:

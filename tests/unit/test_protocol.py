@@ -112,6 +112,37 @@ def test_recv_reply_header_raises_the_peer_error(pair: tuple[socket.socket, sock
         p.recv_reply_header(b, p.Opcode.PUT_REPLY, 2)
 
 
+def test_index_flag_and_codes_on_the_wire(pair: tuple[socket.socket, socket.socket]) -> None:
+    a, b = pair
+    # The flag is bit 0 of the header's flags field (bytes 6-7).
+    raw = p.Header(p.Opcode.COMMIT, 2, flags=int(p.HeaderFlags.INDEX)).pack()
+    assert int.from_bytes(raw[6:8], "little") == 1
+    assert p.unpack_header(raw).flags & p.HeaderFlags.INDEX
+    assert (p.IndexCode.NOT_INDEXED, p.IndexCode.NEW, p.IndexCode.ELSEWHERE) == (0, 1, 2)
+    # A reply with the flag: n statuses, then n index codes.
+    flagged = p.Header(p.Opcode.PUT_REPLY, 3, flags=int(p.HeaderFlags.INDEX)).pack()
+    a.sendall(flagged + bytes([p.PutCode.OK, p.PutCode.EXISTS, p.PutCode.OK]) + bytes([1, 0, 2]))
+    header = p.recv_reply_header(b, p.Opcode.PUT_REPLY, 3)
+    assert p.unpack_statuses(p.recv_exact(b, 3), p.PutCode)[1] is p.PutCode.EXISTS
+    assert p.recv_index_codes(b, header) == [
+        p.IndexCode.NEW,
+        p.IndexCode.NOT_INDEXED,
+        p.IndexCode.ELSEWHERE,
+    ]
+    # An old-style reply (no flag) carries no codes: nothing was indexed, and
+    # nothing more is read from the stream.
+    a.sendall(p.Header(p.Opcode.COMMIT_REPLY, 2).pack() + bytes(2) + b"next")
+    header = p.recv_reply_header(b, p.Opcode.COMMIT_REPLY, 2)
+    p.recv_exact(b, 2)
+    assert p.recv_index_codes(b, header) == [p.IndexCode.NOT_INDEXED] * 2
+    assert p.recv_exact(b, 4) == b"next"
+    a.sendall(flagged + bytes(3) + bytes([0, 9, 0]))
+    header = p.recv_reply_header(b, p.Opcode.PUT_REPLY, 3)
+    p.recv_exact(b, 3)
+    with pytest.raises(p.ProtocolError, match="IndexCode"):
+        p.recv_index_codes(b, header)
+
+
 def test_limits_validate() -> None:
     assert p.ProtocolLimits().max_batch == 4096
     with pytest.raises(InvalidArgument):
