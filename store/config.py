@@ -86,6 +86,10 @@ class StoreConfig:
             recorded as sent: every reader verifies it, so a wrong one is a
             miss, never wrong data, and a put saves one pass over memory.
         register_retry_s: Delay between attempts to reach the metadata service.
+        index_commit_timeout_s: Longest a put from a writer of this node waits
+            for the store to commit its chunks into the index (the writer asks
+            for it in its data-plane request); after it, the reply says "not
+            indexed" and the writer commits them itself.
         force_node_id: Take ``node_id`` over at start even while another live
             store instance holds it (its heartbeats are refused from then on
             and it stops). Off (the default), such a registration is refused
@@ -177,6 +181,7 @@ class StoreConfig:
         help="hash chunks shm clients wrote again before committing them",
     )
     register_retry_s: float = setting(0.5, positive())
+    index_commit_timeout_s: float = setting(2.0, positive())
     force_node_id: bool = setting(
         False,
         flag="--force-node-id",

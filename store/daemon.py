@@ -14,7 +14,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import grpc
 
@@ -22,22 +22,24 @@ from kvdepot.endpoints import parse_endpoints
 from kvdepot.errors import InvalidArgument, Unavailable
 from kvdepot.keys import ChunkKey
 from kvdepot.metrics import MetricsServer, StoreCollector, on_loop
-from kvdepot.proto.gen import common_pb2, metadata_pb2, store_pb2, store_pb2_grpc
+from kvdepot.proto.gen import common_pb2, metadata_pb2, metadata_pb2_grpc, store_pb2, store_pb2_grpc
 from kvdepot.rpc.health import HealthState
 from kvdepot.rpc.security import add_port, aio_channel, aio_server
+from kvdepot.rpc.security import channel as sync_channel
 from kvdepot.rpc.security_config import NO_SECURITY, SecurityConfig
 from kvdepot.shutdown import finish, uninterrupted
 from kvdepot.store.chunks import ChunkStore
 from kvdepot.store.config import StoreConfig
 from kvdepot.store.dataplane import DataPlaneServer
 from kvdepot.store.identity import instance_identity
+from kvdepot.store.indexer import IndexCommitter
 from kvdepot.store.lease import MetadataLease
 from kvdepot.store.nixl_agent import StoreNixlAgent
 from kvdepot.store.throughput import ThroughputMeter
 from kvdepot.store.tiers.factory import build_chunk_store
 from kvdepot.wire.host import default_arena_path, rdma_devices, reap_stale_arenas
 from kvdepot.wire.nixl import nixl_available
-from kvdepot.wire.protocol import AttachFlags, ProtocolLimits
+from kvdepot.wire.protocol import AttachFlags, IndexCode, ProtocolLimits
 from kvdepot.wire.records import tier_stats_to_proto, transfer_to_proto
 
 logger = logging.getLogger(__name__)
@@ -121,7 +123,13 @@ class StoreDaemon:
             max_connections=config.max_connections,
             auth=self.security.authenticator() if self.security.auth else None,
             verify_shm_commits=config.verify_shm_commits,
+            index=self._index_commit,
         )
+        # Commits what own-node writers asked the data plane to index (from
+        # start()), from the data-plane threads, over channels of their own.
+        self._indexer: IndexCommitter | None = None
+        self._index_channels: list[grpc.Channel] = []
+        self._index_stubs: list[metadata_pb2_grpc.MetadataStub] = []
         self.node_id = config.node_id
         self.address = ""
         self.grpc_address = ""
@@ -158,6 +166,23 @@ class StoreDaemon:
             return
         with contextlib.suppress(RuntimeError):  # loop shutting down
             loop.call_soon_threadsafe(self._queue_removed, keys)
+
+    def _index_commit(self, keys: Sequence[ChunkKey], sizes: Sequence[int]) -> list[IndexCode]:
+        indexer = self._indexer
+        if indexer is None:
+            return [IndexCode.NOT_INDEXED] * len(keys)
+        return indexer.commit(keys, sizes)
+
+    def _index_put_start(
+        self, request: metadata_pb2.PutStartRequest, timeout_s: float
+    ) -> metadata_pb2.PutStartResponse | None:
+        # From a data-plane thread: to the replica the lease uses now.
+        lease = self.lease
+        if lease is None or not lease.holds:
+            return None
+        stub = self._index_stubs[lease.client.replicas.current]
+        reply: metadata_pb2.PutStartResponse = stub.PutStart(request, timeout=timeout_s)
+        return reply
 
     def _on_moved(self, moves: list[tuple[ChunkKey, str]]) -> None:
         loop = self._loop
@@ -235,6 +260,11 @@ class StoreDaemon:
             retry_s=self.config.register_retry_s,
             force=self.config.force_node_id,
         )
+        self._index_channels = [sync_channel(e, self.security) for e in self._endpoints]
+        self._index_stubs = [metadata_pb2_grpc.MetadataStub(ch) for ch in self._index_channels]
+        self._indexer = IndexCommitter(
+            self.node_id, self._index_put_start, self.config.index_commit_timeout_s
+        )
         self._tasks = [
             asyncio.create_task(self.lease.run()),
             asyncio.create_task(self._report_forever()),
@@ -308,12 +338,16 @@ class StoreDaemon:
         finally:
             try:
                 self.dataplane.stop()
+                for ch in self._index_channels:
+                    ch.close()
                 if self.nixl is not None:
                     self.nixl.close()
             finally:
                 self.chunks.close()
 
     async def _stop_serving(self) -> None:
+        if self._indexer is not None:
+            self._indexer.close()  # writers asking from now on commit themselves
         if self.metrics is not None:
             await asyncio.to_thread(self.metrics.close)
             self.metrics = None

@@ -42,6 +42,7 @@ from kvdepot.errors import InvalidArgument, Unavailable
 from kvdepot.rpc.auth import Authenticator, RefusalLog, peer_host
 from kvdepot.store.chunks import ChunkStore
 from kvdepot.store.handlers import ReplyFailed, RequestHandlers
+from kvdepot.store.indexer import IndexFn
 from kvdepot.store.session import HeldListener, Session
 from kvdepot.store.watchdog import RequestWatchdog
 from kvdepot.wire.handshake import ServerHandshake
@@ -134,6 +135,9 @@ class DataPlaneServer:
             one before anything else (see :mod:`kvdepot.wire.handshake`).
         verify_shm_commits: Hash again what ``shm`` clients copied into the
             arena before committing it (see :class:`~kvdepot.store.session.Session`).
+        index: Commits what a PUT or COMMIT with ``HeaderFlags.INDEX`` stored
+            into the cluster's index (see :mod:`kvdepot.store.indexer`);
+            ``None`` indexes nothing (such requests are answered NOT_INDEXED).
 
     Raises:
         InvalidArgument: If a timeout, the rate or the connection limit is not positive.
@@ -154,6 +158,7 @@ class DataPlaneServer:
         max_connections: int = 1024,
         auth: Authenticator | None = None,
         verify_shm_commits: bool = False,
+        index: IndexFn | None = None,
     ) -> None:
         if min(idle_timeout_s, io_timeout_s, hold_timeout_s) <= 0:
             raise InvalidArgument("data plane timeouts must be positive")
@@ -194,7 +199,7 @@ class DataPlaneServer:
         self._connections: dict[socket.socket, threading.Thread] = {}
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self._handlers = RequestHandlers(
-            chunks, limits, self._watchdog, self._count, lambda: self._attach_info
+            chunks, limits, self._watchdog, self._count, lambda: self._attach_info, index
         )
 
     @property

@@ -15,8 +15,9 @@ import socket
 from collections.abc import Callable
 
 from kvdepot.errors import CapacityExceeded, InvalidArgument, Unavailable
-from kvdepot.keys import KEY_BYTES
+from kvdepot.keys import KEY_BYTES, ChunkKey
 from kvdepot.store.chunks import ChunkStore, ReadLease, Reservation, checksum
+from kvdepot.store.indexer import IndexFn
 from kvdepot.store.session import Session
 from kvdepot.store.watchdog import RequestWatchdog
 from kvdepot.wire.protocol import (
@@ -32,6 +33,7 @@ from kvdepot.wire.protocol import (
     GetCode,
     GetReplyEntry,
     Header,
+    HeaderFlags,
     Opcode,
     ProtocolError,
     ProtocolLimits,
@@ -77,6 +79,9 @@ class RequestHandlers:
         watchdog: The server's request deadlines (re-armed per reply size).
         count: Adds to the server's counters (:class:`DataPlaneStats` names).
         attach_info: What ATTACH answers now.
+        index: Commits chunks into the cluster's index for writers that ask
+            (``HeaderFlags.INDEX``), after the store committed them; ``None``
+            (a data plane without a daemon) indexes nothing.
     """
 
     def __init__(
@@ -86,7 +91,9 @@ class RequestHandlers:
         watchdog: RequestWatchdog,
         count: Callable[..., None],
         attach_info: Callable[[], AttachInfo],
+        index: IndexFn | None = None,
     ) -> None:
+        self._index = index
         self._chunks = chunks
         self._limits = limits
         self._watchdog = watchdog
@@ -97,9 +104,9 @@ class RequestHandlers:
         """Answer one request whose header was read (its body is still to read)."""
         op = header.opcode
         if op is Opcode.PUT:
-            self._handle_put(conn, self._checked_count(header), session, trailed=False)
+            self._handle_put(conn, self._checked_count(header), session, header, trailed=False)
         elif op is Opcode.PUT_TRAILED:
-            self._handle_put(conn, self._checked_count(header), session, trailed=True)
+            self._handle_put(conn, self._checked_count(header), session, header, trailed=True)
         elif op in _SESSION_OPS:
             self._handle_session(conn, header, session)
         elif op is Opcode.GET:
@@ -128,7 +135,34 @@ class RequestHandlers:
         except Unavailable as exc:
             raise ReplyFailed(str(exc)) from exc
 
-    def _handle_put(self, conn: socket.socket, n: int, session: Session, *, trailed: bool) -> None:
+    def _indexed(
+        self, header: Header, statuses: bytes | bytearray, keys: list[ChunkKey], sizes: list[int]
+    ) -> list[bytes | bytearray]:
+        """The reply's tail for a request that asked for indexing (``HeaderFlags.INDEX``):
+        the chunks it stored (OK) committed into the index, their codes; else nothing."""
+        if not header.flags & HeaderFlags.INDEX:
+            return []
+        codes = bytearray(len(statuses))  # NOT_INDEXED
+        stored = [i for i, st in enumerate(statuses) if st == PutCode.OK]
+        if stored and self._index is not None:
+            # Only after the store's own commit: a lookup never names a chunk
+            # that cannot be read here. Bounded: a stalled index costs the
+            # wait, then the writer commits them itself.
+            got = self._index([keys[i] for i in stored], [sizes[i] for i in stored])
+            for i, code in zip(stored, got, strict=True):
+                codes[i] = code
+        return [codes]
+
+    @staticmethod
+    def _put_reply(header: Header, n: int, tail: list[bytes | bytearray]) -> bytes:
+        """The header of the answer to a PUT, PUT_TRAILED or COMMIT."""
+        op = Opcode.COMMIT_REPLY if header.opcode is Opcode.COMMIT else Opcode.PUT_REPLY
+        flags = HeaderFlags.INDEX if tail else HeaderFlags.NONE
+        return Header(op, n, flags=int(flags)).pack()
+
+    def _handle_put(
+        self, conn: socket.socket, n: int, session: Session, header: Header, *, trailed: bool
+    ) -> None:
         # PUT announces each checksum before the payload, PUT_TRAILED right
         # after it; either way the payload is received straight into its
         # reservation and hashed block by block while it arrives.
@@ -181,7 +215,10 @@ class RequestHandlers:
                 self._chunks.revoke(res)
             raise
         self._count_puts(statuses, total)
-        self._reply(conn, [Header(Opcode.PUT_REPLY, n).pack(), statuses])
+        tail = self._indexed(
+            header, statuses, [session.key(e.key) for e in entries], [e.size for e in entries]
+        )
+        self._reply(conn, [self._put_reply(header, n, tail), statuses, *tail])
 
     def _check_put_sizes(self, entries: list[PutEntry]) -> int:
         limits = self._limits
@@ -250,7 +287,13 @@ class RequestHandlers:
                 corrupt_puts=statuses.count(PutCode.CORRUPT),
                 bytes_in=sum(size for _, size in results),
             )
-            self._reply(conn, [Header(Opcode.COMMIT_REPLY, n).pack(), statuses])
+            tail = self._indexed(
+                header,
+                statuses,
+                [session.key(e.key) for e in commits],
+                [size for _, size in results],
+            )
+            self._reply(conn, [self._put_reply(header, n, tail), statuses, *tail])
         elif op is Opcode.ABORT:
             keys = unpack_keys(recv_exact(conn, n * KEY_BYTES))
             self._reply(conn, [Header(Opcode.ABORT_REPLY, n).pack(), bytes(session.abort(keys))])

@@ -126,6 +126,11 @@ class MetadataLease:
     def endpoint(self) -> str:
         return self.client.endpoint
 
+    @property
+    def holds(self) -> bool:
+        """Whether this store is registered now (and was not told otherwise since)."""
+        return self._holds
+
     async def run(self) -> None:
         """Hold the lease until cancelled; raise why this store cannot.
 

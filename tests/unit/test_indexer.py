@@ -1,0 +1,149 @@
+"""The store's index committer: data-plane threads' commits, batched, bounded."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from kvdepot.keys import ChunkKey
+from kvdepot.proto.gen import metadata_pb2
+from kvdepot.store.indexer import IndexCommitter
+from kvdepot.wire.protocol import IndexCode
+
+WRITE = metadata_pb2.Allocation.WRITE
+SKIP = metadata_pb2.Allocation.SKIP_EXISTS
+
+
+def key(i: int) -> ChunkKey:
+    return ChunkKey(i.to_bytes(16, "little"))
+
+
+class Unreachable(grpc.RpcError):
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+
+class FakeMetadata:
+    """Answers PutStart as the service would; keys in ``elsewhere`` were stored
+    by another node. While ``gate`` is clear a call waits for it (at most
+    ``hold_s``, else its deadline), as a stalled service would."""
+
+    def __init__(self) -> None:
+        self.requests: list[metadata_pb2.PutStartRequest] = []
+        self.deadlines: list[float] = []
+        self.elsewhere: set[bytes] = set()
+        self.committed = True
+        self.gate = threading.Event()
+        self.gate.set()
+        self.hold_s: float | None = None
+        self.fail = False
+        self.registered = True
+
+    def __call__(
+        self, request: metadata_pb2.PutStartRequest, timeout_s: float
+    ) -> metadata_pb2.PutStartResponse | None:
+        if not self.registered:
+            return None
+        self.requests.append(request)
+        self.deadlines.append(timeout_s)
+        if not self.gate.wait(self.hold_s or timeout_s):
+            raise Unreachable()
+        if self.fail:
+            raise Unreachable()
+        actions = [SKIP if k in self.elsewhere else WRITE for k in request.keys]
+        return metadata_pb2.PutStartResponse(
+            allocations=[metadata_pb2.Allocation(action=a) for a in actions],
+            written_committed=self.committed,
+        )
+
+
+def test_a_commit_is_one_put_start_with_written_flags_for_the_node() -> None:
+    fake = FakeMetadata()
+    fake.elsewhere.add(key(2))
+    ix = IndexCommitter("node-a", fake, 5.0)
+    got = ix.commit([key(1), key(2), key(3)], [10, 20, 30])
+    assert got == [IndexCode.NEW, IndexCode.ELSEWHERE, IndexCode.NEW]
+    (req,) = fake.requests
+    assert list(req.keys) == [key(1), key(2), key(3)]
+    assert list(req.sizes) == [10, 20, 30]
+    assert req.writer_node_id == "node-a"
+    assert list(req.written) == [True] * 3
+    assert len(req.request_id) == 16
+    assert 0 < fake.deadlines[0] <= 5.0
+
+
+def test_concurrent_writers_share_a_call() -> None:
+    fake = FakeMetadata()
+    fake.elsewhere.add(key(7))
+    fake.gate.clear()
+    ix = IndexCommitter("node-a", fake, 5.0)
+    results: dict[int, list[IndexCode]] = {}
+
+    def writer(i: int) -> None:
+        results[i] = ix.commit([key(i)], [i + 1])
+
+    first = threading.Thread(target=writer, args=(0,))
+    first.start()
+    while not fake.requests:  # the first call is in flight, held
+        time.sleep(0.001)
+    others = [threading.Thread(target=writer, args=(i,)) for i in range(1, 9)]
+    for t in others:
+        t.start()
+    time.sleep(0.1)  # all of them queued behind the call in flight
+    fake.gate.set()
+    for t in [first, *others]:
+        t.join(5)
+    assert len(fake.requests) == 2  # the first alone, then the eight others together
+    assert sorted(fake.requests[1].keys) == sorted(key(i) for i in range(1, 9))
+    assert results[7] == [IndexCode.ELSEWHERE]
+    assert all(results[i] == [IndexCode.NEW] for i in range(9) if i != 7)
+    assert (ix.stats.calls, ix.stats.requests) == (2, 9)
+
+
+def test_a_stalled_index_costs_the_bounded_wait_then_not_indexed() -> None:
+    fake = FakeMetadata()
+    fake.gate.clear()  # the service does not answer
+    fake.hold_s = 1.0  # nor does the call give up at its deadline
+    ix = IndexCommitter("node-a", fake, 0.3)
+    results: dict[int, list[IndexCode]] = {}
+    t0 = time.monotonic()
+    first = threading.Thread(target=lambda: results.update({1: ix.commit([key(1)], [1])}))
+    first.start()
+    while not fake.requests:
+        time.sleep(0.001)
+    # Queued behind the stalled call, this one's wait ends too; it is never
+    # sent afterwards (its writer was told NOT_INDEXED and commits itself).
+    assert ix.commit([key(2)], [1]) == [IndexCode.NOT_INDEXED]
+    assert time.monotonic() - t0 < 0.9
+    first.join(5)
+    assert results[1] == [IndexCode.NOT_INDEXED]
+    assert [list(r.keys) for r in fake.requests] == [[key(1)]]
+    assert ix.stats.timeouts == 1 and ix.stats.failures == 1
+    fake.gate.set()
+    assert ix.commit([key(3)], [1]) == [IndexCode.NEW]
+
+
+@pytest.mark.parametrize("how", ["refused", "not committed", "not registered", "closed"])
+def test_what_the_index_did_not_commit_is_not_indexed(how: str) -> None:
+    fake = FakeMetadata()
+    ix = IndexCommitter("node-a", fake, 5.0)
+    if how == "refused":
+        fake.fail = True
+    elif how == "not committed":
+        fake.committed = False  # the node is no live node of the index
+    elif how == "not registered":
+        fake.registered = False
+    else:
+        ix.close()
+    assert ix.commit([key(1), key(2)], [1, 1]) == [IndexCode.NOT_INDEXED] * 2
+    assert ix.commit([], []) == []
+
+
+def test_a_key_twice_in_a_batch_is_sent_once() -> None:
+    fake = FakeMetadata()
+    ix = IndexCommitter("node-a", fake, 5.0)
+    assert ix.commit([key(1), key(1)], [5, 5]) == [IndexCode.NEW] * 2
+    assert list(fake.requests[0].keys) == [key(1)]
