@@ -10,7 +10,9 @@ building requests, grouping, results). A stage marked opaque (a control
 round trip) keeps the sends and receives inside it as its own time.
 
 Times on the store's side show up as the wait for its reply (``store
-reply``, ``control …``); :func:`profile_env` profiles the daemons themselves.
+reply``, ``control …``): on the own-node put path that includes the store's
+``PutStart``, which commits the chunks into the index before the store
+answers. :func:`profile_env` profiles the daemons themselves.
 
 Used by ``python benchmarks/dataplane.py --stages``; nothing here touches
 kvdepot when it is not in use.
@@ -306,9 +308,10 @@ def _metadata_round_trips(address: str, node_id: str, size: int, batch: int) -> 
     """p50 ms of a put's metadata calls without the transfer, as kvdepot-tcp makes them.
 
     A batch the client writes into its own store first (at most
-    ``LOCAL_FIRST_STREAM_BYTES`` over tcp) makes one call, ``PutStart``,
-    timed alone; a larger one makes two, timed as ``PutStart`` and a
-    ``PutRevoke`` (of the same shape as ``PutEnd``, leaving nothing behind).
+    ``LOCAL_FIRST_STREAM_BYTES`` over tcp) costs one call, ``PutStart``, which
+    the store makes before it answers (timed here alone); a larger one makes
+    two, timed as ``PutStart`` and a ``PutRevoke`` (of the same shape as
+    ``PutEnd``, leaving nothing behind).
     """
     from kvdepot.connector.client import LOCAL_FIRST_STREAM_BYTES
     from kvdepot.proto.gen import metadata_pb2, metadata_pb2_grpc
@@ -339,8 +342,8 @@ def put_ceilings(
 ) -> list[str]:
     """What kvdepot-tcp/raw-tcp put could reach with a transport as fast as raw-tcp.
 
-    A small put into the writer's own node is the transfer, then ``PutStart``
-    (which commits what was written); a larger one over tcp is ``PutStart``,
+    A small put into the writer's own node is the transfer, then the store's
+    ``PutStart`` (which commits what was written); a larger one over tcp is ``PutStart``,
     the transfer, ``PutEnd``. The round trips add to raw-tcp's batch time
     (``raw``: its put p50 ms per chunk size).
     """

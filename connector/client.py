@@ -29,6 +29,7 @@ from kvdepot.retry import RetryPolicy
 from kvdepot.rpc.security_config import NO_SECURITY, SecurityConfig
 from kvdepot.types import LookupResult
 from kvdepot.wire.lookup import unpack_lookup
+from kvdepot.wire.protocol import IndexCode
 
 logger = logging.getLogger(__name__)
 
@@ -239,10 +240,13 @@ class KVDepotClient:
         """Publish chunks; keys already stored (or being stored) are not sent over the network.
 
         Chunks for this node's store (``node_id``, once a reply named its
-        address) are written there first and committed by the one metadata
-        call; over ``tcp`` a batch of at most 8 MiB is, whose chunks the store
-        already holds then cross loopback only to be discarded. Other chunks
-        go where ``PutStart`` places them, and ``PutEnd`` commits them.
+        address) are written there first, and the store commits them into
+        the index before it answers: no metadata call of this client's own.
+        Over ``tcp`` a batch of at most 8 MiB is, whose chunks the store
+        already holds then cross loopback only to be discarded. Chunks the
+        store did not take or could not index go where ``PutStart`` places
+        them (the ones it wrote committed by that call), and ``PutEnd``
+        commits what was sent elsewhere.
 
         Args:
             keys: Chunk keys, e.g. from :func:`kvdepot.keys.chunk_keys`.
@@ -264,7 +268,37 @@ class KVDepotClient:
         if not ckeys:
             return PutResult(0, 0, 0, 0, 0)
         sizes = [v.nbytes for v in views]
-        written = self._write_local(ckeys, views)
+        tally = _PutTally()
+        written, indexed = self._write_local(ckeys, views)
+        rest = []
+        for i, code in enumerate(indexed):
+            if written[i] and code is not IndexCode.NOT_INDEXED:
+                # Written into this node's store and committed by it into the
+                # index: new, or stored elsewhere (now with this node as a replica).
+                tally.add(sizes[i], code is IndexCode.NEW)
+            else:
+                rest.append(i)
+        if not indexed:
+            rest = list(range(len(ckeys)))
+        if rest:
+            self._place(
+                [ckeys[i] for i in rest],
+                [views[i] for i in rest],
+                [written[i] for i in rest] if written else [],
+                tally,
+            )
+        return PutResult(
+            tally.stored, tally.skipped, tally.failed, tally.bytes_sent, tally.bytes_skipped
+        )
+
+    def _place(
+        self, ckeys: list[ChunkKey], views: list[memoryview], written: list[bool], tally: _PutTally
+    ) -> None:
+        """The reference path: ``PutStart`` commits what this node's store took
+        (``written``) and places the rest, which goes there and ``PutEnd`` commits."""
+        sizes = [v.nbytes for v in views]
+        if not any(written):
+            written = []
         # One id per put, sent again on each failover retry of this request
         # (the connection resends the same message): if a replica allocated
         # the keys and died before answering, the next one hands the same
@@ -284,7 +318,6 @@ class KVDepotClient:
             # not indexed. Send them where the allocations say instead.
             logger.warning("put: node %s is not registered; placing elsewhere", self.config.node_id)
             written = []
-        tally = _PutTally()
         groups: dict[tuple[str, str], list[int]] = defaultdict(list)
         for i, alloc in enumerate(reply.allocations):
             if written and written[i]:
@@ -298,33 +331,34 @@ class KVDepotClient:
                 tally.bytes_skipped += sizes[i]
         for (node_id, address), idx in groups.items():
             self._put_to(node_id, address, [ckeys[i] for i in idx], [views[i] for i in idx], tally)
-        return PutResult(
-            tally.stored, tally.skipped, tally.failed, tally.bytes_sent, tally.bytes_skipped
-        )
 
-    def _write_local(self, keys: list[ChunkKey], views: list[memoryview]) -> list[bool]:
-        """Write the chunks into this node's store first; per key, whether it took them.
+    def _write_local(
+        self, keys: list[ChunkKey], views: list[memoryview]
+    ) -> tuple[list[bool], list[IndexCode]]:
+        """Write the chunks into this node's store first, which commits them
+        into the index too; per key, whether it took them and what the index did.
 
         A publish into the writer's own node moves no byte over the network,
-        so the bytes go first and PutStart then commits them: one metadata
-        round trip instead of two. What the store already holds (EXISTS) or
-        refused is left to the general path. Empty when nothing was written.
+        so the bytes go first and the store indexes them after its own
+        commit: no metadata round trip of the client's. What the store already
+        holds (EXISTS), refused, or could not index (NOT_INDEXED) is left to
+        the reference path. Both lists are empty when nothing was written.
         """
         local = self._local_address
         if local is None:
-            return []
+            return [], []
         if sum(v.nbytes for v in views) > LOCAL_FIRST_STREAM_BYTES and not self._reserves_first(
             local
         ):
             # A stream transport sends a chunk's bytes before the store can say
             # it holds it already: only small batches, where the round trip
             # saved is a large share, risk that (on loopback, never the network).
-            return []
-        statuses = self._transport.put(
+            return [], []
+        statuses, indexed = self._transport.put_indexed(
             local, [PutItem(k, v) for k, v in zip(keys, views, strict=True)]
         )
         written = [s is PutStatus.OK for s in statuses]
-        return written if any(written) else []
+        return (written, indexed) if any(written) else ([], [])
 
     def _reserves_first(self, address: str) -> bool:
         """Whether the transport to ``address`` learns what the store holds

@@ -13,8 +13,7 @@ that finds no call in flight sends, as one ``PutStart`` with ``written``
 flags (writer: this node), every commit queued at that moment, its own
 included; the threads that queue while that call is in flight wait for it to
 end, and the first of them to wake sends all of theirs in the next call. A
-single writer pays one round trip and no hand-off to another thread (going
-through the daemon's asyncio loop cost about 0.3 ms more per put here);
+single writer pays one round trip and no hand-off to another thread;
 concurrent writers share round trips without any added wait.
 
 Every wait is bounded (``timeout_s``, which also bounds each call's

@@ -21,7 +21,7 @@ from kvdepot.connector.transport.tcp import (
 )
 from kvdepot.errors import KVDepotError, Unauthenticated
 from kvdepot.keys import ChunkKey
-from kvdepot.wire.protocol import ProtocolLimits
+from kvdepot.wire.protocol import IndexCode, ProtocolLimits
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +38,8 @@ class ArenaTransport(Transport, Generic[PeerT], abc.ABC):
     """
 
     name = "arena"
+    indexes = False
+    """Whether the class implements :meth:`_put_batch_indexed`."""
     _pool: ControlPool
     _tcp: TcpTransport
     _limits: ProtocolLimits
@@ -53,6 +55,18 @@ class ArenaTransport(Transport, Generic[PeerT], abc.ABC):
     ) -> list[tuple[int, PutStatus]]:
         """Reserve, write and commit one batch."""
 
+    def _put_batch_indexed(
+        self,
+        conn: ControlConnection,
+        peer: PeerT,
+        batch: list[PutWork],
+        items: Sequence[PutItem],
+        indexed: list[IndexCode],
+    ) -> list[tuple[int, PutStatus]]:
+        """As :meth:`_put_batch`, the store indexing what it commits; sets
+        ``indexed`` (per item of ``items``). Only where the class ``indexes``."""
+        raise NotImplementedError
+
     @abc.abstractmethod
     def _get_batch(
         self, conn: ControlConnection, peer: PeerT, batch: list[GetWork]
@@ -61,6 +75,21 @@ class ArenaTransport(Transport, Generic[PeerT], abc.ABC):
 
     def put(self, address: str, items: Sequence[PutItem]) -> list[PutStatus]:
         """Write chunks into the store's arena; see :meth:`Transport.put`."""
+        return self._put(address, items, None)
+
+    def put_indexed(
+        self, address: str, items: Sequence[PutItem]
+    ) -> tuple[list[PutStatus], list[IndexCode]]:
+        """Write chunks into the store's arena, the store indexing them on
+        commit; see :meth:`Transport.put_indexed`."""
+        if not self.indexes:
+            return super().put_indexed(address, items)
+        indexed = [IndexCode.NOT_INDEXED] * len(items)
+        return self._put(address, items, indexed), indexed
+
+    def _put(
+        self, address: str, items: Sequence[PutItem], indexed: list[IndexCode] | None
+    ) -> list[PutStatus]:
         statuses, todo = check_put_items(items, self._limits)
         if not todo:
             return statuses
@@ -73,7 +102,12 @@ class ArenaTransport(Transport, Generic[PeerT], abc.ABC):
             return statuses
         try:
             for batch in split_batches(todo, lambda t: t[2].nbytes, self._limits):
-                for i, code in self._put_batch(conn, peer, batch, items):
+                done = (
+                    self._put_batch(conn, peer, batch, items)
+                    if indexed is None
+                    else self._put_batch_indexed(conn, peer, batch, items, indexed)
+                )
+                for i, code in done:
                     statuses[i] = code
         except (KVDepotError, OSError) as exc:
             conn.close()  # the store revokes this connection's reservations

@@ -29,7 +29,7 @@ from kvdepot.errors import InvalidArgument, KVDepotError
 from kvdepot.keys import ChunkKey
 from kvdepot.rpc.security_config import SecurityConfig
 from kvdepot.wire.host import rdma_devices
-from kvdepot.wire.protocol import ProtocolLimits
+from kvdepot.wire.protocol import IndexCode, ProtocolLimits
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +165,22 @@ class AutoTransport(Transport):
         for i, s in zip(retry, again.put(address, [items[i] for i in retry]), strict=True):
             statuses[i] = s
         return statuses
+
+    def put_indexed(
+        self, address: str, items: Sequence[PutItem]
+    ) -> tuple[list[PutStatus], list[IndexCode]]:
+        """Write chunks with the transport chosen for ``address``, the store
+        indexing them; see :meth:`Transport.put_indexed`."""
+        t = self._pick(address)
+        statuses, indexed = t.put_indexed(address, items)
+        if t is self._tcp or PutStatus.FAILED not in statuses:
+            return statuses, indexed
+        again = self._forget(address, t)
+        retry = [i for i, s in enumerate(statuses) if s is PutStatus.FAILED]
+        st, ix = again.put_indexed(address, [items[i] for i in retry])
+        for i, s, x in zip(retry, st, ix, strict=True):
+            statuses[i], indexed[i] = s, x
+        return statuses, indexed
 
     def get_into(self, address: str, items: Sequence[GetItem]) -> list[GetOutcome]:
         """Read chunks with the transport chosen for ``address``; see :meth:`Transport.get_into`."""

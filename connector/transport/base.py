@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvdepot.keys import ChunkKey
+from kvdepot.wire.protocol import IndexCode
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +111,23 @@ class Transport(abc.ABC):
         Raises:
             InvalidArgument: A malformed address, key or buffer.
         """
+
+    def put_indexed(
+        self, address: str, items: Sequence[PutItem]
+    ) -> tuple[list[PutStatus], list[IndexCode]]:
+        """Write chunks to the writer's own node's store, which commits what it
+        stored (OK) into the cluster's index too, before it answers.
+
+        Returns:
+            Per item its status, and whether the index committed it: NEW,
+            ELSEWHERE (another node had stored it; this one is a replica now)
+            or NOT_INDEXED (the caller commits it itself). By default, and
+            from a store or transport that cannot, nothing is indexed.
+
+        Raises:
+            InvalidArgument: A malformed address, key or buffer.
+        """
+        return self.put(address, items), [IndexCode.NOT_INDEXED] * len(items)
 
     @abc.abstractmethod
     def get_into(self, address: str, items: Sequence[GetItem]) -> list[GetOutcome]:

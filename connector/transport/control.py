@@ -35,7 +35,9 @@ from kvdepot.wire.protocol import (
     ErrorCode,
     GetEntry,
     Header,
+    HeaderFlags,
     HeldCode,
+    IndexCode,
     LeaseReplyEntry,
     Opcode,
     ProtocolError,
@@ -48,6 +50,7 @@ from kvdepot.wire.protocol import (
     pack_lease_ids,
     pack_put_entries,
     recv_exact,
+    recv_index_codes,
     recv_reply_header,
     send_all,
     set_io_timeout,
@@ -143,14 +146,21 @@ class ControlConnection:
         recv_reply_header(self.sock, Opcode.RESERVE_REPLY, n)
         return unpack_reserve_reply_entries(recv_exact(self.sock, n * RESERVE_REPLY_ENTRY.size))
 
-    def send_commit(self, entries: Sequence[CommitEntry]) -> None:
-        """Ask the store to verify and commit chunks; the answer is read later."""
+    def send_commit(self, entries: Sequence[CommitEntry], index: bool = False) -> None:
+        """Ask the store to verify and commit chunks (``index``: and to commit
+        them into the cluster's index then); the answer is read later."""
         n = len(entries)
-        send_all(self.sock, [Header(Opcode.COMMIT, n).pack() + pack_commit_entries(entries)])
+        flags = int(HeaderFlags.INDEX if index else HeaderFlags.NONE)
+        head = Header(Opcode.COMMIT, n, flags=flags).pack()
+        send_all(self.sock, [head + pack_commit_entries(entries)])
         self._commits_in_flight += 1
 
-    def finish_commits(self, counts: Sequence[int]) -> list[PutCode]:
-        """Read the answers of the COMMITs sent, of ``counts[i]`` entries each."""
+    def finish_commits(
+        self, counts: Sequence[int], indexed: list[IndexCode] | None = None
+    ) -> list[PutCode]:
+        """Read the answers of the COMMITs sent, of ``counts[i]`` entries each;
+        ``indexed`` is extended with their index codes (NOT_INDEXED where the
+        store sent none)."""
         if len(counts) != self._commits_in_flight:
             raise InvalidArgument(
                 f"{len(counts)} COMMIT answers expected, {self._commits_in_flight} in flight"
@@ -158,9 +168,12 @@ class ControlConnection:
         self.settle()
         out: list[PutCode] = []
         for n in counts:
-            recv_reply_header(self.sock, Opcode.COMMIT_REPLY, n)
+            header = recv_reply_header(self.sock, Opcode.COMMIT_REPLY, n)
             self._commits_in_flight -= 1
             out.extend(unpack_statuses(recv_exact(self.sock, n), PutCode))
+            codes = recv_index_codes(self.sock, header)
+            if indexed is not None:
+                indexed.extend(codes)
         return out
 
     def abort(self, keys: Sequence[ChunkKey]) -> list[HeldCode]:

@@ -64,6 +64,7 @@ from kvdepot.wire.protocol import (
     ErrorCode,
     GetCode,
     GetEntry,
+    IndexCode,
     LeaseReplyEntry,
     ProtocolError,
     ProtocolLimits,
@@ -347,6 +348,8 @@ class ShmTransport(ArenaTransport[_Mapping]):
         # The old mapping is unmapped when the last transfer using it ends.
         return new
 
+    indexes = True
+
     def _put_batch(
         self,
         conn: ControlConnection,
@@ -354,7 +357,18 @@ class ShmTransport(ArenaTransport[_Mapping]):
         batch: list[PutWork],
         items: Sequence[PutItem],
     ) -> list[tuple[int, PutStatus]]:
+        return self._put_batch_indexed(conn, m, batch, items, None)
+
+    def _put_batch_indexed(
+        self,
+        conn: ControlConnection,
+        m: _Mapping,
+        batch: list[PutWork],
+        items: Sequence[PutItem],
+        indexed: list[IndexCode] | None,
+    ) -> list[tuple[int, PutStatus]]:
         replies = conn.reserve([PutEntry(e.key, e.size, 0) for _, e, _, _ in batch])
+        index = indexed is not None
         out: list[tuple[int, PutStatus]] = []
         arena = m.view
         placed: list[tuple[int, PutEntry, int | None]] = []
@@ -392,16 +406,20 @@ class ShmTransport(ArenaTransport[_Mapping]):
                 committed.append(i)
                 group_bytes += entry.size
                 if group_bytes >= limit:
-                    conn.send_commit(group)
+                    conn.send_commit(group, index)
                     counts.append(len(group))
                     group, group_bytes = [], 0
         if group:
-            conn.send_commit(group)
+            conn.send_commit(group, index)
             counts.append(len(group))
-        codes = conn.finish_commits(counts)
+        got: list[IndexCode] = []
+        codes = conn.finish_commits(counts, got)
         if wrong:
             conn.abort(wrong)
         out.extend((i, PUT_STATUS[c]) for i, c in zip(committed, codes, strict=True))
+        if indexed is not None:
+            for i, ix in zip(committed, got, strict=True):
+                indexed[i] = ix
         return out
 
     def _get_batch(

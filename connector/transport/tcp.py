@@ -49,6 +49,8 @@ from kvdepot.wire.protocol import (
     GetEntry,
     GetReplyEntry,
     Header,
+    HeaderFlags,
+    IndexCode,
     Opcode,
     PeerClosed,
     ProtocolError,
@@ -63,6 +65,7 @@ from kvdepot.wire.protocol import (
     recv_exact,
     recv_exact_into,
     recv_hashed_into,
+    recv_index_codes,
     recv_reply_header,
     send_all,
     send_hashed,
@@ -289,13 +292,28 @@ class TcpTransport(Transport):
 
     def put(self, address: str, items: Sequence[PutItem]) -> list[PutStatus]:
         """Write chunks; see :meth:`Transport.put`."""
+        return self._put(address, items, False)[0]
+
+    def put_indexed(
+        self, address: str, items: Sequence[PutItem]
+    ) -> tuple[list[PutStatus], list[IndexCode]]:
+        """Write chunks, the store indexing them; see :meth:`Transport.put_indexed`."""
+        return self._put(address, items, True)
+
+    def _put(
+        self, address: str, items: Sequence[PutItem], index: bool
+    ) -> tuple[list[PutStatus], list[IndexCode]]:
         self._check_usable(address)
         statuses, todo = check_put_items(items, self._limits)
+        indexed = [IndexCode.NOT_INDEXED] * len(items)
+
+        def request(sock: socket.socket, batch: list[PutWork]) -> list[tuple[PutCode, IndexCode]]:
+            return _put_batch(sock, batch, index)
 
         def run(run_items: list[PutWork]) -> None:
             for batch in split_batches(run_items, lambda t: t[2].nbytes, self._limits):
                 try:
-                    codes = self._exchange(address, _put_batch, batch)
+                    codes = self._exchange(address, request, batch)
                 except Unauthenticated:
                     raise  # every later call would fail the same: the caller must know
                 except KVDepotError as exc:
@@ -304,11 +322,12 @@ class TcpTransport(Transport):
                         "put of %d chunks to %s failed: %s", len(run_items), address, str(exc)
                     )
                     return
-                for (i, _, _, _), code in zip(batch, codes, strict=True):
+                for (i, _, _, _), (code, ix) in zip(batch, codes, strict=True):
                     statuses[i] = PUT_STATUS[code]
+                    indexed[i] = ix
 
         self._in_parallel(_spread(todo, lambda t: t[2].nbytes, self._streams), run)
-        return statuses
+        return statuses, indexed
 
     def get_into(self, address: str, items: Sequence[GetItem]) -> list[GetOutcome]:
         """Read chunks into caller buffers; see :meth:`Transport.get_into`."""
@@ -499,27 +518,38 @@ class TcpTransport(Transport):
         return outcomes
 
 
-def _put_batch(sock: socket.socket, batch: list[PutWork]) -> list[PutCode]:
+def _put_batch(
+    sock: socket.socket, batch: list[PutWork], index: bool = False
+) -> list[tuple[PutCode, IndexCode]]:
     # Items whose checksum is known go as one PUT, the others as one
-    # PUT_TRAILED whose checksums are computed while sending.
+    # PUT_TRAILED whose checksums are computed while sending. With ``index``
+    # the store commits what it stored into the index too (HeaderFlags.INDEX).
     known = [t for t in batch if not t[3]]
     trailed = [t for t in batch if t[3]]
-    codes: dict[int, PutCode] = {}
+    flags = int(HeaderFlags.INDEX if index else HeaderFlags.NONE)
+    codes: dict[int, tuple[PutCode, IndexCode]] = {}
     if known:
         n = len(known)
-        head = Header(Opcode.PUT, n).pack() + pack_put_entries(e for _, e, _, _ in known)
+        head = Header(Opcode.PUT, n, flags=flags).pack() + pack_put_entries(
+            e for _, e, _, _ in known
+        )
         send_all(sock, [head, *(view for _, _, view, _ in known)])
-        recv_reply_header(sock, Opcode.PUT_REPLY, n)
-        got = unpack_statuses(recv_exact(sock, n), PutCode)
-        codes.update((t[0], code) for t, code in zip(known, got, strict=True))
+        codes.update(zip((t[0] for t in known), _put_reply(sock, n), strict=True))
     if trailed:
         n = len(trailed)
-        head = Header(Opcode.PUT_TRAILED, n).pack() + pack_put_entries(e for _, e, _, _ in trailed)
+        head = Header(Opcode.PUT_TRAILED, n, flags=flags).pack() + pack_put_entries(
+            e for _, e, _, _ in trailed
+        )
         send_hashed(sock, [head], [view for _, _, view, _ in trailed])
-        recv_reply_header(sock, Opcode.PUT_REPLY, n)
-        got = unpack_statuses(recv_exact(sock, n), PutCode)
-        codes.update((t[0], code) for t, code in zip(trailed, got, strict=True))
+        codes.update(zip((t[0] for t in trailed), _put_reply(sock, n), strict=True))
     return [codes[i] for i, _, _, _ in batch]
+
+
+def _put_reply(sock: socket.socket, n: int) -> list[tuple[PutCode, IndexCode]]:
+    """A PUT_REPLY's statuses and index codes (NOT_INDEXED where it has none)."""
+    header = recv_reply_header(sock, Opcode.PUT_REPLY, n)
+    got = unpack_statuses(recv_exact(sock, n), PutCode)
+    return list(zip(got, recv_index_codes(sock, header), strict=True))
 
 
 def _delete_batch(sock: socket.socket, batch: list[tuple[int, ChunkKey]]) -> list[DeleteCode]:

@@ -647,3 +647,71 @@ def test_peer_that_dies_mid_get_releases_its_leases() -> None:
         assert node.server.stats().protocol_errors == 0
     finally:
         node.close()
+
+
+# --- indexing by the store (HeaderFlags.INDEX) ----------------------------------------
+
+
+class IndexLog:
+    """An index function that records what it is asked to commit."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[list[ChunkKey], list[int]]] = []
+        self.committed: set[ChunkKey] = set()
+
+    def __call__(self, keys: Any, sizes: Any) -> list[p.IndexCode]:
+        # Asked only after the store's own commit: the chunks are readable.
+        self.calls.append((list(keys), list(sizes)))
+        self.committed.update(keys)
+        return [p.IndexCode.NEW] * len(keys)
+
+
+def test_a_put_asking_for_indexing_indexes_only_what_the_store_committed() -> None:
+    log = IndexLog()
+    node = Node(16 * MiB, index=log)
+    rng = random.Random(41)
+    keys = [rand_key(rng) for _ in range(3)]
+    data = [chunk(rng, 64 * KiB) for _ in keys]
+    try:
+        with TcpTransport(limits=LIMITS) as t:
+            items = [
+                item(keys[0], data[0]),  # a PUT
+                PutItem(keys[1], data[1]),  # a PUT_TRAILED
+                PutItem(keys[2], data[2], checksum(data[2]) ^ 1),  # corrupt
+            ]
+            statuses, indexed = t.put_indexed(node.address, items)
+            assert statuses == [PutStatus.OK, PutStatus.OK, PutStatus.CORRUPT]
+            assert indexed == [p.IndexCode.NEW, p.IndexCode.NEW, p.IndexCode.NOT_INDEXED]
+            # PUT and PUT_TRAILED (checksums known and not): one call each.
+            assert sorted(k for ks, _ in log.calls for k in ks) == sorted(keys[:2])
+            assert all(size == 64 * KiB for _, sizes in log.calls for size in sizes)
+            assert all(node.chunks.contains(k) for k in log.committed)
+            # Held already: EXISTS, nothing to index.
+            calls = len(log.calls)
+            statuses, indexed = t.put_indexed(node.address, [item(keys[0], data[0])])
+            assert (statuses, indexed) == ([PutStatus.EXISTS], [p.IndexCode.NOT_INDEXED])
+            assert len(log.calls) == calls
+            # A plain put never asks for indexing.
+            more = rand_key(rng)
+            assert t.put(node.address, [item(more, data[0])]) == [PutStatus.OK]
+            assert more not in log.committed
+    finally:
+        node.close()
+
+
+def test_old_style_puts_get_old_style_replies(node: Node) -> None:
+    rng = random.Random(42)
+    data = chunk(rng, 1000)
+    for flags in (0, int(p.HeaderFlags.INDEX)):
+        e = p.PutEntry(rand_key(rng), len(data), checksum(data))
+        with node.raw() as s:
+            head = p.Header(p.Opcode.PUT, 1, flags=flags).pack() + p.pack_put_entries([e])
+            s.sendall(head + data)
+            header = p.recv_reply_header(s, p.Opcode.PUT_REPLY, 1)
+            assert p.recv_exact(s, 1) == bytes([p.PutCode.OK])
+            # A store without an index function (no daemon) indexes nothing,
+            # and says so where it was asked.
+            assert header.flags == flags
+            assert p.recv_index_codes(s, header) == [p.IndexCode.NOT_INDEXED]
+            s.sendall(p.Header(p.Opcode.PING, 0, 7).pack())
+            assert p.recv_reply_header(s, p.Opcode.PONG, 0).aux == 7  # nothing left over

@@ -1,15 +1,21 @@
-"""The put path into a writer's own node: bytes first, then one metadata call.
+"""The put path into a writer's own node: bytes first, the store commits them.
 
-A client that knows its node's store writes the chunks there and lets
-PutStart commit them (``written``); the invariants stay those of the
-two-call path: nothing already stored is sent over the network, a lookup
-names only readable chunks, the writer learns what was committed.
+A client that knows its node's store writes the chunks there and asks the
+store (``HeaderFlags.INDEX``) to commit them into the index itself, after its
+own commit: the client makes no metadata call. What the store did not index
+(it held the chunk already, or the index did not answer in time) goes the way
+it went before: one PutStart with ``written`` flags. The invariants stay those
+of the two-call path: nothing already stored is sent over the network, a
+lookup names only readable chunks, the writer learns what was committed.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -18,7 +24,11 @@ import pytest
 
 from kvdepot.apps.cluster import LocalCluster
 from kvdepot.connector.client import ClientConfig, KVDepotClient
+from kvdepot.connector.transport import PutItem, PutStatus
+from kvdepot.errors import Unavailable
+from kvdepot.keys import ChunkKey
 from kvdepot.proto.gen import metadata_pb2, metadata_pb2_grpc
+from kvdepot.wire.protocol import IndexCode
 from tests.integration.test_cluster import payload, store_stats
 
 SIZE = 64 << 10
@@ -50,17 +60,22 @@ def _keys(n: int) -> list[bytes]:
     return [os.urandom(16) for _ in range(n)]
 
 
-def test_a_put_into_the_own_store_is_one_metadata_call_and_readable_at_once(
+def _items(keys: list[bytes], data: list[Any]) -> list[PutItem]:
+    return [PutItem(ChunkKey(k), memoryview(d)) for k, d in zip(keys, data, strict=True)]
+
+
+def test_a_put_into_the_own_store_makes_no_metadata_call_and_is_readable_at_once(
     cluster: LocalCluster, writer: KVDepotClient
 ) -> None:
     calls = CallLog(writer)
     writer.put(_keys(2), [payload(k, SIZE) for k in _keys(2)])  # learns its node's store
+    assert calls.methods == ["PutStart", "PutEnd"]  # the reference path, once
     keys = _keys(4)
     data = [payload(k, SIZE) for k in keys]
     calls.methods.clear()
     r = writer.put(keys, data)
     assert (r.stored, r.skipped, r.failed, r.bytes_sent) == (4, 0, 0, 4 * SIZE)
-    assert calls.methods == ["PutStart"]
+    assert calls.methods == []
     # Another process's view: every chunk is indexed and reads back exact.
     with KVDepotClient(ClientConfig(metadata=cluster.metadata_address)) as reader:
         out = [np.zeros(SIZE, dtype=np.uint8) for _ in keys]
@@ -139,3 +154,100 @@ def test_a_large_tcp_put_of_chunks_its_store_holds_sends_nothing(cluster: LocalC
         r = c.put(keys, data)
         assert (r.stored, r.skipped, r.bytes_sent) == (0, 3, 0)
         assert store_stats(node["grpc_address"]).bytes_in == before
+
+
+def test_the_store_reply_says_per_key_what_the_index_committed(
+    cluster: LocalCluster, writer: KVDepotClient
+) -> None:
+    own = cluster.stores[0].info
+    other = cluster.stores[1].info
+    writer.put(_keys(1), [np.ones(SIZE, dtype=np.uint8)])  # learns its node's store
+    # Stored by another node first: its bytes land here (no network), and
+    # the index keeps this node as one more replica.
+    there = _keys(2)
+    with KVDepotClient(
+        ClientConfig(metadata=cluster.metadata_address, node_id=other["node_id"])
+    ) as first:
+        assert first.put(there, [payload(k, SIZE) for k in there]).stored == 2
+    new = _keys(2)
+    keys = [new[0], there[0], new[1], there[1]]
+    data = [payload(k, SIZE) for k in keys]
+    statuses, indexed = writer._transport.put_indexed(own["address"], _items(keys, data))
+    assert statuses == [PutStatus.OK] * 4
+    assert indexed == [IndexCode.NEW, IndexCode.ELSEWHERE, IndexCode.NEW, IndexCode.ELSEWHERE]
+    located = writer.lookup_locations(keys)
+    assert located.hits == 4
+    for i, loc in enumerate(located.locations):
+        nodes = {r.node_id for r in loc.replicas}
+        assert nodes == ({own["node_id"], other["node_id"]} if i % 2 else {own["node_id"]})
+    # Held here already: not written, not indexed by this request.
+    statuses, indexed = writer._transport.put_indexed(own["address"], _items(keys[:1], data[:1]))
+    assert (statuses, indexed) == ([PutStatus.EXISTS], [IndexCode.NOT_INDEXED])
+    # Through the client: stored elsewhere counts as skipped, with no metadata call.
+    calls = CallLog(writer)
+    more = _keys(1)
+    with KVDepotClient(
+        ClientConfig(metadata=cluster.metadata_address, node_id=other["node_id"])
+    ) as first:
+        assert first.put(more, [payload(more[0], SIZE)]).stored == 1
+    r = writer.put([*_keys(1), *more], [np.ones(SIZE, dtype=np.uint8), payload(more[0], SIZE)])
+    assert (r.stored, r.skipped, r.bytes_sent, r.bytes_skipped) == (1, 1, SIZE, SIZE)
+    assert calls.methods == []
+
+
+def test_a_stalled_metadata_service_costs_a_put_a_bounded_wait(tmp_path: Path) -> None:
+    env = dict(os.environ, KVDEPOT_STORE_INDEX_COMMIT_TIMEOUT_S="0.5")
+    with LocalCluster(nodes=1, capacity="32MiB", env=env, log_dir=tmp_path) as c:
+        info = c.stores[0].info
+        assert c.metadata is not None
+        for transport in ("shm", "tcp"):
+            config = ClientConfig(
+                metadata=c.metadata_address,
+                node_id=info["node_id"],
+                transport=transport,
+                rpc_timeout_s=1.0,
+            )
+            with KVDepotClient(config) as w:
+                w.put(_keys(1), [np.ones(SIZE, dtype=np.uint8)])  # learns its node's store
+                stalled, late = _keys(3), _keys(2)
+                data = [payload(k, SIZE) for k in stalled + late]
+                c.metadata.proc.send_signal(signal.SIGSTOP)
+                try:
+                    t0 = time.monotonic()
+                    statuses, indexed = w._transport.put_indexed(
+                        info["address"], _items(stalled, data[:3])
+                    )
+                    # The store's wait for the index is bounded: written, not indexed.
+                    assert time.monotonic() - t0 < 3.0
+                    assert statuses == [PutStatus.OK] * 3
+                    assert indexed == [IndexCode.NOT_INDEXED] * 3
+                    # The client then commits itself, as when the index is unreachable.
+                    t0 = time.monotonic()
+                    with pytest.raises(Unavailable):
+                        w.put(late, data[3:])
+                    assert time.monotonic() - t0 < 5.0
+                finally:
+                    c.metadata.proc.send_signal(signal.SIGCONT)
+                # Nothing named by a lookup is unreadable (a commit in flight
+                # when the wait ended may have landed after SIGCONT).
+                keys = stalled + late
+                with KVDepotClient(ClientConfig(metadata=c.metadata_address)) as reader:
+                    hits = reader.lookup(keys)
+                    out = [np.zeros(SIZE, dtype=np.uint8) for _ in keys]
+                    got = reader.get_into(keys, out, count="none")
+                    assert got.leading == hits
+                    for a, b in zip(out[:hits], data[:hits], strict=True):
+                        assert np.array_equal(a, b)
+                # The data plane is not stuck: the next put is indexed by the
+                # store again, once its lease is back.
+                fresh = _keys(2)
+                deadline = time.monotonic() + 10
+                while True:
+                    statuses, indexed = w._transport.put_indexed(
+                        info["address"], _items(fresh, [payload(k, SIZE) for k in fresh])
+                    )
+                    if indexed == [IndexCode.NEW] * 2 or time.monotonic() > deadline:
+                        break
+                    fresh = _keys(2)
+                    time.sleep(0.2)
+                assert indexed == [IndexCode.NEW] * 2
