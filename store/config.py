@@ -98,6 +98,11 @@ class StoreConfig:
             takes its id back without this (it is the same instance).
         metrics_port: Port of the Prometheus ``/metrics`` HTTP endpoint, bound
             on ``host``; ``None`` (the default) serves none, 0 picks a free port.
+        stop_timeout_s: Longest the process takes to exit after SIGTERM or
+            SIGINT (its cleanup frees the arena and closes the tiers); past it,
+            it writes its threads' stacks to stderr and exits with status 1
+            (see :mod:`kvdepot.shutdown`; a later start removes an arena file
+            left behind).
         cpu_watermarks: ``HIGH:LOW`` fractions of the DRAM tier: above HIGH its
             coldest chunks move to SSD in the background, down to LOW.
         pin_memory: Page-lock the DRAM arena for CUDA: ``auto`` (when a GPU
@@ -192,6 +197,9 @@ class StoreConfig:
         Port(),
         flag="--metrics-port",
         help="serve Prometheus /metrics on this port (default off)",
+    )
+    stop_timeout_s: float = setting(
+        60.0, positive(), flag="--stop-timeout", help="seconds a stop may take (default 60)"
     )
     cpu_watermarks: str = setting("0.95:0.85", Parsed(_watermarks), flag="--watermarks cpu=")
     pin_memory: str = setting(

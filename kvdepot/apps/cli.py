@@ -118,7 +118,9 @@ def cmd_store(args: argparse.Namespace) -> int:
     if args.check:
         print(json.dumps({"store": _asdict(config), "security": security.describe()}))
         return 0
-    return _run_until_signal(lambda: run_store(config, announce=_announce, security=security))
+    return _run_until_signal(
+        lambda: run_store(config, announce=_announce, security=security), config.stop_timeout_s
+    )
 
 
 def _add_watermark_flag(s: argparse.ArgumentParser) -> None:

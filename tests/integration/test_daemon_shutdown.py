@@ -250,8 +250,9 @@ def test_a_stop_is_bounded_and_a_hang_names_where_it_hung(cleanup_s: float, boun
         assert "Timeout" not in err, err
 
 
-def test_the_metadata_daemons_stop_bound_is_a_setting(tmp_path: Path) -> None:
-    kvdepot = [sys.executable, "-m", "kvdepot.apps.cli", "metadata"]
+@pytest.mark.parametrize("daemon", ["metadata", "store"])
+def test_a_daemons_stop_bound_is_a_setting(daemon: str) -> None:
+    kvdepot = [sys.executable, "-m", "kvdepot.apps.cli", daemon]
     out = subprocess.run(
         [*kvdepot, "--check", "--stop-timeout", "5"], capture_output=True, text=True, timeout=60
     )
