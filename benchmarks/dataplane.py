@@ -355,8 +355,14 @@ class KVDepot(System):
         from kvdepot.connector.client import ClientConfig, KVDepotClient
 
         self.name = f"kvdepot-{transport}"
+        # As the vLLM connector publishes: the index commit right behind the answer.
         self._client = KVDepotClient(
-            ClientConfig(metadata=cluster.metadata_address, node_id=node_id, transport=transport)
+            ClientConfig(
+                metadata=cluster.metadata_address,
+                node_id=node_id,
+                transport=transport,
+                defer_index_commit=True,
+            )
         )
         self._n = 0
 
@@ -372,12 +378,13 @@ class KVDepot(System):
     def before_get(self) -> None:
         self._keys = self._fresh_keys(len(self._src))
         result = self._client.put(self._keys, self._src)
-        if result.stored != len(self._src):
+        if result.stored + result.pending != len(self._src):
             raise RuntimeError(f"{self.name}: setup put stored {result.stored} of {len(self._src)}")
 
     def put(self) -> None:
         result = self._client.put(self._fresh_keys(len(self._src)), self._src)
-        if result.stored != len(self._src):
+        # Pending: in the node's store, its index commit right behind the answer.
+        if result.stored + result.pending != len(self._src):
             raise RuntimeError(f"{self.name}: put stored {result.stored} of {len(self._src)}")
 
     def get(self) -> None:
@@ -387,6 +394,25 @@ class KVDepot(System):
 
     def close(self) -> None:
         self._client.close()
+
+
+class KVDepotSyncIndex(KVDepot):
+    """A put whose store answers only once the index committed the chunks
+    (``defer_index_commit`` off), for comparison in the same run."""
+
+    def __init__(self, transport: str, cluster: Any, node_id: str) -> None:
+        from kvdepot.connector.client import ClientConfig, KVDepotClient
+
+        self.name = f"kvdepot-{transport}-sync"
+        self._client = KVDepotClient(
+            ClientConfig(
+                metadata=cluster.metadata_address,
+                node_id=node_id,
+                transport=transport,
+                defer_index_commit=False,
+            )
+        )
+        self._n = 0
 
 
 class KVDepotTwoTrips(KVDepot):
@@ -536,6 +562,8 @@ def _ratios(rows: list[Row]) -> list[tuple[str, float, str]]:
         ("kvdepot-tcp-remote", "raw-tcp", 0.0),
         ("kvdepot-tcp-lookup", "raw-tcp", 0.0),
         ("kvdepot-tcp-probe", "raw-tcp", 0.0),
+        ("kvdepot-tcp-sync", "raw-tcp", 0.0),
+        ("kvdepot-shm-sync", "raw-shm", 0.0),
         ("kvdepot-tcp-2rt", "raw-tcp", 0.0),
         ("kvdepot-shm-2rt", "raw-shm", 0.0),
     ]
@@ -644,8 +672,9 @@ def _start(
                 log(f"{cls.name}: not run ({exc})")
     kv = [w for w in wanted if w in ("kvdepot-tcp", "kvdepot-shm")]
     two = [w for w in wanted if w in ("kvdepot-tcp-2rt", "kvdepot-shm-2rt")]
+    sync = [w for w in wanted if w in ("kvdepot-tcp-sync", "kvdepot-shm-sync")]
     remote = [w for w in wanted if w in _READ_FIRST]
-    if kv or two or remote:
+    if kv or two or sync or remote:
         env = profile_env(args.profile) if args.profile is not None else None
         cluster = stack.enter_context(_cluster(args.capacity, env, 2 if remote else 1))
         store = cluster.stores[0]
@@ -654,6 +683,8 @@ def _start(
             systems.append(KVDepot(w.split("-", 1)[1], cluster, store.info["node_id"]))
         for w in two:
             systems.append(KVDepotTwoTrips(w.split("-")[1], cluster, store.info["node_id"]))
+        for w in sync:
+            systems.append(KVDepotSyncIndex(w.split("-")[1], cluster, store.info["node_id"]))
         systems.extend(KVDepotRemote(cluster, w) for w in remote)
     if "kvdepot-nixl" in wanted:
         from kvdepot.wire.nixl import nixl_available

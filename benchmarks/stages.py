@@ -230,8 +230,10 @@ def top_functions(path: Path, n: int = 12) -> list[str]:
 
 _STAGED = (
     "kvdepot-tcp",
+    "kvdepot-tcp-sync",
     "kvdepot-tcp-2rt",
     "kvdepot-shm",
+    "kvdepot-shm-sync",
     "kvdepot-shm-2rt",
     "kvdepot-tcp-remote",
     "kvdepot-tcp-lookup",

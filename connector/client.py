@@ -16,12 +16,13 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvdepot.config import InvalidSetting, Number, Parsed, positive, setting, validate
+from kvdepot.connector.results import GetResult, Pull, PutResult, PutTally, whole
 from kvdepot.connector.transport import create_transport
 from kvdepot.connector.transport.arena import ArenaTransport
 from kvdepot.connector.transport.auto import AutoTransport
 from kvdepot.connector.transport.base import GetItem, GetOutcome, PutItem, PutStatus, Transport
 from kvdepot.endpoints import parse_endpoints
-from kvdepot.errors import ClientClosed, InvalidArgument, Unavailable
+from kvdepot.errors import ClientClosed, InvalidArgument, KVDepotError, Unavailable
 from kvdepot.keys import ChunkKey, validate_keys
 from kvdepot.metadata_client import MetadataClient
 from kvdepot.proto.gen import metadata_pb2
@@ -29,7 +30,7 @@ from kvdepot.retry import RetryPolicy
 from kvdepot.rpc.security_config import NO_SECURITY, SecurityConfig
 from kvdepot.types import LookupResult
 from kvdepot.wire.lookup import unpack_lookup
-from kvdepot.wire.protocol import IndexCode
+from kvdepot.wire.protocol import IndexCode, IndexSettled
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,15 @@ class ClientConfig:
         replicate_on_read: After pulling chunks from another node, also store
             them on ``node_id``'s store and register that replica, so the next
             reader on this node reads locally.
+        defer_index_commit: A put into ``node_id``'s store returns once the
+            store committed the chunks (readable there); the store commits
+            them into the index right after, batched with other writers'
+            (``PutResult.pending``; :meth:`KVDepotClient.sync_index` waits for
+            them). This client's own lookups wait for its pending commits
+            first; other processes' lookups may miss chunks for that moment.
+            Off (the default): the store answers once the index did. The
+            vLLM connector turns it on: it publishes from a thread of its
+            own, and a decode engine waits for what a prefill announced.
         security: The token this client presents (gRPC and data plane) and
             its TLS settings; by default none.
     """
@@ -70,6 +80,7 @@ class ClientConfig:
     connect_timeout_s: float = setting(5.0, positive())
     io_timeout_s: float = setting(30.0, positive())
     replicate_on_read: bool = False
+    defer_index_commit: bool = False
     security: SecurityConfig = NO_SECURITY
 
     def __post_init__(self) -> None:
@@ -80,46 +91,6 @@ class ClientConfig:
             raise InvalidSetting(
                 ("replicate_on_read", "node_id"), "needs node_id (the store to replicate to)"
             )
-
-
-@dataclass(frozen=True, slots=True)
-class PutResult:
-    """What a put did, key by key summed up."""
-
-    stored: int
-    skipped: int
-    failed: int
-    bytes_sent: int
-    bytes_skipped: int
-
-
-@dataclass(frozen=True, slots=True)
-class GetResult:
-    """Which keys were loaded into their buffers (verified) and which missed.
-
-    Attributes:
-        loaded: Per key, whether its chunk is in its buffer.
-        bytes_received: Bytes of all loaded chunks.
-        sizes: Per key, the size of the chunk loaded (0 for a miss).
-        reasons: Per key, why it missed ("" where loaded): ``not cached``
-            (after the leading hits), ``buffer too small: …`` (the chunk is
-            bigger than its buffer), or what the last store tried answered.
-    """
-
-    loaded: tuple[bool, ...]
-    bytes_received: int
-    sizes: tuple[int, ...] = ()
-    reasons: tuple[str, ...] = ()
-
-    @property
-    def leading(self) -> int:
-        """Number of leading keys loaded: the usable prefix."""
-        n = 0
-        for ok in self.loaded:
-            if not ok:
-                break
-            n += 1
-        return n
 
 
 def _as_view(buf: Buffer, writable: bool, i: int = 0) -> memoryview:
@@ -201,6 +172,11 @@ class KVDepotClient:
         # A buffer smaller than its chunk is logged once, then only counted
         # in the GetResult's reasons: an engine repeats the mistake each load.
         self._warned_small = False
+        # Deferred index commits (defer_index_commit): the token the store
+        # counts this client's by, those not yet reported by a sync, and all ever.
+        self._writer = int.from_bytes(os.urandom(4), "little") or 1
+        self._unsynced = 0
+        self._deferred_total = 0
 
     def __enter__(self) -> KVDepotClient:
         return self
@@ -268,11 +244,13 @@ class KVDepotClient:
         if not ckeys:
             return PutResult(0, 0, 0, 0, 0)
         sizes = [v.nbytes for v in views]
-        tally = _PutTally()
+        tally = PutTally()
         written, indexed = self._write_local(ckeys, views)
         rest = []
         for i, code in enumerate(indexed):
-            if written[i] and code is not IndexCode.NOT_INDEXED:
+            if written[i] and code is IndexCode.PENDING:
+                tally.add_pending(sizes[i])
+            elif written[i] and code is not IndexCode.NOT_INDEXED:
                 # Written into this node's store and committed by it into the
                 # index: new, or stored elsewhere (now with this node as a replica).
                 tally.add(sizes[i], code is IndexCode.NEW)
@@ -287,12 +265,14 @@ class KVDepotClient:
                 [written[i] for i in rest] if written else [],
                 tally,
             )
-        return PutResult(
-            tally.stored, tally.skipped, tally.failed, tally.bytes_sent, tally.bytes_skipped
-        )
+        if tally.pending:
+            with self._lock:
+                self._unsynced += tally.pending
+                self._deferred_total += tally.pending
+        return tally.result()
 
     def _place(
-        self, ckeys: list[ChunkKey], views: list[memoryview], written: list[bool], tally: _PutTally
+        self, ckeys: list[ChunkKey], views: list[memoryview], written: list[bool], tally: PutTally
     ) -> None:
         """The reference path: ``PutStart`` commits what this node's store took
         (``written``) and places the rest, which goes there and ``PutEnd`` commits."""
@@ -355,7 +335,9 @@ class KVDepotClient:
             # saved is a large share, risk that (on loopback, never the network).
             return [], []
         statuses, indexed = self._transport.put_indexed(
-            local, [PutItem(k, v) for k, v in zip(keys, views, strict=True)]
+            local,
+            [PutItem(k, v) for k, v in zip(keys, views, strict=True)],
+            self._writer if self.config.defer_index_commit else 0,
         )
         written = [s is PutStatus.OK for s in statuses]
         return (written, indexed) if any(written) else ([], [])
@@ -374,7 +356,7 @@ class KVDepotClient:
         address: str,
         keys: list[ChunkKey],
         views: list[memoryview],
-        tally: _PutTally,
+        tally: PutTally,
     ) -> None:
         """Send chunks allocated to one store, then commit (PutEnd) or revoke them."""
         # The checksum is left to the transport, which computes it while
@@ -408,6 +390,48 @@ class KVDepotClient:
             v.nbytes for v, s in zip(views, statuses, strict=True) if s is PutStatus.OK
         )
 
+    def sync_index(self, timeout_s: float | None = None) -> IndexSettled:
+        """Wait until this client's deferred index commits are done (at most
+        ``timeout_s``, by default ``rpc_timeout_s``, and the store's own bound).
+
+        Returns:
+            What the index did with them since the last call: ``new``,
+            ``elsewhere`` (stored by another node first), ``not_indexed``
+            (readable in this node's store, named by no lookup until the
+            store registers again) and ``pending`` (still on their way).
+
+        Raises:
+            ClientClosed: the client was closed.
+            Unavailable: this node's store cannot be reached.
+        """
+        self._check_open()
+        local = self._local_address
+        with self._lock:
+            if not self._unsynced or local is None:
+                return IndexSettled(pending=self._unsynced)
+            before = self._deferred_total
+        wait = self.config.rpc_timeout_s if timeout_s is None else timeout_s
+        settled = self._transport.sync_index(local, self._writer, wait)
+        if settled is None:
+            raise Unavailable(f"the store at {local} cannot say what it indexed")
+        with self._lock:
+            done = settled.new + settled.elsewhere + settled.not_indexed
+            self._unsynced = max(0, self._unsynced - done)
+            if not settled.pending:
+                # Everything put before the question is settled; what came
+                # after may be too (counted once more at worst).
+                self._unsynced = min(self._unsynced, self._deferred_total - before)
+        return settled
+
+    def _read_own_writes(self) -> None:
+        """Before a lookup: this client's deferred commits, in the index."""
+        if not self._unsynced:
+            return
+        try:
+            self.sync_index()
+        except KVDepotError as exc:  # the lookup goes ahead: at worst a miss
+            logger.debug("sync before lookup failed: %s", exc)
+
     # -- lookup -----------------------------------------------------------------
     def _lookup(
         self,
@@ -422,6 +446,7 @@ class KVDepotClient:
             raise InvalidArgument(f"{len(key_tokens)} key_tokens for {len(ckeys)} keys")
         if not isinstance(count, str) or count not in _COUNT:
             raise InvalidArgument(f"count must be one of {', '.join(_COUNT)}, not {count!r}")
+        self._read_own_writes()
         try:
             tokens = [int(t) for t in key_tokens]
         except (TypeError, ValueError):
@@ -523,7 +548,7 @@ class KVDepotClient:
                     self._replicate(
                         ckeys, [v[: o.length] for v, o in zip(views, early, strict=True)]
                     )
-                return _whole(early)
+                return whole(early)
         try:
             reply = self.lookup_locations(ckeys, count=count)
         except Unavailable:
@@ -534,10 +559,10 @@ class KVDepotClient:
             outcomes = self._read_all(local, ckeys, views)
             if all(o.ok for o in outcomes):
                 self._sticky, self._lookup_first = None, False
-                return _whole(outcomes)
+                return whole(outcomes)
             raise
         self._learn_local(r for loc in reply.locations for r in loc.replicas)
-        pull = _Pull(len(ckeys), reply)
+        pull = Pull(len(ckeys), reply)
         if early is not None and first is not None:
             for i in range(reply.hits):
                 if early[i].ok and early[i].length == reply.locations[i].size:
@@ -574,7 +599,7 @@ class KVDepotClient:
             self._sticky, self._lookup_first = None, True
 
     def _read_unindexed(
-        self, local: str, keys: list[ChunkKey], views: list[memoryview], pull: _Pull
+        self, local: str, keys: list[ChunkKey], views: list[memoryview], pull: Pull
     ) -> None:
         """After a read that did not try this node's store first: read the keys
         the lookup did not name from it where the lookup named only this
@@ -589,7 +614,7 @@ class KVDepotClient:
             pull.extend(tail, outcomes, local)
 
     def _read_replicas(
-        self, keys: list[ChunkKey], views: list[memoryview], pull: _Pull, todo: list[int]
+        self, keys: list[ChunkKey], views: list[memoryview], pull: Pull, todo: list[int]
     ) -> None:
         """Read each chunk of ``todo`` from its replicas in the lookup's order;
         each round tries the next replica of every chunk still missing."""
@@ -613,7 +638,7 @@ class KVDepotClient:
             todo = [i for i in todo if not pull.loaded[i]]
             attempt += 1
 
-    def _fits(self, pull: _Pull, i: int, views: Sequence[memoryview]) -> bool:
+    def _fits(self, pull: Pull, i: int, views: Sequence[memoryview]) -> bool:
         """Whether chunk ``i`` fits its buffer; a miss with its reason if not."""
         size = pull.reply.locations[i].size
         if views[i].nbytes >= size:
@@ -704,61 +729,6 @@ class KVDepotClient:
         """Cluster-wide statistics from the metadata service."""
         self._check_open()
         return self._metadata.get_stats()
-
-
-@dataclass(slots=True)
-class _PutTally:
-    """What one ``put`` did so far."""
-
-    stored: int = 0
-    skipped: int = 0
-    failed: int = 0
-    bytes_sent: int = 0
-    bytes_skipped: int = 0
-
-    def add(self, size: int, new: bool) -> None:
-        """A chunk this put wrote: new in the cluster, or stored there already."""
-        if new:
-            self.stored += 1
-            self.bytes_sent += size
-        else:
-            self.skipped += 1
-            self.bytes_skipped += size
-
-
-class _Pull:
-    """What one ``get_into`` loaded so far, and why the rest missed."""
-
-    def __init__(self, n: int, reply: LookupResult) -> None:
-        self.reply = reply
-        self.loaded = [False] * n
-        self.sources = [""] * n  # the store each loaded chunk came from
-        self.reasons = ["not cached"] * n
-        for i in range(reply.hits):
-            self.reasons[i] = "no replica could be read"
-        self.sizes = [0] * n
-
-    def loaded_from(self, i: int, address: str, size: int = -1) -> None:
-        self.loaded[i] = True
-        self.sources[i] = address
-        self.reasons[i] = ""
-        self.sizes[i] = self.reply.locations[i].size if size < 0 else size
-
-    def extend(self, idx: list[int], outcomes: list[GetOutcome], address: str) -> None:
-        """Chunks the lookup did not name, read from ``address`` anyway."""
-        for i, out in zip(idx, outcomes, strict=True):
-            self.loaded_from(i, address, out.length)
-
-    def result(self) -> GetResult:
-        return GetResult(
-            tuple(self.loaded), sum(self.sizes), tuple(self.sizes), tuple(self.reasons)
-        )
-
-
-def _whole(outcomes: list[GetOutcome]) -> GetResult:
-    """Every chunk read (from this node's store, without a lookup)."""
-    sizes = tuple(o.length for o in outcomes)
-    return GetResult((True,) * len(sizes), sum(sizes), sizes, ("",) * len(sizes))
 
 
 _WRITTEN = (PutStatus.OK, PutStatus.EXISTS)

@@ -32,14 +32,14 @@ from kvdepot.store.chunks import ChunkStore
 from kvdepot.store.config import StoreConfig
 from kvdepot.store.dataplane import DataPlaneServer
 from kvdepot.store.identity import instance_identity
-from kvdepot.store.indexer import IndexCommitter
+from kvdepot.store.indexer import IndexCommitter, Indexer, WriterId
 from kvdepot.store.lease import MetadataLease
 from kvdepot.store.nixl_agent import StoreNixlAgent
 from kvdepot.store.throughput import ThroughputMeter
 from kvdepot.store.tiers.factory import build_chunk_store
 from kvdepot.wire.host import default_arena_path, rdma_devices, reap_stale_arenas
 from kvdepot.wire.nixl import nixl_available
-from kvdepot.wire.protocol import AttachFlags, IndexCode, ProtocolLimits
+from kvdepot.wire.protocol import AttachFlags, IndexCode, IndexSettled, ProtocolLimits
 from kvdepot.wire.records import tier_stats_to_proto, transfer_to_proto
 
 logger = logging.getLogger(__name__)
@@ -72,6 +72,26 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
         self, request: store_pb2.TransferInfoRequest, context: grpc.aio.ServicerContext
     ) -> store_pb2.TransferInfo:
         return self._daemon.transfer_info_proto()
+
+
+class _StartedIndexer(Indexer):
+    """The daemon's committer once ``start`` made it (the node id is known
+    then); before, nothing is indexed."""
+
+    def __init__(self) -> None:
+        self.target: IndexCommitter | None = None
+
+    def commit(self, keys: Sequence[ChunkKey], sizes: Sequence[int]) -> list[IndexCode]:
+        t = self.target
+        return t.commit(keys, sizes) if t is not None else [IndexCode.NOT_INDEXED] * len(keys)
+
+    def defer(self, writer: WriterId, keys: Sequence[ChunkKey], sizes: Sequence[int]) -> bool:
+        t = self.target
+        return t is not None and t.defer(writer, keys, sizes)
+
+    def sync(self, writer: WriterId, wait_s: float) -> IndexSettled:
+        t = self.target
+        return t.sync(writer, wait_s) if t is not None else IndexSettled()
 
 
 class StoreDaemon:
@@ -110,6 +130,7 @@ class StoreDaemon:
             self.chunks.close()
             raise
         limits = ProtocolLimits(max_chunk_bytes=config.max_chunk_bytes or config.capacity_bytes)
+        self._index = _StartedIndexer()
         self.dataplane = DataPlaneServer(
             self.chunks,
             host=config.host,
@@ -123,7 +144,7 @@ class StoreDaemon:
             max_connections=config.max_connections,
             auth=self.security.authenticator() if self.security.auth else None,
             verify_shm_commits=config.verify_shm_commits,
-            index=self._index_commit,
+            index=self._index,
         )
         # Commits what own-node writers asked the data plane to index (from
         # start()), from the data-plane threads, over channels of their own.
@@ -167,11 +188,6 @@ class StoreDaemon:
         with contextlib.suppress(RuntimeError):  # loop shutting down
             loop.call_soon_threadsafe(self._queue_removed, keys)
 
-    def _index_commit(self, keys: Sequence[ChunkKey], sizes: Sequence[int]) -> list[IndexCode]:
-        indexer = self._indexer
-        if indexer is None:
-            return [IndexCode.NOT_INDEXED] * len(keys)
-        return indexer.commit(keys, sizes)
 
     def _index_put_start(
         self, request: metadata_pb2.PutStartRequest, timeout_s: float
@@ -263,8 +279,12 @@ class StoreDaemon:
         self._index_channels = [sync_channel(e, self.security) for e in self._endpoints]
         self._index_stubs = [metadata_pb2_grpc.MetadataStub(ch) for ch in self._index_channels]
         self._indexer = IndexCommitter(
-            self.node_id, self._index_put_start, self.config.index_commit_timeout_s
+            self.node_id,
+            self._index_put_start,
+            self.config.index_commit_timeout_s,
+            holds=self.chunks.contains,
         )
+        self._index.target = self._indexer
         self._tasks = [
             asyncio.create_task(self.lease.run()),
             asyncio.create_task(self._report_forever()),

@@ -42,7 +42,7 @@ from kvdepot.errors import InvalidArgument, Unavailable
 from kvdepot.rpc.auth import Authenticator, RefusalLog, peer_host
 from kvdepot.store.chunks import ChunkStore
 from kvdepot.store.handlers import ReplyFailed, RequestHandlers
-from kvdepot.store.indexer import IndexFn
+from kvdepot.store.indexer import Indexer
 from kvdepot.store.session import HeldListener, Session
 from kvdepot.store.watchdog import RequestWatchdog
 from kvdepot.wire.handshake import ServerHandshake
@@ -158,7 +158,7 @@ class DataPlaneServer:
         max_connections: int = 1024,
         auth: Authenticator | None = None,
         verify_shm_commits: bool = False,
-        index: IndexFn | None = None,
+        index: Indexer | None = None,
     ) -> None:
         if min(idle_timeout_s, io_timeout_s, hold_timeout_s) <= 0:
             raise InvalidArgument("data plane timeouts must be positive")

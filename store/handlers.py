@@ -17,7 +17,7 @@ from collections.abc import Callable
 from kvdepot.errors import CapacityExceeded, InvalidArgument, Unavailable
 from kvdepot.keys import KEY_BYTES, ChunkKey
 from kvdepot.store.chunks import ChunkStore, ReadLease, Reservation, checksum
-from kvdepot.store.indexer import IndexFn
+from kvdepot.store.indexer import Indexer
 from kvdepot.store.session import Session
 from kvdepot.store.watchdog import RequestWatchdog
 from kvdepot.wire.protocol import (
@@ -34,6 +34,8 @@ from kvdepot.wire.protocol import (
     GetReplyEntry,
     Header,
     HeaderFlags,
+    IndexCode,
+    IndexSettled,
     Opcode,
     ProtocolError,
     ProtocolLimits,
@@ -80,8 +82,9 @@ class RequestHandlers:
         count: Adds to the server's counters (:class:`DataPlaneStats` names).
         attach_info: What ATTACH answers now.
         index: Commits chunks into the cluster's index for writers that ask
-            (``HeaderFlags.INDEX``), after the store committed them; ``None``
-            (a data plane without a daemon) indexes nothing.
+            (``HeaderFlags.INDEX``, with ``DEFER`` after the reply), after the
+            store committed them; ``None`` (a data plane without a daemon)
+            indexes nothing.
     """
 
     def __init__(
@@ -91,7 +94,7 @@ class RequestHandlers:
         watchdog: RequestWatchdog,
         count: Callable[..., None],
         attach_info: Callable[[], AttachInfo],
-        index: IndexFn | None = None,
+        index: Indexer | None = None,
     ) -> None:
         self._index = index
         self._chunks = chunks
@@ -117,6 +120,8 @@ class RequestHandlers:
             if header.count:
                 raise ProtocolError(ErrorCode.MALFORMED, f"PING with count {header.count}")
             self._reply(conn, [Header(Opcode.PONG, 0, header.aux).pack()])
+        elif op is Opcode.SYNC:
+            self._handle_sync(conn, header, session)
         else:
             raise ProtocolError(ErrorCode.BAD_OPCODE, f"{op.name} is not a request")
 
@@ -136,7 +141,12 @@ class RequestHandlers:
             raise ReplyFailed(str(exc)) from exc
 
     def _indexed(
-        self, header: Header, statuses: bytes | bytearray, keys: list[ChunkKey], sizes: list[int]
+        self,
+        header: Header,
+        session: Session,
+        statuses: bytes | bytearray,
+        keys: list[ChunkKey],
+        sizes: list[int],
     ) -> list[bytes | bytearray]:
         """The reply's tail for a request that asked for indexing (``HeaderFlags.INDEX``):
         the chunks it stored (OK) committed into the index, their codes; else nothing."""
@@ -144,14 +154,36 @@ class RequestHandlers:
             return []
         codes = bytearray(len(statuses))  # NOT_INDEXED
         stored = [i for i, st in enumerate(statuses) if st == PutCode.OK]
-        if stored and self._index is not None:
-            # Only after the store's own commit: a lookup never names a chunk
-            # that cannot be read here. Bounded: a stalled index costs the
-            # wait, then the writer commits them itself.
-            got = self._index([keys[i] for i in stored], [sizes[i] for i in stored])
-            for i, code in zip(stored, got, strict=True):
-                codes[i] = code
+        index = self._index
+        if not stored or index is None:
+            return [codes]
+        # Only after the store's own commit: a lookup never names a chunk
+        # that cannot be read here.
+        skeys, ssizes = [keys[i] for i in stored], [sizes[i] for i in stored]
+        if (
+            header.flags & HeaderFlags.DEFER
+            and header.aux
+            and index.defer((session.tenant, header.aux), skeys, ssizes)
+        ):
+            for i in stored:
+                codes[i] = IndexCode.PENDING
+            return [codes]
+        # Bounded: a stalled index costs the wait, then the writer commits
+        # them itself.
+        for i, code in zip(stored, index.commit(skeys, ssizes), strict=True):
+            codes[i] = code
         return [codes]
+
+    def _handle_sync(self, conn: socket.socket, header: Header, session: Session) -> None:
+        # A deferring writer asks what the index did with its chunks.
+        self._watchdog.disarm(conn)  # waiting for the index is the store's work
+        settled = (
+            self._index.sync((session.tenant, header.aux), header.count / 1000)
+            if self._index is not None and header.aux
+            else IndexSettled()
+        )
+        body = settled.pack()
+        self._reply(conn, [Header(Opcode.SYNC_REPLY, len(body)).pack(), body])
 
     @staticmethod
     def _put_reply(header: Header, n: int, tail: list[bytes | bytearray]) -> bytes:
@@ -216,7 +248,11 @@ class RequestHandlers:
             raise
         self._count_puts(statuses, total)
         tail = self._indexed(
-            header, statuses, [session.key(e.key) for e in entries], [e.size for e in entries]
+            header,
+            session,
+            statuses,
+            [session.key(e.key) for e in entries],
+            [e.size for e in entries],
         )
         self._reply(conn, [self._put_reply(header, n, tail), statuses, *tail])
 
@@ -289,6 +325,7 @@ class RequestHandlers:
             )
             tail = self._indexed(
                 header,
+                session,
                 statuses,
                 [session.key(e.key) for e in commits],
                 [size for _, size in results],

@@ -24,25 +24,56 @@ NOT_INDEXED and the writer commits them itself (or raises ``Unavailable``,
 as when it cannot reach the index). Only a call already in flight when a
 wait ended may still commit its chunks: a later ``PutStart`` of the writer
 then finds them stored.
+
+A writer may instead defer (``HeaderFlags.DEFER``): its reply goes out right
+after the store's own commit and the chunks are queued here for a committer
+thread of their own, which sends everything queued as one ``PutStart`` and,
+while that call is in flight, gathers the next. A writer's put then costs no
+index round trip at all, and back-to-back puts share calls. What the index
+did is counted per writer until it asks (:meth:`IndexCommitter.sync`). A
+deferred commit is tried until ``timeout_s`` after it was queued (a failed
+call is retried after a backoff); what is still not committed then, or what
+the store no longer holds when its turn comes, is counted not indexed: it
+stays readable in this store, and the store's next registration, whose
+inventory is authoritative, indexes what it still holds.
 """
 
 from __future__ import annotations
 
+import abc
 import logging
 import os
 import threading
 import time
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvdepot.keys import ChunkKey
 from kvdepot.proto.gen import metadata_pb2
-from kvdepot.wire.protocol import IndexCode
+from kvdepot.retry import Backoff
+from kvdepot.wire.protocol import IndexCode, IndexSettled
 
 logger = logging.getLogger(__name__)
 
-IndexFn = Callable[[Sequence[ChunkKey], Sequence[int]], list[IndexCode]]
-"""Commits chunks (keys, sizes) this store holds into the index; per key, the outcome."""
+WriterId = tuple[str, int]
+"""A deferring writer: its tenant ("" for none) and the token it picked."""
+
+
+class Indexer(abc.ABC):
+    """Commits chunks this store holds into the cluster's index, for the data plane."""
+
+    @abc.abstractmethod
+    def commit(self, keys: Sequence[ChunkKey], sizes: Sequence[int]) -> list[IndexCode]:
+        """Commit now, waiting a bounded time; per key NEW, ELSEWHERE or NOT_INDEXED."""
+
+    def defer(self, writer: WriterId, keys: Sequence[ChunkKey], sizes: Sequence[int]) -> bool:
+        """Queue for a commit after the reply; whether queued (by default never)."""
+        return False
+
+    def sync(self, writer: WriterId, wait_s: float) -> IndexSettled:
+        """The writer's deferred outcomes, once settled or after ``wait_s``."""
+        return IndexSettled()
 
 PutStartFn = Callable[[metadata_pb2.PutStartRequest, float], "metadata_pb2.PutStartResponse | None"]
 """Makes one PutStart (request, deadline in s); ``None`` when this store is not
@@ -50,6 +81,14 @@ registered now (nothing is indexed then). Raises what gRPC raises."""
 
 MAX_KEYS_PER_CALL = 4096
 """Most keys one coalesced PutStart carries (the rest go in the next)."""
+
+MAX_DEFERRED_KEYS = 1 << 16
+"""Most keys queued or in flight for deferred commits; beyond, a writer's
+commit is not deferred (its reply says NOT_INDEXED; it commits itself)."""
+
+MAX_WRITERS = 4096
+"""Most writers whose deferred outcomes are kept until they ask; beyond,
+the oldest settled one's counts (else the oldest one's) are forgotten."""
 
 _MIN_DEADLINE_S = 0.01
 
@@ -59,6 +98,18 @@ class _Request:
     keys: Sequence[ChunkKey]
     sizes: Sequence[int]
     codes: list[IndexCode] | None = None  # the answer, once there is one
+    writer: WriterId = ("", 0)  # deferred commits: whose outcome it is
+    deadline: float = 0.0  # deferred commits: tried until then
+
+
+@dataclass(slots=True)
+class _Writer:
+    """A deferring writer's chunks still pending, and outcomes since its last sync."""
+
+    pending: int = 0
+    new: int = 0
+    elsewhere: int = 0
+    not_indexed: int = 0
 
 
 @dataclass(slots=True)
@@ -71,32 +122,56 @@ class IndexerStats:
             when commits were coalesced).
         timeouts: Commits whose wait ran out (reported NOT_INDEXED).
         failures: Calls that failed or were not committed (NOT_INDEXED).
+        deferred: Chunks queued for a deferred commit.
+        deferred_not_indexed: Of them, those not committed in their time
+            (or no longer held when their turn came).
     """
 
     calls: int = 0
     requests: int = 0
     timeouts: int = 0
     failures: int = 0
+    deferred: int = 0
+    deferred_not_indexed: int = 0
 
 
-class IndexCommitter:
+class IndexCommitter(Indexer):
     """Batches the data-plane threads' index commits into PutStart calls.
 
     Args:
         node_id: This store's node id (the writer of the commits).
         put_start: Makes one call (see :data:`PutStartFn`).
         timeout_s: Longest a data-plane thread waits for the index; also
-            the longest deadline of a call.
+            the longest deadline of a call, and how long a deferred commit
+            is tried.
+        holds: Whether the store still holds a chunk (a deferred commit
+            skips what left it meanwhile); by default, everything.
+        backoff: The wait before a failed deferred call is tried again.
     """
 
-    def __init__(self, node_id: str, put_start: PutStartFn, timeout_s: float) -> None:
+    def __init__(
+        self,
+        node_id: str,
+        put_start: PutStartFn,
+        timeout_s: float,
+        holds: Callable[[ChunkKey], bool] | None = None,
+        backoff: Backoff | None = None,
+    ) -> None:
         self._node_id = node_id
         self._put_start = put_start
         self._timeout_s = timeout_s
+        self._holds = holds
+        self._backoff = backoff or Backoff(base_s=0.02, cap_s=0.5)
         self._cond = threading.Condition()
         self._queue: list[_Request] = []
         self._sending = False
         self._closed = False
+        # Deferred commits: their own lock, queue and thread.
+        self._dcond = threading.Condition()
+        self._deferred: deque[_Request] = deque()
+        self._deferred_keys = 0  # queued or in flight
+        self._writers: OrderedDict[WriterId, _Writer] = OrderedDict()
+        self._thread: threading.Thread | None = None
         self.stats = IndexerStats()
 
     def commit(self, keys: Sequence[ChunkKey], sizes: Sequence[int]) -> list[IndexCode]:
@@ -203,8 +278,172 @@ class IndexCommitter:
         ]
         return [[codes[order[k]] for k in request.keys] for request in batch]
 
+    # -- deferred commits ---------------------------------------------------
+    def defer(self, writer: WriterId, keys: Sequence[ChunkKey], sizes: Sequence[int]) -> bool:
+        """Queue chunks the store holds for the index, without waiting.
+
+        Returns:
+            Whether they were queued (their outcome counted for ``writer``);
+            not when closed or when :data:`MAX_DEFERRED_KEYS` are pending.
+        """
+        if not keys:
+            return True
+        with self._dcond:
+            if self._closed or self._deferred_keys + len(keys) > MAX_DEFERRED_KEYS:
+                return False
+            self._writer(writer).pending += len(keys)
+            deadline = time.monotonic() + self._timeout_s
+            self._deferred.append(_Request(keys, sizes, writer=writer, deadline=deadline))
+            self._deferred_keys += len(keys)
+            self.stats.deferred += len(keys)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._commit_deferred, name="kvdepot-index", daemon=True
+                )
+                self._thread.start()
+            self._dcond.notify_all()
+        return True
+
+    def sync(self, writer: WriterId, wait_s: float) -> IndexSettled:
+        """Wait (at most ``wait_s``, and ``timeout_s``) until none of the
+        writer's deferred chunks is pending; its outcomes since the last sync."""
+        deadline = time.monotonic() + min(wait_s, self._timeout_s)
+        with self._dcond:
+            w = self._writers.get(writer)
+            if w is None:
+                return IndexSettled()
+            while w.pending and not self._closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._dcond.wait(left)
+            out = IndexSettled(w.new, w.elsewhere, w.not_indexed, w.pending)
+            w.new = w.elsewhere = w.not_indexed = 0
+            if not w.pending:
+                del self._writers[writer]
+            return out
+
+    def _writer(self, writer: WriterId) -> _Writer:
+        """Under the deferred lock: the writer's counts, made when new."""
+        w = self._writers.get(writer)
+        if w is not None:
+            self._writers.move_to_end(writer)
+            return w
+        if len(self._writers) >= MAX_WRITERS:
+            idle = next((k for k, v in self._writers.items() if not v.pending), None)
+            self._writers.pop(idle if idle is not None else next(iter(self._writers)))
+        w = self._writers[writer] = _Writer()
+        return w
+
+    def _commit_deferred(self) -> None:
+        """The committer thread: one call at a time, each carrying all that queued."""
+        failed = 0
+        while True:
+            with self._dcond:
+                while not self._deferred and not self._closed:
+                    self._dcond.wait()
+                if self._closed:
+                    self._settle(list(self._deferred), None)
+                    self._deferred.clear()
+                    return
+                batch = self._take_deferred()
+            now = time.monotonic()
+            live, late = _split(batch, now + _MIN_DEADLINE_S)
+            self._settle(late, None)
+            live = self._still_held(live)
+            if not live:
+                continue
+            results = self._call(live, max(r.deadline for r in live) - now)
+            if results is not None:
+                failed = 0
+                self._settle(live, results)
+                continue
+            failed += 1
+            delay = self._backoff.delay(failed)
+            now = time.monotonic()
+            # Tried again after the backoff while their time lasts.
+            retry, late = _split(live, now + delay)
+            self._settle(late, None)
+            with self._dcond:
+                self._deferred.extendleft(reversed(retry))
+                if not self._closed:
+                    self._dcond.wait(delay)
+
+    def _take_deferred(self) -> list[_Request]:
+        """Under the deferred lock: the next call's commits."""
+        batch: list[_Request] = []
+        n = 0
+        while self._deferred and (
+            not batch or n + len(self._deferred[0].keys) <= MAX_KEYS_PER_CALL
+        ):
+            batch.append(self._deferred.popleft())
+            n += len(batch[-1].keys)
+        return batch
+
+    def _still_held(self, batch: list[_Request]) -> list[_Request]:
+        """The commits with only the chunks the store still holds (the rest
+        settled not indexed): an evicted chunk is never named by a lookup."""
+        holds = self._holds
+        if holds is None:
+            return batch
+        out: list[_Request] = []
+        for r in batch:
+            held = [i for i, k in enumerate(r.keys) if holds(k)]
+            if len(held) < len(r.keys):
+                with self._dcond:
+                    self._account(r.writer, len(r.keys) - len(held), None)
+                    self._dcond.notify_all()
+                if not held:
+                    continue
+                r = _Request(
+                    [r.keys[i] for i in held],
+                    [r.sizes[i] for i in held],
+                    writer=r.writer,
+                    deadline=r.deadline,
+                )
+            out.append(r)
+        return out
+
+    def _settle(self, batch: list[_Request], results: list[list[IndexCode]] | None) -> None:
+        """Count what the index did with deferred commits; wake who syncs."""
+        if not batch:
+            return
+        with self._dcond:
+            for i, r in enumerate(batch):
+                self._account(r.writer, len(r.keys), results[i] if results is not None else None)
+            self._dcond.notify_all()
+
+    def _account(self, writer: WriterId, n: int, codes: list[IndexCode] | None) -> None:
+        """Under the deferred lock: ``n`` of the writer's chunks settled
+        (``codes`` per chunk; ``None``: none indexed)."""
+        self._deferred_keys -= n
+        missed = n if codes is None else codes.count(IndexCode.NOT_INDEXED)
+        self.stats.deferred_not_indexed += missed
+        w = self._writers.get(writer)
+        if w is None:
+            return  # forgotten (too many writers)
+        w.pending -= n
+        w.not_indexed += missed
+        if codes is not None:
+            w.new += codes.count(IndexCode.NEW)
+            w.elsewhere += codes.count(IndexCode.ELSEWHERE)
+
     def close(self) -> None:
-        """Answer NOT_INDEXED from now on; commits waiting give up at once."""
+        """Answer NOT_INDEXED from now on; commits waiting give up at once,
+        deferred ones still queued are counted not indexed."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+        with self._dcond:
+            # The committer settles what is queued and ends; a call it has
+            # in flight ends at its deadline.
+            self._dcond.notify_all()
+
+
+def _split(batch: list[_Request], until: float) -> tuple[list[_Request], list[_Request]]:
+    """The commits still to be tried at ``until`` (monotonic), and the others."""
+    yes: list[_Request] = []
+    no: list[_Request] = []
+    for r in batch:
+        (yes if r.deadline > until else no).append(r)
+    return yes, no

@@ -21,7 +21,7 @@ from kvdepot.connector.transport.tcp import (
 )
 from kvdepot.errors import KVDepotError, Unauthenticated
 from kvdepot.keys import ChunkKey
-from kvdepot.wire.protocol import IndexCode, ProtocolLimits
+from kvdepot.wire.protocol import IndexCode, IndexSettled, ProtocolLimits
 
 logger = logging.getLogger(__name__)
 
@@ -62,9 +62,11 @@ class ArenaTransport(Transport, Generic[PeerT], abc.ABC):
         batch: list[PutWork],
         items: Sequence[PutItem],
         indexed: list[IndexCode],
+        writer: int = 0,
     ) -> list[tuple[int, PutStatus]]:
-        """As :meth:`_put_batch`, the store indexing what it commits; sets
-        ``indexed`` (per item of ``items``). Only where the class ``indexes``."""
+        """As :meth:`_put_batch`, the store indexing what it commits (after
+        answering, for a ``writer`` token); sets ``indexed`` (per item of
+        ``items``). Only where the class ``indexes``."""
         raise NotImplementedError
 
     @abc.abstractmethod
@@ -78,17 +80,25 @@ class ArenaTransport(Transport, Generic[PeerT], abc.ABC):
         return self._put(address, items, None)
 
     def put_indexed(
-        self, address: str, items: Sequence[PutItem]
+        self, address: str, items: Sequence[PutItem], writer: int = 0
     ) -> tuple[list[PutStatus], list[IndexCode]]:
         """Write chunks into the store's arena, the store indexing them on
         commit; see :meth:`Transport.put_indexed`."""
         if not self.indexes:
             return super().put_indexed(address, items)
         indexed = [IndexCode.NOT_INDEXED] * len(items)
-        return self._put(address, items, indexed), indexed
+        return self._put(address, items, indexed, writer), indexed
+
+    def sync_index(self, address: str, writer: int, wait_s: float) -> IndexSettled | None:
+        """Ask over the store's socket; see :meth:`Transport.sync_index`."""
+        return self._tcp.sync_index(address, writer, wait_s) if self.indexes else None
 
     def _put(
-        self, address: str, items: Sequence[PutItem], indexed: list[IndexCode] | None
+        self,
+        address: str,
+        items: Sequence[PutItem],
+        indexed: list[IndexCode] | None,
+        writer: int = 0,
     ) -> list[PutStatus]:
         statuses, todo = check_put_items(items, self._limits)
         if not todo:
@@ -105,7 +115,7 @@ class ArenaTransport(Transport, Generic[PeerT], abc.ABC):
                 done = (
                     self._put_batch(conn, peer, batch, items)
                     if indexed is None
-                    else self._put_batch_indexed(conn, peer, batch, items, indexed)
+                    else self._put_batch_indexed(conn, peer, batch, items, indexed, writer)
                 )
                 for i, code in done:
                     statuses[i] = code

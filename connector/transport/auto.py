@@ -29,7 +29,7 @@ from kvdepot.errors import InvalidArgument, KVDepotError
 from kvdepot.keys import ChunkKey
 from kvdepot.rpc.security_config import SecurityConfig
 from kvdepot.wire.host import rdma_devices
-from kvdepot.wire.protocol import IndexCode, ProtocolLimits
+from kvdepot.wire.protocol import IndexCode, IndexSettled, ProtocolLimits
 
 logger = logging.getLogger(__name__)
 
@@ -167,20 +167,25 @@ class AutoTransport(Transport):
         return statuses
 
     def put_indexed(
-        self, address: str, items: Sequence[PutItem]
+        self, address: str, items: Sequence[PutItem], writer: int = 0
     ) -> tuple[list[PutStatus], list[IndexCode]]:
         """Write chunks with the transport chosen for ``address``, the store
         indexing them; see :meth:`Transport.put_indexed`."""
         t = self._pick(address)
-        statuses, indexed = t.put_indexed(address, items)
+        statuses, indexed = t.put_indexed(address, items, writer)
         if t is self._tcp or PutStatus.FAILED not in statuses:
             return statuses, indexed
         again = self._forget(address, t)
         retry = [i for i, s in enumerate(statuses) if s is PutStatus.FAILED]
-        st, ix = again.put_indexed(address, [items[i] for i in retry])
+        st, ix = again.put_indexed(address, [items[i] for i in retry], writer)
         for i, s, x in zip(retry, st, ix, strict=True):
             statuses[i], indexed[i] = s, x
         return statuses, indexed
+
+    def sync_index(self, address: str, writer: int, wait_s: float) -> IndexSettled | None:
+        """Ask over the store's socket (any transport's deferred chunks are
+        counted per writer); see :meth:`Transport.sync_index`."""
+        return self._tcp.sync_index(address, writer, wait_s)
 
     def get_into(self, address: str, items: Sequence[GetItem]) -> list[GetOutcome]:
         """Read chunks with the transport chosen for ``address``; see :meth:`Transport.get_into`."""

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvdepot.keys import ChunkKey
-from kvdepot.wire.protocol import IndexCode
+from kvdepot.wire.protocol import IndexCode, IndexSettled
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,14 +113,16 @@ class Transport(abc.ABC):
         """
 
     def put_indexed(
-        self, address: str, items: Sequence[PutItem]
+        self, address: str, items: Sequence[PutItem], writer: int = 0
     ) -> tuple[list[PutStatus], list[IndexCode]]:
         """Write chunks to the writer's own node's store, which commits what it
-        stored (OK) into the cluster's index too, before it answers.
+        stored (OK) into the cluster's index too, before it answers, or with
+        ``writer`` (a nonzero u32 token) right after it answered.
 
         Returns:
             Per item its status, and whether the index committed it: NEW,
-            ELSEWHERE (another node had stored it; this one is a replica now)
+            ELSEWHERE (another node had stored it; this one is a replica now),
+            PENDING (``writer``: queued for the index, see :meth:`sync_index`)
             or NOT_INDEXED (the caller commits it itself). By default, and
             from a store or transport that cannot, nothing is indexed.
 
@@ -128,6 +130,12 @@ class Transport(abc.ABC):
             InvalidArgument: A malformed address, key or buffer.
         """
         return self.put(address, items), [IndexCode.NOT_INDEXED] * len(items)
+
+    def sync_index(self, address: str, writer: int, wait_s: float) -> IndexSettled | None:
+        """What the store's index did with ``writer``'s PENDING chunks since
+        the last call, waiting up to ``wait_s`` for those still pending;
+        ``None`` where the transport cannot ask (it never deferred)."""
+        return None
 
     @abc.abstractmethod
     def get_into(self, address: str, items: Sequence[GetItem]) -> list[GetOutcome]:

@@ -35,7 +35,6 @@ from kvdepot.wire.protocol import (
     ErrorCode,
     GetEntry,
     Header,
-    HeaderFlags,
     HeldCode,
     IndexCode,
     LeaseReplyEntry,
@@ -44,6 +43,7 @@ from kvdepot.wire.protocol import (
     PutCode,
     PutEntry,
     ReserveReplyEntry,
+    index_flags,
     pack_commit_entries,
     pack_get_entries,
     pack_keys,
@@ -146,12 +146,14 @@ class ControlConnection:
         recv_reply_header(self.sock, Opcode.RESERVE_REPLY, n)
         return unpack_reserve_reply_entries(recv_exact(self.sock, n * RESERVE_REPLY_ENTRY.size))
 
-    def send_commit(self, entries: Sequence[CommitEntry], index: bool = False) -> None:
+    def send_commit(
+        self, entries: Sequence[CommitEntry], index: bool = False, writer: int = 0
+    ) -> None:
         """Ask the store to verify and commit chunks (``index``: and to commit
-        them into the cluster's index then); the answer is read later."""
+        them into the cluster's index then, after answering where a
+        ``writer`` token is given); the answer is read later."""
         n = len(entries)
-        flags = int(HeaderFlags.INDEX if index else HeaderFlags.NONE)
-        head = Header(Opcode.COMMIT, n, flags=flags).pack()
+        head = Header(Opcode.COMMIT, n, writer, index_flags(index, writer)).pack()
         send_all(self.sock, [head + pack_commit_entries(entries)])
         self._commits_in_flight += 1
 

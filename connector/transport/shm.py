@@ -366,6 +366,7 @@ class ShmTransport(ArenaTransport[_Mapping]):
         batch: list[PutWork],
         items: Sequence[PutItem],
         indexed: list[IndexCode] | None,
+        writer: int = 0,
     ) -> list[tuple[int, PutStatus]]:
         replies = conn.reserve([PutEntry(e.key, e.size, 0) for _, e, _, _ in batch])
         index = indexed is not None
@@ -406,11 +407,11 @@ class ShmTransport(ArenaTransport[_Mapping]):
                 committed.append(i)
                 group_bytes += entry.size
                 if group_bytes >= limit:
-                    conn.send_commit(group, index)
+                    conn.send_commit(group, index, writer)
                     counts.append(len(group))
                     group, group_bytes = [], 0
         if group:
-            conn.send_commit(group, index)
+            conn.send_commit(group, index, writer)
             counts.append(len(group))
         got: list[IndexCode] = []
         codes = conn.finish_commits(counts, got)

@@ -43,14 +43,15 @@ from kvdepot.keys import ChunkKey, validate_key
 from kvdepot.rpc.security_config import SecurityConfig
 from kvdepot.wire.protocol import (
     GET_REPLY_ENTRY,
+    INDEX_SETTLED,
     DeleteCode,
     ErrorCode,
     GetCode,
     GetEntry,
     GetReplyEntry,
     Header,
-    HeaderFlags,
     IndexCode,
+    IndexSettled,
     Opcode,
     PeerClosed,
     ProtocolError,
@@ -59,6 +60,7 @@ from kvdepot.wire.protocol import (
     PutEntry,
     byte_view,
     drain,
+    index_flags,
     pack_get_entries,
     pack_keys,
     pack_put_entries,
@@ -70,6 +72,7 @@ from kvdepot.wire.protocol import (
     send_all,
     send_hashed,
     unpack_get_reply_entries,
+    unpack_index_settled,
     unpack_statuses,
 )
 from kvdepot.wire.xxh3 import xxh3_64
@@ -295,20 +298,26 @@ class TcpTransport(Transport):
         return self._put(address, items, False)[0]
 
     def put_indexed(
-        self, address: str, items: Sequence[PutItem]
+        self, address: str, items: Sequence[PutItem], writer: int = 0
     ) -> tuple[list[PutStatus], list[IndexCode]]:
         """Write chunks, the store indexing them; see :meth:`Transport.put_indexed`."""
-        return self._put(address, items, True)
+        return self._put(address, items, True, writer)
+
+    def sync_index(self, address: str, writer: int, wait_s: float) -> IndexSettled | None:
+        """Ask the store about a writer's deferred chunks; see :meth:`Transport.sync_index`."""
+        self._check_usable(address)
+        wait_ms = min(max(int(wait_s * 1000), 0), 0xFFFFFFFF)
+        return self._exchange(address, _sync, (writer, wait_ms))
 
     def _put(
-        self, address: str, items: Sequence[PutItem], index: bool
+        self, address: str, items: Sequence[PutItem], index: bool, writer: int = 0
     ) -> tuple[list[PutStatus], list[IndexCode]]:
         self._check_usable(address)
         statuses, todo = check_put_items(items, self._limits)
         indexed = [IndexCode.NOT_INDEXED] * len(items)
 
         def request(sock: socket.socket, batch: list[PutWork]) -> list[tuple[PutCode, IndexCode]]:
-            return _put_batch(sock, batch, index)
+            return _put_batch(sock, batch, index, writer)
 
         def run(run_items: list[PutWork]) -> None:
             for batch in split_batches(run_items, lambda t: t[2].nbytes, self._limits):
@@ -519,25 +528,26 @@ class TcpTransport(Transport):
 
 
 def _put_batch(
-    sock: socket.socket, batch: list[PutWork], index: bool = False
+    sock: socket.socket, batch: list[PutWork], index: bool = False, writer: int = 0
 ) -> list[tuple[PutCode, IndexCode]]:
     # Items whose checksum is known go as one PUT, the others as one
     # PUT_TRAILED whose checksums are computed while sending. With ``index``
-    # the store commits what it stored into the index too (HeaderFlags.INDEX).
+    # the store commits what it stored into the index too (HeaderFlags.INDEX),
+    # after its reply where a ``writer`` token is given (DEFER).
     known = [t for t in batch if not t[3]]
     trailed = [t for t in batch if t[3]]
-    flags = int(HeaderFlags.INDEX if index else HeaderFlags.NONE)
+    flags = index_flags(index, writer)
     codes: dict[int, tuple[PutCode, IndexCode]] = {}
     if known:
         n = len(known)
-        head = Header(Opcode.PUT, n, flags=flags).pack() + pack_put_entries(
+        head = Header(Opcode.PUT, n, writer, flags).pack() + pack_put_entries(
             e for _, e, _, _ in known
         )
         send_all(sock, [head, *(view for _, _, view, _ in known)])
         codes.update(zip((t[0] for t in known), _put_reply(sock, n), strict=True))
     if trailed:
         n = len(trailed)
-        head = Header(Opcode.PUT_TRAILED, n, flags=flags).pack() + pack_put_entries(
+        head = Header(Opcode.PUT_TRAILED, n, writer, flags).pack() + pack_put_entries(
             e for _, e, _, _ in trailed
         )
         send_hashed(sock, [head], [view for _, _, view, _ in trailed])
@@ -550,6 +560,13 @@ def _put_reply(sock: socket.socket, n: int) -> list[tuple[PutCode, IndexCode]]:
     header = recv_reply_header(sock, Opcode.PUT_REPLY, n)
     got = unpack_statuses(recv_exact(sock, n), PutCode)
     return list(zip(got, recv_index_codes(sock, header), strict=True))
+
+
+def _sync(sock: socket.socket, ask: tuple[int, int]) -> IndexSettled:
+    writer, wait_ms = ask
+    send_all(sock, [Header(Opcode.SYNC, wait_ms, writer).pack()])
+    header = recv_reply_header(sock, Opcode.SYNC_REPLY, INDEX_SETTLED.size)
+    return unpack_index_settled(recv_exact(sock, header.count))
 
 
 def _delete_batch(sock: socket.socket, batch: list[tuple[int, ChunkKey]]) -> list[DeleteCode]:

@@ -141,6 +141,9 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
                 rpc_timeout_s=s.lookup_timeout_s if scheduler else s.rpc_timeout_s,
                 io_timeout_s=s.io_timeout_s,
                 connect_timeout_s=min(5.0, s.io_timeout_s),
+                # Publishing runs on a thread of its own: the next save need
+                # not wait for the index (see ClientConfig).
+                defer_index_commit=True,
                 # vLLM loads this class: like a command, it reads the environment.
                 security=s.security(os.environ),
             )

@@ -242,8 +242,9 @@ class Publisher:
                 self._counters.add(save_errors=len(keys))
                 continue
             self._counters.add(
-                chunks_saved=r.stored,
-                bytes_saved=r.bytes_sent,
+                # Written into this node's store, the index commit following.
+                chunks_saved=r.stored + r.pending,
+                bytes_saved=r.bytes_sent + r.bytes_pending,
                 chunks_skipped=r.skipped,
                 save_errors=r.failed,
             )

@@ -60,6 +60,21 @@ here, not asked, or the index did not commit it within the store's bounded
 wait: the writer commits it itself). A reply without the flag (a store that
 predates it) indexed nothing. Only chunks answered OK are ever indexed.
 
+Deferred indexing (``HeaderFlags.DEFER`` with ``INDEX``, ``aux`` = the
+writer's token, a nonzero u32 the writer picks once): the store answers as
+soon as its own commit is done, PENDING for each chunk it queued for the
+index, and commits them into the index right after, batched across writers.
+What the index then did is counted per writer (tenant and token) until the
+writer asks::
+
+    SYNC          header (count = longest wait in ms, aux = writer token):
+                  wait (at most that long, and at most the store's own
+                  bound) until none of the writer's chunks is pending
+    SYNC_REPLY    header (count 32), IndexSettled body: 0 new u64
+                  | 8 elsewhere u64 | 16 not indexed u64 | 24 pending u64:
+                  the writer's outcomes since its last SYNC, and what is
+                  still pending
+
 Requests of clients that move the bytes themselves (``shm``: the client maps
 the arena; ``nixl``: one-sided RDMA READ/WRITE). Reservations and leases
 belong to the connection that took them: when it closes, for whatever reason,
@@ -142,6 +157,7 @@ LEASE_ID = struct.Struct("<Q")
 CHECKSUM = struct.Struct("<Q")
 ATTACH_INFO = struct.Struct("<QQQQIHHH6x")
 ERROR_CODE = struct.Struct("<I")
+INDEX_SETTLED = struct.Struct("<QQQQ")
 
 MAX_ERROR_MESSAGE = 4096
 """Longest ERROR message accepted or sent, in bytes."""
@@ -174,6 +190,8 @@ class Opcode(enum.IntEnum):
     PUT_TRAILED = 22
     AUTH = 23
     AUTH_REPLY = 24
+    SYNC = 25
+    SYNC_REPLY = 26
 
 
 REQUEST_OPCODES = frozenset(
@@ -190,6 +208,7 @@ REQUEST_OPCODES = frozenset(
         Opcode.RELEASE,
         Opcode.PUT_TRAILED,
         Opcode.AUTH,
+        Opcode.SYNC,
     }
 )
 
@@ -201,6 +220,9 @@ class HeaderFlags(enum.IntFlag):
     INDEX = 1
     """On PUT, PUT_TRAILED, COMMIT: the store commits what it stores into the
     index too. On PUT_REPLY, COMMIT_REPLY: index codes follow the statuses."""
+    DEFER = 2
+    """With INDEX on a request: answer after the store's own commit, the index
+    commit following (PENDING); ``aux`` is the writer's token (see SYNC)."""
 
 
 class IndexCode(enum.IntEnum):
@@ -212,6 +234,9 @@ class IndexCode(enum.IntEnum):
     """Committed; no other node had stored it."""
     ELSEWHERE = 2
     """Committed as one more replica; another node had stored it already."""
+    PENDING = 3
+    """Stored here and queued for the index (``HeaderFlags.DEFER``): the
+    writer learns the outcome with SYNC."""
 
 
 class AttachKind(enum.IntEnum):
@@ -645,6 +670,54 @@ def recv_index_codes(sock: socket.socket, header: Header) -> list[IndexCode]:
     if not header.flags & HeaderFlags.INDEX:
         return [IndexCode.NOT_INDEXED] * header.count
     return unpack_statuses(recv_exact(sock, header.count), IndexCode)
+
+
+@dataclass(frozen=True, slots=True)
+class IndexSettled:
+    """What the index did with a writer's deferred chunks (SYNC_REPLY).
+
+    Attributes:
+        new: Committed, the first replica in the cluster.
+        elsewhere: Committed as one more replica of a chunk another node
+            had stored.
+        not_indexed: Not committed within the store's bound (the index
+            unreachable, the store not registered, or the chunk gone): in
+            the store, readable there, named by no lookup until the store
+            registers its inventory again.
+        pending: Still on their way into the index when the wait ended.
+    """
+
+    new: int = 0
+    elsewhere: int = 0
+    not_indexed: int = 0
+    pending: int = 0
+
+    def pack(self) -> bytes:
+        """The SYNC_REPLY body."""
+        return INDEX_SETTLED.pack(self.new, self.elsewhere, self.not_indexed, self.pending)
+
+    def __add__(self, other: IndexSettled) -> IndexSettled:
+        return IndexSettled(
+            self.new + other.new,
+            self.elsewhere + other.elsewhere,
+            self.not_indexed + other.not_indexed,
+            self.pending + other.pending,
+        )
+
+
+def index_flags(index: bool, writer: int = 0) -> int:
+    """The header flags of a PUT, PUT_TRAILED or COMMIT: INDEX when ``index``,
+    and DEFER when a writer token is given too (the token goes in ``aux``)."""
+    if not index:
+        return int(HeaderFlags.NONE)
+    return int(HeaderFlags.INDEX | HeaderFlags.DEFER if writer else HeaderFlags.INDEX)
+
+
+def unpack_index_settled(data: bytes | bytearray | memoryview) -> IndexSettled:
+    """Parse a SYNC_REPLY body."""
+    if len(data) != INDEX_SETTLED.size:
+        raise ProtocolError(ErrorCode.MALFORMED, f"SYNC_REPLY body of {len(data)} bytes")
+    return IndexSettled(*INDEX_SETTLED.unpack(data))
 
 
 def encode_error(code: ErrorCode, message: str) -> bytes:

@@ -26,6 +26,7 @@ from kvdepot.errors import CapacityExceeded, InvalidArgument
 from kvdepot.keys import ChunkKey
 from kvdepot.store.chunks import ChunkStore, checksum
 from kvdepot.store.dataplane import DataPlaneServer
+from kvdepot.store.indexer import Indexer
 from kvdepot.wire import protocol as p
 
 pytestmark = pytest.mark.integration
@@ -652,18 +653,31 @@ def test_peer_that_dies_mid_get_releases_its_leases() -> None:
 # --- indexing by the store (HeaderFlags.INDEX) ----------------------------------------
 
 
-class IndexLog:
-    """An index function that records what it is asked to commit."""
+class IndexLog(Indexer):
+    """An indexer that records what it is asked to commit (deferred ones too)."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[list[ChunkKey], list[int]]] = []
         self.committed: set[ChunkKey] = set()
+        self.deferred: dict[tuple[str, int], int] = {}
+        self.check: Any = None  # asserts on each chunk asked for
 
-    def __call__(self, keys: Any, sizes: Any) -> list[p.IndexCode]:
+    def commit(self, keys: Any, sizes: Any) -> list[p.IndexCode]:
         # Asked only after the store's own commit: the chunks are readable.
+        if self.check is not None:
+            for k in keys:
+                self.check(k)
         self.calls.append((list(keys), list(sizes)))
         self.committed.update(keys)
         return [p.IndexCode.NEW] * len(keys)
+
+    def defer(self, writer: tuple[str, int], keys: Any, sizes: Any) -> bool:
+        self.commit(keys, sizes)
+        self.deferred[writer] = self.deferred.get(writer, 0) + len(keys)
+        return True
+
+    def sync(self, writer: tuple[str, int], wait_s: float) -> p.IndexSettled:
+        return p.IndexSettled(new=self.deferred.pop(writer, 0))
 
 
 def test_a_put_asking_for_indexing_indexes_only_what_the_store_committed() -> None:
@@ -715,3 +729,37 @@ def test_old_style_puts_get_old_style_replies(node: Node) -> None:
             assert p.recv_index_codes(s, header) == [p.IndexCode.NOT_INDEXED]
             s.sendall(p.Header(p.Opcode.PING, 0, 7).pack())
             assert p.recv_reply_header(s, p.Opcode.PONG, 0).aux == 7  # nothing left over
+
+
+def test_a_deferring_writer_is_answered_pending_and_asks_later() -> None:
+    log = IndexLog()
+    node = Node(16 * MiB, index=log)
+    log.check = lambda k: node.chunks.contains(k)  # never before the store's commit
+    rng = random.Random(43)
+    keys = [rand_key(rng) for _ in range(3)]
+    data = [chunk(rng, 64 * KiB) for _ in keys]
+    try:
+        with TcpTransport(limits=LIMITS) as t:
+            items = [item(keys[0], data[0]), PutItem(keys[1], data[1])]
+            statuses, indexed = t.put_indexed(node.address, items, writer=5)
+            assert statuses == [PutStatus.OK] * 2
+            assert indexed == [p.IndexCode.PENDING] * 2
+            assert log.deferred == {("", 5): 2}
+            # What the index did, for this writer only.
+            assert t.sync_index(node.address, 6, 1.0) == p.IndexSettled()
+            assert t.sync_index(node.address, 5, 1.0) == p.IndexSettled(new=2)
+            assert t.sync_index(node.address, 5, 1.0) == p.IndexSettled()
+            # Without a writer token the store waits for the index, as before.
+            statuses, indexed = t.put_indexed(node.address, [item(keys[2], data[2])])
+            assert indexed == [p.IndexCode.NEW] and not log.deferred
+    finally:
+        node.close()
+
+
+def test_a_store_without_an_indexer_answers_sync_with_nothing(node: Node) -> None:
+    with node.raw() as s:
+        s.sendall(p.Header(p.Opcode.SYNC, 100, 9).pack())
+        header = p.recv_reply_header(s, p.Opcode.SYNC_REPLY, p.INDEX_SETTLED.size)
+        assert p.unpack_index_settled(p.recv_exact(s, header.count)) == p.IndexSettled()
+        s.sendall(p.Header(p.Opcode.PING, 0, 7).pack())
+        assert p.recv_reply_header(s, p.Opcode.PONG, 0).aux == 7  # nothing left over

@@ -147,3 +147,118 @@ def test_a_key_twice_in_a_batch_is_sent_once() -> None:
     ix = IndexCommitter("node-a", fake, 5.0)
     assert ix.commit([key(1), key(1)], [5, 5]) == [IndexCode.NEW] * 2
     assert list(fake.requests[0].keys) == [key(1)]
+
+
+# --- deferred commits (HeaderFlags.DEFER) -------------------------------------
+
+W = ("", 7)
+
+
+def test_a_deferred_commit_is_sent_behind_the_answer_and_counted_for_its_writer() -> None:
+    fake = FakeMetadata()
+    fake.elsewhere.add(key(2))
+    ix = IndexCommitter("node-a", fake, 5.0)
+    assert ix.defer(W, [key(1), key(2), key(3)], [10, 20, 30])
+    got = ix.sync(W, 5.0)
+    assert (got.new, got.elsewhere, got.not_indexed, got.pending) == (2, 1, 0, 0)
+    (req,) = fake.requests
+    assert list(req.keys) == [key(1), key(2), key(3)]
+    assert list(req.written) == [True] * 3 and req.writer_node_id == "node-a"
+    # Counted once: the next sync has nothing new to say.
+    again = ix.sync(W, 5.0)
+    assert (again.new, again.elsewhere, again.not_indexed, again.pending) == (0, 0, 0, 0)
+    # Another writer's outcomes are its own.
+    assert ix.defer(("tenant-b", 7), [key(4)], [1])
+    assert ix.sync(W, 0.01).new == 0
+    assert ix.sync(("tenant-b", 7), 5.0).new == 1
+
+
+def test_deferred_commits_queued_behind_a_call_share_the_next_one() -> None:
+    fake = FakeMetadata()
+    fake.gate.clear()
+    ix = IndexCommitter("node-a", fake, 5.0)
+    assert ix.defer(W, [key(0)], [1])
+    while not fake.requests:  # the first call is in flight, held
+        time.sleep(0.001)
+    for i in range(1, 9):
+        assert ix.defer(("", 100 + i), [key(i)], [1])  # none of these waits
+    held = ix.sync(W, 0.05)
+    assert (held.new, held.pending) == (0, 1)
+    fake.gate.set()
+    assert ix.sync(W, 5.0).new == 1
+    assert all(ix.sync(("", 100 + i), 5.0).new == 1 for i in range(1, 9))
+    assert len(fake.requests) == 2
+    assert sorted(fake.requests[1].keys) == sorted(key(i) for i in range(1, 9))
+
+
+def test_a_failed_deferred_call_is_tried_again_within_its_time() -> None:
+    fake = FakeMetadata()
+    fake.fail = True
+    ix = IndexCommitter("node-a", fake, 5.0)
+    assert ix.defer(W, [key(1)], [1])
+    while len(fake.requests) < 2:  # tried, failed, tried again
+        time.sleep(0.001)
+    fake.fail = False
+    got = ix.sync(W, 5.0)
+    assert (got.new, got.not_indexed) == (1, 0)
+    assert ix.stats.failures >= 2 and ix.stats.deferred_not_indexed == 0
+
+
+def test_a_deferred_commit_not_made_in_its_time_is_counted_not_indexed() -> None:
+    fake = FakeMetadata()
+    fake.gate.clear()  # the service does not answer
+    ix = IndexCommitter("node-a", fake, 0.3)
+    t0 = time.monotonic()
+    assert ix.defer(W, [key(1), key(2)], [1, 1])
+    # The writer's wait is bounded by the store's too.
+    got = ix.sync(W, 10.0)
+    assert time.monotonic() - t0 < 1.5
+    if got.pending:  # the last call ends at its deadline
+        got = got + ix.sync(W, 10.0)
+    assert (got.new, got.not_indexed, got.pending) == (0, 2, 0)
+    assert ix.stats.deferred_not_indexed == 2
+
+
+def test_a_chunk_the_store_no_longer_holds_is_not_sent() -> None:
+    fake = FakeMetadata()
+    gone = {key(2)}
+    ix = IndexCommitter("node-a", fake, 5.0, holds=lambda k: k not in gone)
+    assert ix.defer(W, [key(1), key(2)], [1, 1])
+    got = ix.sync(W, 5.0)
+    assert (got.new, got.not_indexed) == (1, 1)
+    assert [list(r.keys) for r in fake.requests] == [[key(1)]]
+
+
+def test_deferring_is_refused_when_closed_or_full(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvdepot.store import indexer
+
+    fake = FakeMetadata()
+    fake.gate.clear()
+    monkeypatch.setattr(indexer, "MAX_DEFERRED_KEYS", 3)
+    ix = IndexCommitter("node-a", fake, 5.0)
+    assert ix.defer(W, [key(1), key(2)], [1, 1])
+    # Full (queued and in flight): this writer commits synchronously instead.
+    assert not ix.defer(W, [key(3), key(4)], [1, 1])
+    assert ix.defer(W, [key(5)], [1])
+    fake.gate.set()
+    assert ix.sync(W, 5.0).new == 3
+    ix.close()
+    assert not ix.defer(W, [key(6)], [1])
+    assert ix.defer(W, [], [])  # nothing to queue
+
+
+def test_the_writers_kept_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvdepot.store import indexer
+
+    monkeypatch.setattr(indexer, "MAX_WRITERS", 4)
+    fake = FakeMetadata()
+    ix = IndexCommitter("node-a", fake, 5.0)
+    for i in range(10):
+        assert ix.defer(("", i + 1), [key(i)], [1])
+    deadline = time.monotonic() + 5
+    while ix.stats.calls < 1 or ix._deferred_keys:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    assert len(ix._writers) <= 4
+    # The newest writers' outcomes are kept.
+    assert ix.sync(("", 10), 5.0).new == 1
