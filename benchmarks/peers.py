@@ -343,6 +343,9 @@ def _ratios(rows: list[Row]) -> list[str]:
             f"  {'kvdepot-tcp put 256 KiB p50 / raw-tcp p50':42s} "
             f"{ra.p50_ms / rb.p50_ms:5.2f}  (target <= 2)"
         )
+    shm = index.get(("kvdepot-shm", "put", 256 * KiB))
+    if shm:
+        lines.append(f"  {'kvdepot-shm put 256 KiB GB/s':42s} {shm.gbps:5.2f}  (target >= 2)")
     return lines
 
 
