@@ -11,6 +11,7 @@ Put and get of batches of chunks (256 KiB to 16 MiB) through:
   owned by another process, one Unix-socket round trip per batch (puts
   rotate over 512 MiB of it, as a store's puts land in space not recently
   written);
+* ``raw-tcp-xxh3``, ``raw-shm-xxh3``: the same, hashing as kvdepot does (``floors.py``);
 * ``redis``: a ``redis-server`` started here, redis-py with hiredis,
   pipelined SET / GET of the batch;
 * ``kvdepot-tcp``, ``kvdepot-shm``, ``kvdepot-nixl``: a real local cluster
@@ -238,7 +239,7 @@ class RawShm(System):
     def prepare(self, size: int, batch: int) -> None:
         self.close()
         self._dir = tempfile.mkdtemp(prefix="kvbench-")
-        self._path = f"/dev/shm/kvbench-raw-{os.getpid()}"
+        self._path = f"/dev/shm/kvbench-{self.name}-{os.getpid()}"
         slots = _cold_sets(size, batch)
         with open(self._path, "wb") as f:
             f.truncate(size * batch * slots)
@@ -671,7 +672,9 @@ def _start(
     systems: list[System] = []
     cluster: Any = None
     rss: RssSampler | None = None
-    for cls in (Memcpy, RawTcp, RawShm, Redis):
+    from floors import RawShmXxh3, RawTcpXxh3  # imports this module: not at the top
+
+    for cls in (Memcpy, RawTcp, RawShm, RawTcpXxh3, RawShmXxh3, Redis):
         if cls.name in wanted:
             try:
                 systems.append(cls())
