@@ -304,6 +304,40 @@ class ChunkStore(TierPlacement):
         if self._mover is not None:
             self._mover.poke_if_over(self._cpu)
 
+    def commit_as(self, res: Reservation, key: ChunkKey, checksum: int) -> bool:
+        """Commit the bytes of a reservation made under a placeholder key (a
+        grant) as chunk ``key``; when ``key`` is stored or being written
+        already, the reservation is revoked instead.
+
+        Returns:
+            Whether the chunk was committed (False: ``key`` was there).
+
+        Raises:
+            InvalidArgument: If ``res`` is not an outstanding reservation or
+                ``key`` is malformed.
+        """
+        key = validate_key(key)
+        with self._lock:
+            self._check_open()
+            entry = self._reserved_entry(res)
+            if entry is None:
+                raise InvalidArgument(
+                    f"commit of a reservation that is not outstanding: {res.key.hex()}"
+                )
+            del self._entries[res.key]
+            if key in self._entries:
+                self._cpu_tier.free(entry.copy.handle)
+                return False
+            entry.key = key
+            entry.checksum = checksum
+            entry.state = State.COMMITTED
+            self._entries[key] = entry
+            self.attach(entry, entry.copy)
+            self._puts += 1
+        if self._mover is not None:
+            self._mover.poke_if_over(self._cpu)
+        return True
+
     def revoke(self, res: Reservation) -> None:
         """Drop a reserved chunk; it was never visible.
 

@@ -74,6 +74,8 @@ _ERROR_LINGER_S = 0.5
 _ERROR_LINGER_READS = 16
 _JOIN_TIMEOUT_S = 5.0
 _LINGER_RESET = struct.pack("ii", 1, 0)
+_NO_IDLE_CUT_S = 365 * 86400.0
+"""The idle wait of a connection holding grants: none in practice."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -176,7 +178,7 @@ class DataPlaneServer:
             arena_size=arena.capacity,
             file_dev=dev,
             file_ino=ino,
-            flags=(AttachFlags.SHM if arena.path else AttachFlags.NONE)
+            flags=(AttachFlags.SHM | AttachFlags.GRANTS if arena.path else AttachFlags.NONE)
             | (AttachFlags.VERIFIES_SHM if verify_shm_commits else AttachFlags.NONE),
             arena_path=arena.path or "",
             host_id=host_identity(),
@@ -446,9 +448,12 @@ class DataPlaneServer:
     def _next_request(self, conn: socket.socket, header: memoryview, session: Session) -> bool:
         # Wait for the first byte under the idle timeout (shorter while the
         # connection holds reservations or leases), then read the rest of
-        # the request under the I/O timeout and the request's deadline.
+        # the request under the I/O timeout and the request's deadline. A
+        # connection holding grants is not cut for idleness: its client may
+        # be copying into them (it is on this host: its death closes the socket).
         left = self._hold_left(session)
-        wait = self._idle_timeout_s if left is None else max(min(left, self._idle_timeout_s), 1e-3)
+        idle = _NO_IDLE_CUT_S if session.granted else self._idle_timeout_s
+        wait = idle if left is None else max(min(left, idle), 1e-3)
         set_recv_timeout(conn, wait)
         try:
             n = conn.recv_into(header, HEADER.size)

@@ -24,6 +24,7 @@ from kvdepot.wire.protocol import (
     CHECKSUM,
     COMMIT_ENTRY,
     GET_ENTRY,
+    GRANTED_COMMIT_ENTRY,
     LEASE_ID,
     PUT_ENTRY,
     AttachInfo,
@@ -186,10 +187,15 @@ class RequestHandlers:
         self._reply(conn, [Header(Opcode.SYNC_REPLY, len(body)).pack(), body])
 
     @staticmethod
-    def _put_reply(header: Header, n: int, tail: list[bytes | bytearray]) -> bytes:
-        """The header of the answer to a PUT, PUT_TRAILED or COMMIT."""
+    def _put_reply(
+        header: Header, n: int, tail: list[bytes | bytearray], granted: bool = False
+    ) -> bytes:
+        """The header of the answer to a PUT, PUT_TRAILED or COMMIT (``granted``:
+        a COMMIT|GRANT, whose last part of ``tail`` is the new grants)."""
         op = Opcode.COMMIT_REPLY if header.opcode is Opcode.COMMIT else Opcode.PUT_REPLY
-        flags = HeaderFlags.INDEX if tail else HeaderFlags.NONE
+        flags = HeaderFlags.INDEX if len(tail) > granted else HeaderFlags.NONE
+        if granted:
+            flags |= HeaderFlags.GRANT
         return Header(op, n, flags=int(flags)).pack()
 
     def _handle_put(
@@ -305,7 +311,11 @@ class RequestHandlers:
         if op is Opcode.RESERVE:
             entries = unpack_put_entries(recv_exact(conn, n * PUT_ENTRY.size))
             self._check_put_sizes(entries)
-            reserved = session.reserve(entries)
+            reserved = (
+                session.grant([e.size for e in entries], replace=True)
+                if header.flags & HeaderFlags.GRANT
+                else session.reserve(entries)
+            )
             body = pack_reserve_reply_entries(reserved)
             self._count(
                 put_rejected=sum(
@@ -314,23 +324,7 @@ class RequestHandlers:
             )
             self._reply(conn, [Header(Opcode.RESERVE_REPLY, n).pack(), body])
         elif op is Opcode.COMMIT:
-            commits = unpack_commit_entries(recv_exact(conn, n * COMMIT_ENTRY.size))
-            self._watchdog.disarm(conn)  # hashing the reserved bytes is the store's work
-            results = session.commit(commits)
-            statuses = bytes(code for code, _ in results)
-            self._count(
-                puts=statuses.count(PutCode.OK),
-                corrupt_puts=statuses.count(PutCode.CORRUPT),
-                bytes_in=sum(size for _, size in results),
-            )
-            tail = self._indexed(
-                header,
-                session,
-                statuses,
-                [session.key(e.key) for e in commits],
-                [size for _, size in results],
-            )
-            self._reply(conn, [self._put_reply(header, n, tail), statuses, *tail])
+            self._handle_commit(conn, header, n, session)
         elif op is Opcode.ABORT:
             keys = unpack_keys(recv_exact(conn, n * KEY_BYTES))
             self._reply(conn, [Header(Opcode.ABORT_REPLY, n).pack(), bytes(session.abort(keys))])
@@ -352,6 +346,34 @@ class RequestHandlers:
             self._reply(conn, [Header(Opcode.RELEASE_REPLY, n).pack(), released])
         else:  # pragma: no cover - _SESSION_OPS and this chain agree
             raise ProtocolError(ErrorCode.BAD_OPCODE, f"{op.name} is not a session request")
+
+    def _handle_commit(self, conn: socket.socket, header: Header, n: int, session: Session) -> None:
+        granted = bool(header.flags & HeaderFlags.GRANT)
+        entry_bytes = GRANTED_COMMIT_ENTRY.size if granted else COMMIT_ENTRY.size
+        commits = unpack_commit_entries(recv_exact(conn, n * entry_bytes), granted=granted)
+        self._watchdog.disarm(conn)  # hashing the reserved bytes is the store's work
+        results = session.commit_granted(commits) if granted else session.commit(commits)
+        statuses = bytes(code for code, _ in results)
+        # What the client copied for a key stored already (EXISTS) was never
+        # the store's: as for a RESERVE answered EXISTS, it is not counted in.
+        self._count(
+            puts=statuses.count(PutCode.OK),
+            corrupt_puts=statuses.count(PutCode.CORRUPT),
+            bytes_in=sum(size for code, size in results if code is not PutCode.EXISTS),
+        )
+        tail = self._indexed(
+            header,
+            session,
+            statuses,
+            [session.key(e.key) for e in commits],
+            [size for _, size in results],
+        )
+        if granted:
+            # The next put's room, of the sizes this one used: steady
+            # puts of a writer take one round trip each.
+            refill = session.grant([size for _, size in results])
+            tail.append(pack_reserve_reply_entries(refill))
+        self._reply(conn, [self._put_reply(header, n, tail, granted), statuses, *tail])
 
     def _handle_get(self, conn: socket.socket, n: int, session: Session) -> None:
         entries = unpack_get_entries(recv_exact(conn, n * GET_ENTRY.size))

@@ -17,6 +17,7 @@ the checksum is verified end to end whichever way the bytes came in.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 
@@ -25,6 +26,7 @@ from kvdepot.keys import ChunkKey
 from kvdepot.rpc.auth import tenant_key
 from kvdepot.store.chunks import ChunkStore, ReadLease, Reservation, checksum
 from kvdepot.wire.protocol import (
+    MAX_GRANTED_BYTES,
     AttachKind,
     CommitEntry,
     ErrorCode,
@@ -78,6 +80,9 @@ class Session:
         self._max_held = max_held
         self._on_held = on_held
         self._reservations: dict[ChunkKey, Reservation] = {}
+        # Room granted ahead of its key (see grant), by arena offset.
+        self._grants: dict[int, Reservation] = {}
+        self._granted_bytes = 0
         self._leases: dict[int, ReadLease] = {}
         self._next_lease = 1
         self.kind = AttachKind.PROBE
@@ -89,6 +94,11 @@ class Session:
     def key(self, key: ChunkKey) -> ChunkKey:
         """Where ``key`` lives for this connection: a tenant's keys are its own."""
         return ChunkKey(tenant_key(self.tenant, key)) if self.tenant else key
+
+    @property
+    def granted(self) -> bool:
+        """Whether the connection holds grants (its client may be copying into them)."""
+        return bool(self._grants)
 
     @property
     def held(self) -> int:
@@ -181,6 +191,80 @@ class Session:
         self._notify(-dropped)
         return out
 
+    # -- grants: room ahead of its key, for one-round-trip shm puts ---------------
+    def grant(self, sizes: Sequence[int], *, replace: bool = False) -> list[ReserveReplyEntry]:
+        """Grant room for each size, under a placeholder key no reader knows.
+
+        Only ``shm`` connections are granted room (NIXL writers are remote:
+        a grant's safety rests on the client's death closing the socket), at
+        most :data:`MAX_GRANTED_BYTES` at once; beyond that an entry is
+        NO_SPACE and the client reserves by key as before.
+
+        Args:
+            sizes: One size per grant asked for.
+            replace: Drop the connection's unused grants first.
+        """
+        if replace:
+            self._drop_grants()
+        out: list[ReserveReplyEntry] = []
+        for size in sizes:
+            if self.kind is not AttachKind.SHM or size <= 0:
+                out.append(ReserveReplyEntry(PutCode.INVALID))
+                continue
+            if self._granted_bytes + size > MAX_GRANTED_BYTES:
+                out.append(ReserveReplyEntry(PutCode.NO_SPACE))
+                continue
+            try:
+                res = self._chunks.reserve(ChunkKey(os.urandom(16)), size, 0)
+            except CapacityExceeded:
+                out.append(ReserveReplyEntry(PutCode.NO_SPACE))
+                continue
+            except InvalidArgument:
+                out.append(ReserveReplyEntry(PutCode.INVALID))
+                continue
+            if res is None:  # a placeholder key taken: 2**-128
+                out.append(ReserveReplyEntry(PutCode.NO_SPACE))
+                continue
+            self._grants[res.offset] = res
+            self._granted_bytes += size
+            out.append(ReserveReplyEntry(PutCode.OK, res.offset))
+        return out
+
+    def commit_granted(self, entries: Sequence[CommitEntry]) -> list[tuple[PutCode, int]]:
+        """Commit each grant (``entry.offset``) as chunk ``entry.key``.
+
+        Returns:
+            Per chunk its size (0 if unknown) and OK, EXISTS (the key was
+            stored already: the grant is freed), CORRUPT (the bytes do not
+            match the checksum: freed, never visible) or INVALID (no grant
+            of this connection at that offset).
+        """
+        out: list[tuple[PutCode, int]] = []
+        for e in entries:
+            res = self._grants.pop(e.offset, None)
+            if res is None:
+                out.append((PutCode.INVALID, 0))
+                continue
+            self._granted_bytes -= res.size
+            if self._verify_shm and checksum(res.view) != e.checksum:
+                self._chunks.revoke(res)
+                out.append((PutCode.CORRUPT, res.size))
+                continue
+            try:
+                stored = self._chunks.commit_as(res, self.key(e.key), e.checksum)
+            except InvalidArgument:
+                self._chunks.revoke(res)
+                out.append((PutCode.INVALID, res.size))
+                continue
+            out.append((PutCode.OK if stored else PutCode.EXISTS, res.size))
+        return out
+
+    def _drop_grants(self) -> None:
+        for res in self._grants.values():
+            self._chunks.revoke(res)
+        self._grants.clear()
+        self._granted_bytes = 0
+
     def abort(self, keys: Sequence[ChunkKey]) -> list[HeldCode]:
         """Revoke reservations of this connection (a client that gave up on them)."""
         out: list[HeldCode] = []
@@ -253,6 +337,7 @@ class Session:
             )
         for res in self._reservations.values():
             self._chunks.revoke(res)
+        self._drop_grants()
         for lease in self._leases.values():
             self._chunks.release(lease)
         self._reservations.clear()

@@ -35,6 +35,7 @@ from kvdepot.wire.protocol import (
     ErrorCode,
     GetEntry,
     Header,
+    HeaderFlags,
     HeldCode,
     IndexCode,
     LeaseReplyEntry,
@@ -61,6 +62,9 @@ from kvdepot.wire.protocol import (
 )
 
 logger = logging.getLogger(__name__)
+
+_NO_KEY = ChunkKey(bytes(16))
+"""The key of a RESERVE|GRANT entry: the store ignores it."""
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -133,6 +137,8 @@ class ControlConnection:
         self._commits_in_flight = 0
         # Entries of each RELEASE sent whose answer is not read yet.
         self._releases_in_flight: list[int] = []
+        # Arena offsets of the room the store granted this connection, by size.
+        self.grants: dict[int, list[int]] = {}
 
     def close(self) -> None:
         """Close the socket; the store drops what this connection held."""
@@ -145,6 +151,65 @@ class ControlConnection:
         self.settle()
         recv_reply_header(self.sock, Opcode.RESERVE_REPLY, n)
         return unpack_reserve_reply_entries(recv_exact(self.sock, n * RESERVE_REPLY_ENTRY.size))
+
+    def grant(self, sizes: Sequence[int]) -> None:
+        """Ask for room of each size ahead of its key (RESERVE|GRANT); what
+        the store grants replaces :attr:`grants` (it drops the unused ones)."""
+        n = len(sizes)
+        entries = pack_put_entries(PutEntry(_NO_KEY, size, 0) for size in sizes)
+        send_all(self.sock, [Header(Opcode.RESERVE, n, flags=HeaderFlags.GRANT).pack() + entries])
+        self.settle()
+        recv_reply_header(self.sock, Opcode.RESERVE_REPLY, n)
+        replies = unpack_reserve_reply_entries(recv_exact(self.sock, n * RESERVE_REPLY_ENTRY.size))
+        self.grants = {}
+        self._add_grants(sizes, replies)
+
+    def take_grants(self, sizes: Sequence[int]) -> list[int] | None:
+        """Arena offsets of a grant for each size (taken from :attr:`grants`),
+        or ``None`` (nothing taken) when some size has none left."""
+        need: dict[int, int] = {}
+        for size in sizes:
+            need[size] = need.get(size, 0) + 1
+        if any(len(self.grants.get(size, ())) < k for size, k in need.items()):
+            return None
+        return [self.grants[size].pop() for size in sizes]
+
+    def give_back(self, size: int, offset: int) -> None:
+        """Return an unused grant (its copy was not committed)."""
+        self.grants.setdefault(size, []).append(offset)
+
+    def commit_granted(
+        self,
+        entries: Sequence[CommitEntry],
+        sizes: Sequence[int],
+        index: bool = False,
+        writer: int = 0,
+        indexed: list[IndexCode] | None = None,
+    ) -> list[PutCode]:
+        """Commit grants (``entries[i].offset``, of ``sizes[i]`` bytes) as their
+        keys, one round trip; ``indexed`` is extended as by
+        :meth:`finish_commits`, and the new grants of the answer are kept."""
+        n = len(entries)
+        flags = index_flags(index, writer) | HeaderFlags.GRANT
+        head = Header(Opcode.COMMIT, n, writer, flags).pack()
+        send_all(self.sock, [head + pack_commit_entries(entries, granted=True)])
+        self.settle()
+        header = recv_reply_header(self.sock, Opcode.COMMIT_REPLY, n)
+        statuses = unpack_statuses(recv_exact(self.sock, n), PutCode)
+        codes = recv_index_codes(self.sock, header)
+        if indexed is not None:
+            indexed.extend(codes)
+        if header.flags & HeaderFlags.GRANT:
+            body = recv_exact(self.sock, n * RESERVE_REPLY_ENTRY.size)
+            self._add_grants(sizes, unpack_reserve_reply_entries(body))
+        return statuses
+
+    def _add_grants(self, sizes: Sequence[int], replies: Sequence[ReserveReplyEntry]) -> None:
+        for size, reply in zip(sizes, replies, strict=True):
+            if reply.status is PutCode.OK:
+                if reply.offset + size > self.info.arena_size:
+                    raise ProtocolError(ErrorCode.MALFORMED, "grant outside the arena")
+                self.grants.setdefault(size, []).append(reply.offset)
 
     def send_commit(
         self, entries: Sequence[CommitEntry], index: bool = False, writer: int = 0

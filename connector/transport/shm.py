@@ -57,6 +57,7 @@ from kvdepot.rpc.security_config import SecurityConfig
 from kvdepot.wire.host import host_identity
 from kvdepot.wire.protocol import (
     HASH_BLOCK,
+    MAX_GRANTED_BYTES,
     AttachFlags,
     AttachInfo,
     AttachKind,
@@ -370,6 +371,14 @@ class ShmTransport(ArenaTransport[_Mapping]):
         indexed: list[IndexCode] | None,
         writer: int = 0,
     ) -> list[tuple[int, PutStatus]]:
+        sizes = [e.size for _, e, _, _ in batch]
+        if conn.info.flags & AttachFlags.GRANTS and sum(sizes) <= MAX_GRANTED_BYTES:
+            offsets = conn.take_grants(sizes)
+            if offsets is None:
+                conn.grant(sizes)
+                offsets = conn.take_grants(sizes)
+            if offsets is not None:
+                return self._put_granted(conn, m, batch, items, offsets, indexed, writer)
         replies = conn.reserve([PutEntry(e.key, e.size, 0) for _, e, _, _ in batch])
         index = indexed is not None
         out: list[tuple[int, PutStatus]] = []
@@ -419,6 +428,52 @@ class ShmTransport(ArenaTransport[_Mapping]):
         codes = conn.finish_commits(counts, got)
         if wrong:
             conn.abort(wrong)
+        out.extend((i, PUT_STATUS[c]) for i, c in zip(committed, codes, strict=True))
+        if indexed is not None:
+            for i, ix in zip(committed, got, strict=True):
+                indexed[i] = ix
+        return out
+
+    def _put_granted(
+        self,
+        conn: ControlConnection,
+        m: _Mapping,
+        batch: list[PutWork],
+        items: Sequence[PutItem],
+        offsets: list[int],
+        indexed: list[IndexCode] | None,
+        writer: int,
+    ) -> list[tuple[int, PutStatus]]:
+        """Copy a batch into room the store granted ahead, then COMMIT it: one
+        round trip. A chunk the store holds already is copied for nothing
+        (the store frees its grant and answers EXISTS): a local copy of at
+        most ``MAX_GRANTED_BYTES``, against a RESERVE round trip saved on
+        every put."""
+        arena = m.view
+        jobs = [
+            (arena[off : off + e.size], view, False)
+            for (_, e, view, _), off in zip(batch, offsets, strict=True)
+        ]
+        out: list[tuple[int, PutStatus]] = []
+        entries: list[CommitEntry] = []
+        committed: list[int] = []
+        sizes: list[int] = []
+        # Closed before anything leaves: every copy has ended.
+        with contextlib.closing(self._copier.map(jobs)) as sums:
+            for (i, e, _, _), off, ck in zip(batch, offsets, sums, strict=True):
+                given = items[i].checksum
+                if given is not None and given != ck:
+                    # The caller's checksum does not describe its bytes: store neither.
+                    out.append((i, PutStatus.CORRUPT))
+                    conn.give_back(e.size, off)
+                    continue
+                entries.append(CommitEntry(e.key, ck, off))
+                committed.append(i)
+                sizes.append(e.size)
+        if not entries:
+            return out
+        got: list[IndexCode] = []
+        codes = conn.commit_granted(entries, sizes, indexed is not None, writer, got)
         out.extend((i, PUT_STATUS[c]) for i, c in zip(committed, codes, strict=True))
         if indexed is not None:
             for i, ix in zip(committed, got, strict=True):

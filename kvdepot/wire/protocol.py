@@ -94,6 +94,7 @@ the store revokes every reservation and releases every lease it still holds::
     COMMIT_REPLY  header, n x status u8 (PutCode: OK, CORRUPT, INVALID = not
                   reserved on this connection); with HeaderFlags.INDEX, then
                   n x index code u8 (IndexCode), as a PUT_REPLY
+
     ABORT         header, n x key 16B: revoke reservations of this connection
     ABORT_REPLY   header, n x status u8 (HeldCode)
     LEASE         header, n x GetEntry
@@ -102,6 +103,15 @@ the store revokes every reservation and releases every lease it still holds::
                        | 16 arena offset u64 | 24 length u64 | 32 checksum u64 (40 bytes)
     RELEASE       header, n x lease id u64
     RELEASE_REPLY header, n x status u8 (HeldCode)
+
+Grants (``HeaderFlags.GRANT``, ``shm`` only, offered by ``AttachFlags.GRANTS``): room
+given ahead of its key, so a put is copy then COMMIT. RESERVE|GRANT (sizes only) drops the
+connection's unused grants and grants each size. COMMIT|GRANT entries are 0 key 16B |
+16 checksum u64 | 24 grant offset u64: each grant becomes its chunk, or is freed if the key
+is stored (EXISTS); the COMMIT_REPLY|GRANT ends with n x ReserveReplyEntry, new grants of
+the sizes committed. Grants are invisible to readers and freed only by their COMMIT or
+their connection's end, which idleness and ``hold_timeout_s`` never cause while it holds
+grants (an ``shm`` client's death closes its socket): no room being copied into is freed.
 
 The arena offsets are only meaningful for the arena of the generation the
 connection attached to: a store that restarts has a new arena with a new
@@ -152,12 +162,16 @@ GET_ENTRY = struct.Struct(f"<{KEY_BYTES}sQQ")
 GET_REPLY_ENTRY = struct.Struct("<B7xQQ")
 RESERVE_REPLY_ENTRY = struct.Struct("<B7xQ")
 COMMIT_ENTRY = struct.Struct(f"<{KEY_BYTES}sQ")
+GRANTED_COMMIT_ENTRY = struct.Struct(f"<{KEY_BYTES}sQQ")
 LEASE_REPLY_ENTRY = struct.Struct("<B7xQQQQ")
 LEASE_ID = struct.Struct("<Q")
 CHECKSUM = struct.Struct("<Q")
 ATTACH_INFO = struct.Struct("<QQQQIHHH6x")
 ERROR_CODE = struct.Struct("<I")
 INDEX_SETTLED = struct.Struct("<QQQQ")
+
+MAX_GRANTED_BYTES = 8 << 20
+"""Most bytes granted to one connection at once; larger batches reserve by key."""
 
 MAX_ERROR_MESSAGE = 4096
 """Longest ERROR message accepted or sent, in bytes."""
@@ -223,6 +237,8 @@ class HeaderFlags(enum.IntFlag):
     DEFER = 2
     """With INDEX on a request: answer after the store's own commit, the index
     commit following (PENDING); ``aux`` is the writer's token (see SYNC)."""
+    GRANT = 4
+    """On RESERVE, COMMIT and COMMIT_REPLY: room granted ahead of keys ("Grants")."""
 
 
 class IndexCode(enum.IntEnum):
@@ -258,9 +274,13 @@ class AttachFlags(enum.IntFlag):
     """A NIXL agent has registered the arena; see the Store's GetTransferInfo."""
     VERIFIES_SHM = 4
     """The store hashes ``shm`` commits again: a client pipelines its COMMITs."""
+    GRANTS = 8
+    """The store grants ``shm`` connections room ahead of their keys (GRANT)."""
 
 
-_KNOWN_ATTACH_FLAGS = AttachFlags.SHM | AttachFlags.NIXL | AttachFlags.VERIFIES_SHM
+_KNOWN_ATTACH_FLAGS = (
+    AttachFlags.SHM | AttachFlags.NIXL | AttachFlags.VERIFIES_SHM | AttachFlags.GRANTS
+)
 """Bits of ATTACH_REPLY's flags this version knows (newer stores may set more)."""
 
 
@@ -562,10 +582,12 @@ class ReserveReplyEntry:
 
 @dataclass(frozen=True, slots=True)
 class CommitEntry:
-    """One chunk of a COMMIT: its key and the writer's checksum of its bytes."""
+    """One chunk of a COMMIT: its key and the writer's checksum of its bytes
+    (and, in a COMMIT with ``HeaderFlags.GRANT``, the offset of its grant)."""
 
     key: ChunkKey
     checksum: int
+    offset: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -603,14 +625,19 @@ def unpack_reserve_reply_entries(data: bytes | bytearray | memoryview) -> list[R
     return out
 
 
-def pack_commit_entries(entries: Iterable[CommitEntry]) -> bytes:
-    """Wire bytes of the entries of a COMMIT."""
+def pack_commit_entries(entries: Iterable[CommitEntry], *, granted: bool = False) -> bytes:
+    """Wire bytes of the entries of a COMMIT (``granted``: of a COMMIT|GRANT)."""
+    if granted:
+        return b"".join(GRANTED_COMMIT_ENTRY.pack(e.key, e.checksum, e.offset) for e in entries)
     return b"".join(COMMIT_ENTRY.pack(e.key, e.checksum) for e in entries)
 
 
-def unpack_commit_entries(data: bytes | bytearray | memoryview) -> list[CommitEntry]:
-    """Parse the entries of a COMMIT (``len(data)`` a multiple of 24)."""
-    return [CommitEntry(ChunkKey(bytes(k)), ck) for k, ck in _entries(COMMIT_ENTRY, data)]
+def unpack_commit_entries(
+    data: bytes | bytearray | memoryview, *, granted: bool = False
+) -> list[CommitEntry]:
+    """Parse the entries of a COMMIT (of 24 bytes each, 32 in a COMMIT|GRANT)."""
+    rows = _entries(GRANTED_COMMIT_ENTRY if granted else COMMIT_ENTRY, data)
+    return [CommitEntry(ChunkKey(bytes(k)), *rest) for k, *rest in rows]
 
 
 def pack_lease_reply_entries(entries: Iterable[LeaseReplyEntry]) -> bytes:
@@ -684,7 +711,8 @@ class IndexSettled:
             unreachable, the store not registered, or the chunk gone): in
             the store, readable there, named by no lookup until the store
             registers its inventory again.
-        pending: Still on their way into the index when the wait ended.
+        pending: Still on their way into the index when the wait ended
+            (of two answers added, the later one's).
     """
 
     new: int = 0
@@ -697,11 +725,12 @@ class IndexSettled:
         return INDEX_SETTLED.pack(self.new, self.elsewhere, self.not_indexed, self.pending)
 
     def __add__(self, other: IndexSettled) -> IndexSettled:
+        # This answer, then a later one: outcomes add up; pending is a state.
         return IndexSettled(
             self.new + other.new,
             self.elsewhere + other.elsewhere,
             self.not_indexed + other.not_indexed,
-            self.pending + other.pending,
+            other.pending,
         )
 
 

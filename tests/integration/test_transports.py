@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -30,6 +31,7 @@ from kvdepot.connector.transport import (
     TcpTransport,
     create_transport,
 )
+from kvdepot.connector.transport.control import looks_alive
 from kvdepot.errors import Unavailable
 from kvdepot.keys import ChunkKey
 from kvdepot.proto.gen import store_pb2, store_pb2_grpc
@@ -58,6 +60,15 @@ def store_stats(grpc_address: str) -> store_pb2.StoreStats:
 
 def used_bytes(grpc_address: str) -> int:
     return int(store_stats(grpc_address).tiers[0].used_bytes)
+
+
+def granted_bytes(t: ShmTransport, address: str) -> int:
+    """Arena room the store granted ``t``'s idle connections to ``address``."""
+    idle = t._pool._idle.get(address, [])
+    page = 4096  # the arena's allocation unit
+    return sum(
+        -(-size // page) * page * len(offsets) for c in idle for size, offsets in c.grants.items()
+    )
 
 
 def chunks(rng: random.Random, sizes: list[int]) -> tuple[list[ChunkKey], list[bytes]]:
@@ -174,8 +185,11 @@ def test_shm_reads_end_their_leases_without_waiting_for_the_answer(stores: Local
             gets = [GetItem(k, memoryview(b)) for k, b in zip(keys, bufs, strict=True)]
             assert all(o.ok for o in t.get_into(info["address"], gets)) and bufs == data
         assert t.delete(info["address"], keys) == [True, True]
-        # A chunk still leased would keep its bytes after the delete.
-        wait_for(lambda: used_bytes(info["grpc_address"]) == before)
+        # A chunk still leased would keep its bytes after the delete (the
+        # connection keeps the room granted for its next put).
+        granted = granted_bytes(t, info["address"])
+        assert granted == 308 * KiB  # 300 KiB and 5 KiB, page-aligned
+        wait_for(lambda: used_bytes(info["grpc_address"]) == before + granted)
         outs = t.get_into(info["address"], [GetItem(keys[0], memoryview(bytearray(10)))])
         assert outs[0].error == "not found"
 
@@ -199,9 +213,7 @@ def test_client_publishes_to_its_own_node_through_shm(stores: LocalCluster) -> N
 def test_a_node_reads_its_own_chunks_without_the_metadata_service(tmp_path: Path) -> None:
     with LocalCluster(nodes=1, capacity="32MiB", log_dir=tmp_path) as c:
         info = c.stores[0].info
-        config = ClientConfig(
-            metadata=c.metadata_address, node_id=info["node_id"], rpc_timeout_s=2
-        )
+        config = ClientConfig(metadata=c.metadata_address, node_id=info["node_id"], rpc_timeout_s=2)
         keys, data = chunks(random.Random(21), [MiB, 300 * KiB, 5])
         other = ChunkKey(random.Random(22).randbytes(16))
         with KVDepotClient(config) as client:
@@ -311,6 +323,9 @@ DYING_CLIENT = textwrap.dedent(
     if mode == "reserve":
         replies = conn.reserve([p.PutEntry(key, 8 << 20, 0)])
         assert replies[0].status is p.PutCode.OK, replies
+    elif mode == "grant":
+        conn.grant([8 << 20])
+        assert conn.grants == {8 << 20: [conn.grants[8 << 20][0]]}, conn.grants
     else:
         replies = conn.lease([p.GetEntry(key)])
         assert replies[0].status is p.GetCode.OK, replies
@@ -320,7 +335,7 @@ DYING_CLIENT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("mode", ["reserve", "lease"])
+@pytest.mark.parametrize("mode", ["reserve", "grant", "lease"])
 def test_client_that_dies_frees_what_it_held(stores: LocalCluster, mode: str) -> None:
     info = stores.stores[0].info
     address, grpc_address = info["address"], info["grpc_address"]
@@ -336,10 +351,13 @@ def test_client_that_dies_frees_what_it_held(stores: LocalCluster, mode: str) ->
         )
         try:
             assert child.stdout is not None and child.stdout.readline() == b"holding\n"
-            if mode == "reserve":
+            if mode == "grant":
+                assert used_bytes(grpc_address) == before + 8 * MiB
+            elif mode == "reserve":
                 assert used_bytes(grpc_address) == before + 8 * MiB
                 # Being written: another writer of the same key is told it exists.
                 assert t.put(address, [PutItem(key, b"x")]) == [PutStatus.EXISTS]
+                before += granted_bytes(t, address)  # that put's room for the next
             else:
                 # Leased: deleting hides it at once, its memory stays until release.
                 assert t.delete(address, [key]) == [True]
@@ -349,7 +367,7 @@ def test_client_that_dies_frees_what_it_held(stores: LocalCluster, mode: str) ->
             child.wait(10)
             assert child.stdout is not None
             child.stdout.close()
-        expected = before if mode == "reserve" else before - 8 * MiB
+        expected = before - 8 * MiB if mode == "lease" else before
         wait_for(lambda: used_bytes(grpc_address) == expected)
         if mode == "reserve":
             data = rng.randbytes(MiB)
@@ -411,3 +429,80 @@ def test_registry_knows_every_transport() -> None:
     for name in ("tcp", "shm", "auto"):
         t = create_transport(name, io_timeout_s=1.0)
         t.close()
+
+
+def test_steady_shm_puts_take_one_round_trip(
+    stores: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvdepot.connector.transport.control import ControlConnection
+
+    info = stores.stores[0].info
+    address = info["address"]
+    calls: list[str] = []
+    for name in ("reserve", "grant", "commit_granted", "send_commit"):
+        real = getattr(ControlConnection, name)
+
+        def spy(self: ControlConnection, *a: Any, _n: str = name, _r: Any = real, **k: Any) -> Any:
+            calls.append(_n)
+            return _r(self, *a, **k)
+
+        monkeypatch.setattr(ControlConnection, name, spy)
+    rng = random.Random(31)
+    with ShmTransport(max_idle_per_peer=1) as t:
+        batches = [chunks(rng, [256 * KiB] * 8) for _ in range(3)]
+        for keys, data in batches:
+            items = [PutItem(k, d) for k, d in zip(keys, data, strict=True)]
+            assert t.put(address, items) == [PutStatus.OK] * 8
+        # The first put asks for room, every later one only commits.
+        assert calls == ["grant", "commit_granted"] + ["commit_granted"] * 2
+        # A batch already stored is copied into granted room and answered EXISTS.
+        before = used_bytes(info["grpc_address"])
+        keys, data = batches[0]
+        items = [PutItem(k, d) for k, d in zip(keys, data, strict=True)]
+        assert t.put(address, items) == [PutStatus.EXISTS] * 8
+        assert used_bytes(info["grpc_address"]) == before
+        for keys, data in batches:
+            bufs = [bytearray(len(d)) for d in data]
+            gets = [GetItem(k, memoryview(b)) for k, b in zip(keys, bufs, strict=True)]
+            assert all(o.ok for o in t.get_into(address, gets)) and bufs == data
+        # Larger than what a connection is granted: reserved by key, as before.
+        calls.clear()
+        keys, data = chunks(rng, [3 * MiB] * 3)
+        items = [PutItem(k, d) for k, d in zip(keys, data, strict=True)]
+        assert t.put(address, items) == [PutStatus.OK] * 3
+        assert calls == ["reserve", "send_commit"]
+        t.delete(address, [k for keys, _ in batches for k in keys] + keys)
+
+
+def test_a_connection_holding_grants_is_not_cut_for_idleness(tmp_path: Path) -> None:
+    path = f"/dev/shm/kvdepot-test-grants-{os.getpid()}"
+    chunks_ = ChunkStore(16 * MiB, arena_path=path)
+    server = DataPlaneServer(chunks_, idle_timeout_s=0.3)
+    server.start()
+    host, port = server.address
+    address = f"{host}:{port}"
+    rng = random.Random(37)
+    try:
+        with ShmTransport(max_idle_per_peer=1) as granted, ShmTransport() as plain:
+            keys, data = chunks(rng, [MiB] * 2)
+            assert (
+                granted.put(address, [PutItem(k, d) for k, d in zip(keys, data, strict=True)])
+                == [PutStatus.OK] * 2
+            )
+            assert plain.usable(address)  # a connection without grants
+            wait_for(lambda: server.stats().connections_open == 1)  # it was cut
+            time.sleep(1.0)
+            (conn,) = granted._pool._idle[address]
+            assert conn.grants and looks_alive(conn.sock)
+            keys, data = chunks(rng, [MiB] * 2)
+            assert (
+                granted.put(address, [PutItem(k, d) for k, d in zip(keys, data, strict=True)])
+                == [PutStatus.OK] * 2
+            )
+            assert granted._pool._idle[address] == [conn]  # the same connection
+        # The client closed it: its grants are freed, its chunks stay.
+        wait_for(lambda: server.stats().connections_open == 0)
+        assert chunks_.stats().used_bytes == 4 * MiB
+    finally:
+        server.stop()
+        chunks_.close()

@@ -80,7 +80,7 @@ def test_shm_commits_are_rehashed_only_when_asked(chunks: ChunkStore, verify: bo
     (r,) = s.reserve([p.PutEntry(key(1), PAGE, 0)])
     write(chunks, r.offset, b"z" * PAGE)
     wrong = checksum(b"z" * PAGE) ^ 1
-    (code, _), = s.commit([p.CommitEntry(key(1), wrong)])
+    ((code, _),) = s.commit([p.CommitEntry(key(1), wrong)])
     if verify:
         assert code is p.PutCode.CORRUPT and not chunks.contains(key(1))
         return
@@ -146,3 +146,76 @@ def test_session_messages_round_trip() -> None:
         p.unpack_statuses(bytes([0, 77]), p.PutCode)
     sizes = (p.RESERVE_REPLY_ENTRY.size, p.COMMIT_ENTRY.size, p.LEASE_REPLY_ENTRY.size)
     assert sizes == (16, 24, 40) and p.ATTACH_INFO.size == 48
+
+
+def shm_session(chunks: ChunkStore, **kw: bool) -> Session:
+    s = Session(chunks, max_held=8, **kw)
+    s.attach(p.AttachKind.SHM)
+    return s
+
+
+def test_grants_become_chunks_under_the_key_committed(chunks: ChunkStore) -> None:
+    s = shm_session(chunks)
+    a, b = s.grant([PAGE, 2 * PAGE])
+    assert a.status is b.status is p.PutCode.OK and s.granted
+    # Room ahead of any key: no reader sees it, no reservation is held.
+    assert s.held == 0 and chunks.stats().chunks == 0
+    assert chunks.stats().used_bytes == 3 * PAGE
+    write(chunks, a.offset, b"a" * PAGE)
+    write(chunks, b.offset, b"b" * 2 * PAGE)
+    got = s.commit_granted(
+        [
+            p.CommitEntry(key(1), checksum(b"a" * PAGE), a.offset),
+            p.CommitEntry(key(2), checksum(b"b" * 2 * PAGE), b.offset),
+            p.CommitEntry(key(3), 0, a.offset),  # used already
+        ]
+    )
+    assert got == [(p.PutCode.OK, PAGE), (p.PutCode.OK, 2 * PAGE), (p.PutCode.INVALID, 0)]
+    assert not s.granted
+    (lease,) = s.lease([p.GetEntry(key(2))])
+    assert lease.offset == b.offset and lease.checksum == checksum(b"b" * 2 * PAGE)
+    s.release([lease.lease_id])
+    # A key stored already: the grant is freed, the stored chunk untouched.
+    (c,) = s.grant([PAGE])
+    write(chunks, c.offset, b"c" * PAGE)
+    assert s.commit_granted([p.CommitEntry(key(1), 5, c.offset)]) == [(p.PutCode.EXISTS, PAGE)]
+    assert chunks.stats().used_bytes == 3 * PAGE and chunks.stats().chunks == 2
+    (lease,) = s.lease([p.GetEntry(key(1))])
+    assert lease.checksum == checksum(b"a" * PAGE)
+
+
+def test_grants_are_bounded_replaced_and_freed_with_the_connection(
+    chunks: ChunkStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvdepot.store import session
+
+    monkeypatch.setattr(session, "MAX_GRANTED_BYTES", 3 * PAGE)
+    s = shm_session(chunks)
+    codes = [r.status for r in s.grant([PAGE, PAGE, PAGE, PAGE, 0])]
+    assert codes == [p.PutCode.OK] * 3 + [p.PutCode.NO_SPACE, p.PutCode.INVALID]
+    # Asking again drops the unused grants first.
+    (r,) = s.grant([2 * PAGE], replace=True)
+    assert r.status is p.PutCode.OK and chunks.stats().used_bytes == 2 * PAGE
+    s.close()
+    assert chunks.stats().used_bytes == 0 and not s.granted
+
+
+def test_only_shm_connections_are_granted_and_verified_when_asked(chunks: ChunkStore) -> None:
+    nixl = Session(chunks, max_held=8)
+    nixl.attach(p.AttachKind.NIXL)
+    assert [r.status for r in nixl.grant([PAGE])] == [p.PutCode.INVALID]
+    s = shm_session(chunks, verify_shm_commits=True)
+    (r,) = s.grant([PAGE])
+    write(chunks, r.offset, b"v" * PAGE)
+    wrong = checksum(b"v" * PAGE) ^ 1
+    assert s.commit_granted([p.CommitEntry(key(1), wrong, r.offset)]) == [(p.PutCode.CORRUPT, PAGE)]
+    assert not chunks.contains(key(1)) and chunks.stats().used_bytes == 0
+
+
+def test_granted_commit_entries_round_trip() -> None:
+    commits = [p.CommitEntry(key(1), 2**64 - 1, 4096), p.CommitEntry(key(2), 3, 0)]
+    packed = p.pack_commit_entries(commits, granted=True)
+    assert len(packed) == 2 * p.GRANTED_COMMIT_ENTRY.size == 64
+    assert p.unpack_commit_entries(packed, granted=True) == commits
+    with pytest.raises(p.ProtocolError):
+        p.unpack_commit_entries(packed[:-1], granted=True)
