@@ -564,18 +564,26 @@ def test_preempted_requests_resume_and_reset_cache_reloads(
     meta = cluster.metadata_address
     ref = run_engine(workdir, {**spec(model, prompts, None), **squeeze}, "preempt-plain")
     assert ref["preemptions"] > 0, "no preemption: the test would prove nothing"
-    got = run_engine(
-        workdir, {**spec(model, prompts, kv("kv_both", meta, "store-0")), **squeeze}, "preempt"
-    )
+    got_spec = {**spec(model, prompts, kv("kv_both", meta, "store-0")), **squeeze, "logprobs": 5}
+    got = run_engine(workdir, got_spec, "preempt")
     assert got["preemptions"] > 0
-    assert [o["tokens"] for o in got["outputs"]] == [o["tokens"] for o in ref["outputs"]]
     # A resumed request may load the KV its decode computed where the plain
-    # one recomputes it in a prefill: bf16 rounds differently (see the tail test).
-    drift = [
-        abs(a - b)
-        for x, y in zip(got["outputs"], ref["outputs"], strict=True)
-        for a, b in zip(x["logprobs"], y["logprobs"], strict=True)
-    ]
+    # one recomputes it in a prefill: bf16 rounds differently (see the tail
+    # test), within 0.2 of a logprob. Where that flips a near tie (a full-suite
+    # run saw one after ~80 equal tokens), the greedy tokens part: up to there
+    # they must be equal, and there the plain run's token must be one the
+    # loaded run found as likely, within the same 0.2. Wrong KV moves logprobs
+    # by far more.
+    drift: list[float] = []
+    for x, y in zip(got["outputs"], ref["outputs"], strict=True):
+        pairs = list(zip(x["tokens"], y["tokens"], strict=True))
+        agree = next((i for i, (a, b) in enumerate(pairs) if a != b), len(pairs))
+        drift += [abs(x["logprobs"][i] - y["logprobs"][i]) for i in range(agree)]
+        if agree < len(pairs):
+            flipped = x["top"][agree].get(str(y["tokens"][agree]))
+            assert flipped is not None, ("plain token not in the top 5", agree, x, y)
+            assert abs(flipped - y["logprobs"][agree]) < 0.2, (agree, flipped, x, y)
+            assert abs(flipped - x["logprobs"][agree]) < 0.2, ("not a near tie", agree, x, y)
     assert max(drift) < 0.2, max(drift)
     assert got["connector"]["load_errors"] == 0, got["connector"]
 
