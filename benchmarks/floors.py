@@ -27,25 +27,12 @@ from __future__ import annotations
 import socket
 
 import numpy as np
-from dataplane import RawShm, RawTcp, _recv_into
+from dataplane import RawShm, RawTcp
 
 from kvdepot.connector.transport.shm import copy_hashed
 from kvdepot.wire.protocol import HASH_BLOCK
+from kvdepot.wire.sockets import recv_hashed_into
 from kvdepot.wire.xxh3 import BlockHasher, xxh3_64
-
-
-def _recv_hashed(sock: socket.socket, view: memoryview) -> int:
-    """Fill ``view`` block by block, hashing each block right after it arrived."""
-    total = view.nbytes
-    if total <= HASH_BLOCK:
-        _recv_into(sock, view)
-        return xxh3_64(view)
-    hasher = BlockHasher(view)
-    for start in range(0, total, HASH_BLOCK):
-        end = min(start + HASH_BLOCK, total)
-        _recv_into(sock, view[start:end])
-        hasher.update(start, end)
-    return hasher.digest()
 
 
 def _send_hashed(sock: socket.socket, view: memoryview) -> int:
@@ -80,7 +67,7 @@ class RawTcpXxh3(RawTcp):
     def get(self) -> None:
         self._sock.sendall(b"g")
         for b in self._dst:
-            if _recv_hashed(self._sock, b) != self._get_sum:
+            if recv_hashed_into(self._sock, b) != self._get_sum:
                 raise RuntimeError(f"{self.name}: get checksum mismatch")
 
 

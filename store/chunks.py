@@ -277,7 +277,9 @@ class ChunkStore(TierPlacement):
             self.notify(removed, moved)
         return Reservation(key=key, offset=handle, size=size, checksum=checksum, view=view)
 
-    def commit(self, res: Reservation, checksum: int | None = None) -> None:
+    def commit(
+        self, res: Reservation, checksum: int | None = None, *, key: ChunkKey | None = None
+    ) -> bool:
         """Make a reserved chunk readable and the most recently used in DRAM.
 
         Args:
@@ -285,29 +287,9 @@ class ChunkStore(TierPlacement):
             checksum: The chunk's checksum, when the writer announced it only
                 after the bytes (it replaces ``res.checksum``). The caller has
                 verified the bytes against it.
-
-        Raises:
-            InvalidArgument: If ``res`` is not an outstanding reservation.
-        """
-        with self._lock:
-            self._check_open()
-            entry = self._reserved_entry(res)
-            if entry is None:
-                raise InvalidArgument(
-                    f"commit of a reservation that is not outstanding: {res.key.hex()}"
-                )
-            entry.state = State.COMMITTED
-            if checksum is not None:
-                entry.checksum = checksum
-            self.attach(entry, entry.copy)
-            self._puts += 1
-        if self._mover is not None:
-            self._mover.poke_if_over(self._cpu)
-
-    def commit_as(self, res: Reservation, key: ChunkKey, checksum: int) -> bool:
-        """Commit the bytes of a reservation made under a placeholder key (a
-        grant) as chunk ``key``; when ``key`` is stored or being written
-        already, the reservation is revoked instead.
+            key: The chunk's key, for a reservation made under a placeholder
+                key (a grant); when ``key`` is stored or being written
+                already, the reservation is revoked instead.
 
         Returns:
             Whether the chunk was committed (False: ``key`` was there).
@@ -316,7 +298,8 @@ class ChunkStore(TierPlacement):
             InvalidArgument: If ``res`` is not an outstanding reservation or
                 ``key`` is malformed.
         """
-        key = validate_key(key)
+        if key is not None:
+            key = validate_key(key)
         with self._lock:
             self._check_open()
             entry = self._reserved_entry(res)
@@ -324,14 +307,16 @@ class ChunkStore(TierPlacement):
                 raise InvalidArgument(
                     f"commit of a reservation that is not outstanding: {res.key.hex()}"
                 )
-            del self._entries[res.key]
-            if key in self._entries:
-                self._cpu_tier.free(entry.copy.handle)
-                return False
-            entry.key = key
-            entry.checksum = checksum
+            if key is not None and key != res.key:
+                del self._entries[res.key]
+                if key in self._entries:
+                    self._cpu_tier.free(entry.copy.handle)
+                    return False
+                entry.key = key
+                self._entries[key] = entry
             entry.state = State.COMMITTED
-            self._entries[key] = entry
+            if checksum is not None:
+                entry.checksum = checksum
             self.attach(entry, entry.copy)
             self._puts += 1
         if self._mover is not None:

@@ -149,22 +149,26 @@ class Session:
             if e.size == 0:
                 out.append(ReserveReplyEntry(PutCode.INVALID))
                 continue
-            try:
-                res = self._chunks.reserve(self.key(e.key), e.size, e.checksum)
-            except CapacityExceeded:
-                out.append(ReserveReplyEntry(PutCode.NO_SPACE))
-                continue
-            except InvalidArgument:
-                out.append(ReserveReplyEntry(PutCode.INVALID))
-                continue
-            if res is None:
-                out.append(ReserveReplyEntry(PutCode.EXISTS))
+            res = self._reserve(self.key(e.key), e.size, e.checksum)
+            if isinstance(res, PutCode):
+                out.append(ReserveReplyEntry(res))
                 continue
             self._reservations[e.key] = res
             added += 1
             out.append(ReserveReplyEntry(PutCode.OK, res.offset))
         self._notify(added)
         return out
+
+    def _reserve(self, key: ChunkKey, size: int, checksum: int) -> Reservation | PutCode:
+        """A reservation, or why none: NO_SPACE, INVALID, or EXISTS (the key
+        is stored or being written)."""
+        try:
+            res = self._chunks.reserve(key, size, checksum)
+        except CapacityExceeded:
+            return PutCode.NO_SPACE
+        except InvalidArgument:
+            return PutCode.INVALID
+        return PutCode.EXISTS if res is None else res
 
     def commit(self, entries: Sequence[CommitEntry]) -> list[tuple[PutCode, int]]:
         """Verify and commit reserved chunks.
@@ -219,17 +223,11 @@ class Session:
             if self._granted_bytes + size > MAX_GRANTED_BYTES:
                 out.append(ReserveReplyEntry(PutCode.NO_SPACE))
                 continue
-            try:
-                name = self._placeholder + next(self._placeholders).to_bytes(8, "little")
-                res = self._chunks.reserve(ChunkKey(name), size, 0)
-            except CapacityExceeded:
-                out.append(ReserveReplyEntry(PutCode.NO_SPACE))
-                continue
-            except InvalidArgument:
-                out.append(ReserveReplyEntry(PutCode.INVALID))
-                continue
-            if res is None:  # a chunk stored under a placeholder key: 2**-64
-                out.append(ReserveReplyEntry(PutCode.NO_SPACE))
+            name = self._placeholder + next(self._placeholders).to_bytes(8, "little")
+            res = self._reserve(ChunkKey(name), size, 0)
+            if isinstance(res, PutCode):
+                # EXISTS: a chunk stored under a placeholder key (2**-64).
+                out.append(ReserveReplyEntry(PutCode.NO_SPACE if res is PutCode.EXISTS else res))
                 continue
             self._grants[res.offset] = res
             self._granted_bytes += size
@@ -257,7 +255,7 @@ class Session:
                 out.append((PutCode.CORRUPT, res.size))
                 continue
             try:
-                stored = self._chunks.commit_as(res, self.key(e.key), e.checksum)
+                stored = self._chunks.commit(res, e.checksum, key=self.key(e.key))
             except InvalidArgument:
                 self._chunks.revoke(res)
                 out.append((PutCode.INVALID, res.size))

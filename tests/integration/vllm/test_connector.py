@@ -345,16 +345,27 @@ def test_fp8_chunks_halve_the_bytes_and_stay_close_to_a_plain_run(
     # compared too, by its logprob in the fp8 run's top 5.
     deltas: list[float] = []
     for got, want in zip(cons["outputs"], plain, strict=False):
-        pairs = list(zip(got["tokens"], want["tokens"], strict=True))
-        agree = next((i for i, (a, b) in enumerate(pairs) if a != b), len(pairs))
-        deltas += [abs(got["logprobs"][i] - want["logprobs"][i]) for i in range(agree)]
-        if agree < len(pairs):
-            flipped = got["top"][agree].get(str(want["tokens"][agree]))
-            assert flipped is not None, ("plain token not in the fp8 top 5", agree, got, want)
-            deltas.append(abs(flipped - want["logprobs"][agree]))
+        agreed, at, flipped = until_divergence(got, want)
+        deltas += agreed
+        if at < len(want["tokens"]):
+            assert flipped is not None, ("plain token not in the fp8 top 5", at, got, want)
+            deltas.append(abs(flipped - want["logprobs"][at]))
     assert max(deltas) <= 1.5 and sum(deltas) / len(deltas) <= 0.6, deltas
     # Not a no-op: quantization moved the logprobs.
     assert max(deltas) > 0
+
+
+def until_divergence(
+    got: dict[str, Any], want: dict[str, Any]
+) -> tuple[list[float], int, float | None]:
+    """Where two greedy outputs part: the logprob deltas over the tokens they
+    agree on, the first position they differ at (their length if none), and
+    the logprob ``got`` gave ``want``'s token there (None: not in its top k)."""
+    pairs = list(zip(got["tokens"], want["tokens"], strict=True))
+    at = next((i for i, (a, b) in enumerate(pairs) if a != b), len(pairs))
+    agreed = [abs(got["logprobs"][i] - want["logprobs"][i]) for i in range(at)]
+    flipped = got["top"][at].get(str(want["tokens"][at])) if at < len(pairs) else None
+    return agreed, at, flipped
 
 
 def test_tail_blocks_and_decoded_chunks_hit_on_the_next_request(
@@ -576,14 +587,12 @@ def test_preempted_requests_resume_and_reset_cache_reloads(
     # by far more.
     drift: list[float] = []
     for x, y in zip(got["outputs"], ref["outputs"], strict=True):
-        pairs = list(zip(x["tokens"], y["tokens"], strict=True))
-        agree = next((i for i, (a, b) in enumerate(pairs) if a != b), len(pairs))
-        drift += [abs(x["logprobs"][i] - y["logprobs"][i]) for i in range(agree)]
-        if agree < len(pairs):
-            flipped = x["top"][agree].get(str(y["tokens"][agree]))
-            assert flipped is not None, ("plain token not in the top 5", agree, x, y)
-            assert abs(flipped - y["logprobs"][agree]) < 0.2, (agree, flipped, x, y)
-            assert abs(flipped - x["logprobs"][agree]) < 0.2, ("not a near tie", agree, x, y)
+        agreed, at, flipped = until_divergence(x, y)
+        drift += agreed
+        if at < len(y["tokens"]):
+            assert flipped is not None, ("plain token not in the top 5", at, x, y)
+            assert abs(flipped - y["logprobs"][at]) < 0.2, (at, flipped, x, y)
+            assert abs(flipped - x["logprobs"][at]) < 0.2, ("not a near tie", at, x, y)
     assert max(drift) < 0.2, max(drift)
     assert got["connector"]["load_errors"] == 0, got["connector"]
 
