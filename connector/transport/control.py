@@ -146,21 +146,12 @@ class ControlConnection:
 
     def reserve(self, entries: Sequence[PutEntry]) -> list[ReserveReplyEntry]:
         """Reserve room for chunks; OK entries carry their arena offset."""
-        n = len(entries)
-        send_all(self.sock, [Header(Opcode.RESERVE, n).pack() + pack_put_entries(entries)])
-        self.settle()
-        recv_reply_header(self.sock, Opcode.RESERVE_REPLY, n)
-        return unpack_reserve_reply_entries(recv_exact(self.sock, n * RESERVE_REPLY_ENTRY.size))
+        return self._reserve(entries, HeaderFlags.NONE)
 
     def grant(self, sizes: Sequence[int]) -> None:
         """Ask for room of each size ahead of its key (RESERVE|GRANT); what
         the store grants replaces :attr:`grants` (it drops the unused ones)."""
-        n = len(sizes)
-        entries = pack_put_entries(PutEntry(_NO_KEY, size, 0) for size in sizes)
-        send_all(self.sock, [Header(Opcode.RESERVE, n, flags=HeaderFlags.GRANT).pack() + entries])
-        self.settle()
-        recv_reply_header(self.sock, Opcode.RESERVE_REPLY, n)
-        replies = unpack_reserve_reply_entries(recv_exact(self.sock, n * RESERVE_REPLY_ENTRY.size))
+        replies = self._reserve([PutEntry(_NO_KEY, size, 0) for size in sizes], HeaderFlags.GRANT)
         self.grants = {}
         self._add_grants(sizes, replies)
 
@@ -203,6 +194,14 @@ class ControlConnection:
             body = recv_exact(self.sock, n * RESERVE_REPLY_ENTRY.size)
             self._add_grants(sizes, unpack_reserve_reply_entries(body))
         return statuses
+
+    def _reserve(self, entries: Sequence[PutEntry], flags: HeaderFlags) -> list[ReserveReplyEntry]:
+        n = len(entries)
+        head = Header(Opcode.RESERVE, n, flags=int(flags)).pack()
+        send_all(self.sock, [head + pack_put_entries(entries)])
+        self.settle()
+        recv_reply_header(self.sock, Opcode.RESERVE_REPLY, n)
+        return unpack_reserve_reply_entries(recv_exact(self.sock, n * RESERVE_REPLY_ENTRY.size))
 
     def _add_grants(self, sizes: Sequence[int], replies: Sequence[ReserveReplyEntry]) -> None:
         for size, reply in zip(sizes, replies, strict=True):

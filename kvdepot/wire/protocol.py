@@ -94,7 +94,6 @@ the store revokes every reservation and releases every lease it still holds::
     COMMIT_REPLY  header, n x status u8 (PutCode: OK, CORRUPT, INVALID = not
                   reserved on this connection); with HeaderFlags.INDEX, then
                   n x index code u8 (IndexCode), as a PUT_REPLY
-
     ABORT         header, n x key 16B: revoke reservations of this connection
     ABORT_REPLY   header, n x status u8 (HeldCode)
     LEASE         header, n x GetEntry
