@@ -27,7 +27,7 @@ import os
 import socket
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from kvdepot.connector.transport.base import (
@@ -65,7 +65,6 @@ from kvdepot.wire.protocol import (
     pack_keys,
     pack_put_entries,
     recv_exact,
-    recv_exact_into,
     recv_hashed_into,
     recv_index_codes,
     recv_reply_header,
@@ -75,7 +74,6 @@ from kvdepot.wire.protocol import (
     unpack_index_settled,
     unpack_statuses,
 )
-from kvdepot.wire.xxh3 import xxh3_64
 
 logger = logging.getLogger(__name__)
 
@@ -93,13 +91,6 @@ PUT_STATUS = {
 
 PARALLEL_MIN_BYTES = 8 << 20
 """A batch at least this large is spread over several connections."""
-
-OVERLAP_MIN_BYTES = 16 << 20
-"""A chunk read at least this large is hashed on a helper thread while the
-next one arrives. A get of 8 x 16 MiB took 0.86-1.03 x the time of hashing
-each block right after it arrived (median 0.90 over six runs on two cores);
-8 x 8 MiB took 1.04 x, 4 MiB 0.99-1.01 x and 1 MiB 1.05 x, so smaller chunks
-are hashed block by block as they arrive."""
 
 __all__ = [
     "PUT_STATUS",
@@ -289,7 +280,6 @@ class TcpTransport(Transport):
         self._pool = _Pool(connect_timeout_s, io_timeout_s, max(max_idle_per_peer, streams), token)
         self._streams = streams
         self._executor: ThreadPoolExecutor | None = None
-        self._hasher: ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
         self._closed = False
 
@@ -394,10 +384,8 @@ class TcpTransport(Transport):
         self._pool.close()
         with self._executor_lock:
             executor, self._executor = self._executor, None
-            hasher, self._hasher = self._hasher, None
-        for pool in (executor, hasher):
-            if pool is not None:
-                pool.shutdown(wait=True)
+        if executor is not None:
+            executor.shutdown(wait=True)
 
     def _check_usable(self, address: str) -> None:
         if self._closed:
@@ -450,81 +438,39 @@ class TcpTransport(Transport):
             return result
         raise AssertionError("unreachable")
 
-    def _hash_pool(self) -> ThreadPoolExecutor:
-        # Apart from the streams' executor: a stream waiting on a hash that
-        # queued behind itself would never finish.
-        with self._executor_lock:
-            if self._hasher is None:
-                self._hasher = ThreadPoolExecutor(
-                    max_workers=self._streams, thread_name_prefix="kvdepot-tcp-hash"
-                )
-            return self._hasher
-
     def _get_batch(self, sock: socket.socket, batch: list[GetWork]) -> list[GetOutcome]:
         n = len(batch)
         send_all(sock, [Header(Opcode.GET, n).pack() + pack_get_entries(e for _, e, _ in batch)])
         recv_reply_header(sock, Opcode.GET_REPLY, n)
         replies = unpack_get_reply_entries(recv_exact(sock, n * GET_REPLY_ENTRY.size))
-        # Large chunks: (position in outcomes, the hash running, the checksum sent).
-        hashing: list[tuple[int, Future[int], int]] = []
-        try:
-            outcomes = self._receive(sock, batch, replies, hashing)
-        finally:
-            for _, running, _ in hashing:
-                running.exception()  # never return while a hash still reads a buffer
-        for k, running, expected in hashing:
-            if running.result() != expected:
-                outcomes[k] = GetOutcome(False, 0, "checksum mismatch")
-        return outcomes
+        return [
+            self._receive(sock, work, reply) for work, reply in zip(batch, replies, strict=True)
+        ]
 
-    def _receive(
-        self,
-        sock: socket.socket,
-        batch: list[GetWork],
-        replies: list[GetReplyEntry],
-        hashing: list[tuple[int, Future[int], int]],
-    ) -> list[GetOutcome]:
-        """Receive the payloads of a GET_REPLY into their buffers, in order.
-
-        A chunk of at least ``OVERLAP_MIN_BYTES`` is only received here; its
-        hash runs on a helper thread while the next chunk arrives, and its
-        outcome stays ok only once the caller has compared it (``hashing``).
-        """
-        max_chunk = self._limits.max_chunk_bytes
-        outcomes = []
-        for (_, entry, buf), reply in zip(batch, replies, strict=True):
-            if reply.status is GetCode.NOT_FOUND:
-                outcomes.append(GetOutcome(False, 0, "not found"))
-                continue
-            if reply.status is GetCode.INVALID:
-                outcomes.append(GetOutcome(False, 0, "invalid range"))
-                continue
-            length = reply.length
-            if length > max_chunk:
-                raise ProtocolError(ErrorCode.MALFORMED, f"reply of {length} bytes for one chunk")
-            if length > buf.nbytes or (entry.length and length != entry.length):
-                # Keep the stream in sync, but never hand out these bytes.
-                drain(sock, length)
-                why = (
-                    f"buffer of {buf.nbytes} bytes too small for {length}"
-                    if length > buf.nbytes
-                    else f"store sent {length} bytes for a range of {entry.length}"
-                )
-                outcomes.append(GetOutcome(False, 0, why))
-                continue
-            dest = buf[:length] if length < buf.nbytes else buf
-            if length >= OVERLAP_MIN_BYTES:
-                recv_exact_into(sock, dest)
-                running = self._hash_pool().submit(xxh3_64, dest)
-                hashing.append((len(outcomes), running, reply.checksum))
-                outcomes.append(GetOutcome(True, length))
-                continue
-            # Hashed block by block as it arrives: verified without a second pass.
-            if recv_hashed_into(sock, dest) != reply.checksum:
-                outcomes.append(GetOutcome(False, 0, "checksum mismatch"))
-                continue
-            outcomes.append(GetOutcome(True, length))
-        return outcomes
+    def _receive(self, sock: socket.socket, work: GetWork, reply: GetReplyEntry) -> GetOutcome:
+        """Receive one payload of a GET_REPLY into its buffer, hashing each
+        block as it arrives: verified without a second pass over memory."""
+        _, entry, buf = work
+        if reply.status is GetCode.NOT_FOUND:
+            return GetOutcome(False, 0, "not found")
+        if reply.status is GetCode.INVALID:
+            return GetOutcome(False, 0, "invalid range")
+        length = reply.length
+        if length > self._limits.max_chunk_bytes:
+            raise ProtocolError(ErrorCode.MALFORMED, f"reply of {length} bytes for one chunk")
+        if length > buf.nbytes or (entry.length and length != entry.length):
+            # Keep the stream in sync, but never hand out these bytes.
+            drain(sock, length)
+            why = (
+                f"buffer of {buf.nbytes} bytes too small for {length}"
+                if length > buf.nbytes
+                else f"store sent {length} bytes for a range of {entry.length}"
+            )
+            return GetOutcome(False, 0, why)
+        dest = buf[:length] if length < buf.nbytes else buf
+        if recv_hashed_into(sock, dest) != reply.checksum:
+            return GetOutcome(False, 0, "checksum mismatch")
+        return GetOutcome(True, length)
 
 
 def _put_batch(

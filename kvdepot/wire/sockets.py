@@ -65,11 +65,22 @@ def _translate(exc: OSError, what: str) -> Unavailable:
     return Unavailable(f"{what} failed: {exc}")
 
 
-def send_all(sock: socket.socket, buffers: Sequence[bytes | bytearray | memoryview]) -> None:
-    """Send every buffer in order, with as few ``sendmsg`` calls as possible.
+SEND_PIECE = 1 << 20
+"""Most bytes handed to one ``sendmsg`` call.
 
-    Nothing is concatenated: the buffers are handed to the kernel as an I/O
-    vector and a partial send resumes from a slice of the first unsent one.
+A single call for a whole large reply lets the kernel fill the socket
+buffer before the receiver is woken; pieces of about 1 MiB keep both ends
+busy at once. On loopback, two cores, a reply of 8 x 4 MiB went 2.1-2.4 GB/s
+as one vector and 3.2-3.6 GB/s in 1 MiB calls (512 KiB: 3.2-3.3, 2 MiB:
+3.0-3.3); a vector of up to 1 MiB stays one call.
+"""
+
+
+def send_all(sock: socket.socket, buffers: Sequence[bytes | bytearray | memoryview]) -> None:
+    """Send every buffer in order, in calls of at most ``SEND_PIECE`` bytes.
+
+    Nothing is concatenated: the buffers are handed to the kernel as I/O
+    vectors and a partial send resumes from a slice of the first unsent one.
 
     Raises:
         PeerClosed: The peer closed or reset the connection.
@@ -79,8 +90,9 @@ def send_all(sock: socket.socket, buffers: Sequence[bytes | bytearray | memoryvi
     views = [v for v in (byte_view(b) for b in buffers) if v.nbytes]
     i = 0
     while i < len(views):
+        iov = _piece(views, i)
         try:
-            sent = sock.sendmsg(views[i : i + _IOV_MAX])
+            sent = sock.sendmsg(iov)
         except OSError as exc:
             raise _translate(exc, "send") from exc
         if sent <= 0:
@@ -93,6 +105,19 @@ def send_all(sock: socket.socket, buffers: Sequence[bytes | bytearray | memoryvi
             else:
                 views[i] = views[i][sent:]
                 sent = 0
+
+
+def _piece(views: list[memoryview], i: int) -> list[memoryview]:
+    """The next I/O vector from ``views[i]``: at most ``SEND_PIECE`` bytes."""
+    iov: list[memoryview] = []
+    room = SEND_PIECE
+    for view in views[i : i + _IOV_MAX]:
+        if view.nbytes >= room:
+            iov.append(view[:room] if view.nbytes > room else view)
+            break
+        iov.append(view)
+        room -= view.nbytes
+    return iov
 
 
 def recv_exact_into(sock: socket.socket, view: memoryview) -> None:

@@ -20,7 +20,6 @@ import pytest
 from kvdepot.apps.cluster import LocalCluster
 from kvdepot.connector.client import ClientConfig, KVDepotClient
 from kvdepot.connector.transport import GetItem, PutItem, PutStatus, TcpTransport
-from kvdepot.connector.transport.tcp import OVERLAP_MIN_BYTES
 from kvdepot.keys import ChunkKey
 from kvdepot.store.chunks import ChunkStore
 from kvdepot.store.dataplane import DataPlaneServer
@@ -144,17 +143,20 @@ def test_own_chunks_the_index_does_not_name_stay_readable_with_the_index_first(
     assert calls.methods == ["Lookup"] and got.leading == 2
 
 
+LARGE = 16 << 20
+
+
 def test_a_large_chunk_corrupted_in_the_store_is_a_miss_over_tcp() -> None:
-    # Chunks from OVERLAP_MIN_BYTES up are hashed on a helper thread while the
-    # next one arrives: a wrong byte must still make that chunk (only) a miss.
-    chunks = ChunkStore(3 * OVERLAP_MIN_BYTES)
+    # A chunk of many hash blocks, hashed block by block as it arrives: a
+    # wrong byte past the first block must still make that chunk (only) a miss.
+    chunks = ChunkStore(3 * LARGE)
     server = DataPlaneServer(chunks)
     server.start()
     try:
         host, port = server.address
         address = f"{host}:{port}"
         rng = np.random.default_rng(7)
-        sizes = (OVERLAP_MIN_BYTES, OVERLAP_MIN_BYTES + 4096, SIZE)
+        sizes = (LARGE, LARGE + 4096, SIZE)
         data = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
         keys = [ChunkKey(k) for k in _keys(3)]
         with TcpTransport() as t:

@@ -160,10 +160,12 @@ class TrickleSocket:
         self.received = bytearray()
         self.calls = 0
         self.max_buffers = 0
+        self.offered: list[int] = []
 
     def sendmsg(self, buffers: Sequence[memoryview]) -> int:
         self.calls += 1
         self.max_buffers = max(self.max_buffers, len(buffers))
+        self.offered.append(sum(b.nbytes for b in buffers))
         budget = self.step
         for buf in buffers:
             take = min(budget, buf.nbytes)
@@ -197,6 +199,23 @@ def test_send_all_respects_iov_max() -> None:
     p.send_all(sock, buffers)  # type: ignore[arg-type]
     assert bytes(sock.received) == b"".join(bytes(b) for b in buffers)
     assert sock.max_buffers <= 1024
+
+
+def test_send_all_hands_the_kernel_pieces_of_at_most_send_piece_bytes() -> None:
+    from kvdepot.wire.sockets import SEND_PIECE
+
+    # A large reply in pieces (the receiver is woken while the rest is
+    # copied), a small vector in one call, and every byte in order.
+    head, big = b"h" * 40, os.urandom(3 * SEND_PIECE + 12345)
+    buffers: list[bytes | bytearray | memoryview] = [head, memoryview(big), b"tail"]
+    sock = TrickleSocket(1 << 30)
+    p.send_all(sock, buffers)  # type: ignore[arg-type]
+    assert bytes(sock.received) == head + big + b"tail"
+    assert max(sock.offered) == SEND_PIECE
+    assert sock.calls == 4
+    small = TrickleSocket(1 << 30)
+    p.send_all(small, [head, os.urandom(SEND_PIECE - 100), b"x"])  # type: ignore[arg-type]
+    assert small.calls == 1
 
 
 def test_send_all_with_real_partial_sends(pair: tuple[socket.socket, socket.socket]) -> None:
