@@ -642,7 +642,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--batch", type=int, default=8, help="chunks per put/get (default 8; --quick: <= 64 MiB)"
     )
-    ap.add_argument("--plot", type=Path, default=Path("benchmarks/dataplane.png"))
+    ap.add_argument("--plot", type=Path, default=Path(__file__).resolve().parent / "dataplane.png")
     ap.add_argument("--capacity", default="1GiB", help="arena of the store (default 1GiB)")
     ap.add_argument(
         "--systems",

@@ -63,8 +63,11 @@ class ClientConfig:
             store committed the chunks (readable there); the store commits
             them into the index right after, batched with other writers'
             (``PutResult.pending``; :meth:`KVDepotClient.sync_index` waits for
-            them). This client's own lookups wait for its pending commits
-            first; other processes' lookups may miss chunks for that moment.
+            them). Over ``shm`` the put returns once its COMMIT is sent: the
+            store commits one put while the writer copies the next, and the
+            answer is read by the next exchange. This client's own reads
+            and lookups wait for its pending commits first; other
+            processes' lookups may miss chunks for that moment.
             Off (the default): the store answers once the index did. The
             vLLM connector turns it on: it publishes from a thread of its
             own, and a decode engine waits for what a prefill announced.
@@ -398,7 +401,10 @@ class KVDepotClient:
             What the index did with them since the last call: ``new``,
             ``elsewhere`` (stored by another node first), ``not_indexed``
             (readable in this node's store, named by no lookup until the
-            store registers again) and ``pending`` (still on their way).
+            store registers again), ``pending`` (still on their way), and of
+            those a put handed over without waiting for the store's answer
+            (``shm``), ``skipped`` (the store held them already) and
+            ``lost`` (not stored: the store refused them or failed).
 
         Raises:
             ClientClosed: the client was closed.
@@ -415,7 +421,13 @@ class KVDepotClient:
         if settled is None:
             raise Unavailable(f"the store at {local} cannot say what it indexed")
         with self._lock:
-            done = settled.new + settled.elsewhere + settled.not_indexed
+            done = (
+                settled.new
+                + settled.elsewhere
+                + settled.not_indexed
+                + settled.skipped
+                + settled.lost
+            )
             self._unsynced = max(0, self._unsynced - done)
             if not settled.pending:
                 # Everything put before the question is settled; what came

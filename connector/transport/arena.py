@@ -5,6 +5,7 @@ a control connection, the bytes by a mechanism each subclass supplies."""
 from __future__ import annotations
 
 import abc
+import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import Generic, TypeVar
@@ -90,8 +91,21 @@ class ArenaTransport(Transport, Generic[PeerT], abc.ABC):
         return self._put(address, items, indexed, writer), indexed
 
     def sync_index(self, address: str, writer: int, wait_s: float) -> IndexSettled | None:
-        """Ask over the store's socket; see :meth:`Transport.sync_index`."""
-        return self._tcp.sync_index(address, writer, wait_s) if self.indexes else None
+        """Ask over the store's socket, once the store answered the late
+        commits sent to it (their chunks are pending in its index then, or
+        counted ``skipped`` or ``lost``); see :meth:`Transport.sync_index`."""
+        if not self.indexes:
+            return None
+        self._pool.settle_commits(address)
+        settled = self._tcp.sync_index(address, writer, wait_s)
+        if settled is None:
+            return None  # the outcomes wait for an answer that can carry them
+        skipped, lost = self._pool.pipeline(address).take_outcomes()
+        if not (skipped or lost):
+            return settled
+        return dataclasses.replace(
+            settled, skipped=settled.skipped + skipped, lost=settled.lost + lost
+        )
 
     def _put(
         self,
@@ -132,6 +146,9 @@ class ArenaTransport(Transport, Generic[PeerT], abc.ABC):
         outcomes = [GetOutcome(False, 0, "transport: not attempted")] * len(items)
         if not todo:
             return outcomes
+        # Read-your-writes: chunks whose commit a put left unanswered are
+        # committed first (or a miss, when the wait runs out).
+        self._pool.settle_commits(address)
         try:
             conn, peer = self._open(address)
         except Unauthenticated:

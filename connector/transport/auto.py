@@ -184,7 +184,11 @@ class AutoTransport(Transport):
 
     def sync_index(self, address: str, writer: int, wait_s: float) -> IndexSettled | None:
         """Ask over the store's socket (any transport's deferred chunks are
-        counted per writer); see :meth:`Transport.sync_index`."""
+        counted per writer), through the chosen transport where it pipelines
+        commits; see :meth:`Transport.sync_index`."""
+        t = self._pick(address)
+        if t is self._shm:
+            return t.sync_index(address, writer, wait_s)
         return self._tcp.sync_index(address, writer, wait_s)
 
     def get_into(self, address: str, items: Sequence[GetItem]) -> list[GetOutcome]:

@@ -12,14 +12,24 @@ COMMITs may be pipelined: :meth:`ControlConnection.send_commit` sends one
 without waiting, so the store verifies a chunk's checksum on its own core
 while the client copies the next one; :meth:`ControlConnection.finish_commits`
 collects the answers in order.
+
+A deferring writer's put goes further (:meth:`ControlConnection.commit_late`):
+it returns once its COMMIT|GRANT is sent, and the answer is read by whatever
+next uses the connection, so the store commits one put while the writer
+prepares the next. A :class:`Pipeline` per store keeps count: a read waits
+for the answers of every commit sent before it (read-your-writes), and what
+the store did not commit is counted lost until the writer asks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
+from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from kvdepot.endpoints import parse_endpoint
 from kvdepot.errors import InvalidArgument, KVDepotError, Unavailable
@@ -124,25 +134,105 @@ def looks_alive(sock: socket.socket) -> bool:
     return False  # EOF (b"") or unexpected bytes
 
 
+class Pipeline:
+    """The pipelined commits to one store whose answers are not read yet.
+
+    Each commit sent without waiting takes a ticket; whoever reads its
+    answer (any thread, on whichever connection carried it) settles the
+    ticket. Readers wait for the tickets issued before them; writers learn
+    what the store did not store anew when they ask (:meth:`take_outcomes`).
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._issued = 0
+        self._open: dict[int, int] = {}  # ticket -> chunks it carries
+        self._skipped = 0
+        self._lost = 0
+
+    def sent(self, n: int) -> int:
+        """A ticket for a commit of ``n`` chunks just sent."""
+        with self._cond:
+            self._issued += 1
+            self._open[self._issued] = n
+            return self._issued
+
+    def answered(self, ticket: int, statuses: Sequence[PutCode] | None) -> None:
+        """The answer of ``ticket`` was read (``None``: it never will be)."""
+        with self._cond:
+            n = self._open.pop(ticket, 0)
+            if statuses is None:
+                self._lost += n
+            else:
+                self._skipped += sum(c is PutCode.EXISTS for c in statuses)
+                self._lost += sum(c not in (PutCode.OK, PutCode.EXISTS) for c in statuses)
+            self._cond.notify_all()
+
+    def issued(self) -> int:
+        """The last ticket issued (0 when none)."""
+        with self._cond:
+            return self._issued
+
+    def open_until(self, ticket: int) -> bool:
+        """Whether a ticket up to ``ticket`` is still unanswered."""
+        with self._cond:
+            return any(t <= ticket for t in self._open)
+
+    def wait(self, ticket: int, timeout_s: float) -> bool:
+        """Wait until every ticket up to ``ticket`` is answered; whether they are."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not any(t <= ticket for t in self._open), timeout_s)
+
+    def take_outcomes(self) -> tuple[int, int]:
+        """Chunks the store held already (EXISTS) and chunks lost (refused, or
+        no answer) since the last call."""
+        with self._cond:
+            out = (self._skipped, self._lost)
+            self._skipped = self._lost = 0
+            return out
+
+
+@dataclass(frozen=True, slots=True)
+class _LateCommit:
+    """A COMMIT|GRANT whose answer is read later: its grants' sizes, its ticket."""
+
+    sizes: list[int]
+    ticket: int
+
+
 class ControlConnection:
     """One attached data-plane connection and the arena it attached to.
 
     Not thread-safe: a connection is used by one caller at a time (checked
     out of a :class:`ControlPool`).
+
+    Args:
+        sock: The connected, attached socket.
+        info: What the store answered to ATTACH.
+        pipeline: Where commits sent without waiting take their tickets.
     """
 
-    def __init__(self, sock: socket.socket, info: AttachInfo) -> None:
+    def __init__(
+        self, sock: socket.socket, info: AttachInfo, pipeline: Pipeline | None = None
+    ) -> None:
         self.sock = sock
         self.info = info
+        self._pipeline = pipeline or Pipeline()
         self._commits_in_flight = 0
-        # Entries of each RELEASE sent whose answer is not read yet.
-        self._releases_in_flight: list[int] = []
+        # Answers not read yet, in the order they come: the entries of a
+        # RELEASE (a count), or a late COMMIT|GRANT.
+        self._expected: deque[int | _LateCommit] = deque()
         # Arena offsets of the room the store granted this connection, by size.
         self.grants: dict[int, list[int]] = {}
 
     def close(self) -> None:
-        """Close the socket; the store drops what this connection held."""
+        """Close the socket; the store drops what this connection held (a
+        late commit's answer is never read: its chunks count as lost)."""
         self.sock.close()
+        late = [e for e in self._expected if isinstance(e, _LateCommit)]
+        self._expected.clear()
+        for e in late:
+            self._pipeline.answered(e.ticket, None)
 
     def reserve(self, entries: Sequence[PutEntry]) -> list[ReserveReplyEntry]:
         """Reserve room for chunks; OK entries carry their arena offset."""
@@ -180,11 +270,27 @@ class ControlConnection:
         """Commit grants (``entries[i].offset``, of ``sizes[i]`` bytes) as their
         keys, one round trip; ``indexed`` is extended as by
         :meth:`finish_commits`, and the new grants of the answer are kept."""
-        n = len(entries)
-        flags = index_flags(index, writer) | HeaderFlags.GRANT
-        head = Header(Opcode.COMMIT, n, writer, flags).pack()
-        send_all(self.sock, [head + pack_commit_entries(entries, granted=True)])
+        self._send_granted(entries, index, writer)
         self.settle()
+        return self._read_granted(sizes, indexed)
+
+    def commit_late(
+        self, entries: Sequence[CommitEntry], sizes: Sequence[int], writer: int
+    ) -> None:
+        """Send a deferring writer's COMMIT|GRANT (indexed after the answer)
+        and return: its answer, with the next grants, is read by the next
+        exchange on this connection (:meth:`settle`), its outcome counted
+        in the store's :class:`Pipeline`."""
+        self._send_granted(entries, True, writer)
+        self._expected.append(_LateCommit(list(sizes), self._pipeline.sent(len(entries))))
+
+    def _send_granted(self, entries: Sequence[CommitEntry], index: bool, writer: int) -> None:
+        flags = index_flags(index, writer) | HeaderFlags.GRANT
+        head = Header(Opcode.COMMIT, len(entries), writer, flags).pack()
+        send_all(self.sock, [head + pack_commit_entries(entries, granted=True)])
+
+    def _read_granted(self, sizes: Sequence[int], indexed: list[IndexCode] | None) -> list[PutCode]:
+        n = len(sizes)
         header = recv_reply_header(self.sock, Opcode.COMMIT_REPLY, n)
         statuses = unpack_statuses(recv_exact(self.sock, n), PutCode)
         codes = recv_index_codes(self.sock, header)
@@ -278,15 +384,21 @@ class ControlConnection:
         n = len(lease_ids)
         if n:
             send_all(self.sock, [Header(Opcode.RELEASE, n).pack() + pack_lease_ids(lease_ids)])
-            self._releases_in_flight.append(n)
+            self._expected.append(n)
 
     def settle(self) -> None:
-        """Read the answers of RELEASEs sent by :meth:`release_later`."""
-        while self._releases_in_flight:
-            n = self._releases_in_flight[0]
-            recv_reply_header(self.sock, Opcode.RELEASE_REPLY, n)
-            recv_exact(self.sock, n)
-            self._releases_in_flight.pop(0)
+        """Read the answers of RELEASEs sent by :meth:`release_later` and of
+        COMMITs sent by :meth:`commit_late` (keeping the grants they carry)."""
+        while self._expected:
+            e = self._expected[0]
+            if isinstance(e, _LateCommit):
+                statuses = self._read_granted(e.sizes, None)
+                self._expected.popleft()
+                self._pipeline.answered(e.ticket, statuses)
+            else:
+                recv_reply_header(self.sock, Opcode.RELEASE_REPLY, e)
+                recv_exact(self.sock, e)
+                self._expected.popleft()
 
 
 def attach(sock: socket.socket, kind: AttachKind) -> AttachInfo:
@@ -329,7 +441,39 @@ class ControlPool:
         self._max_idle = max_idle
         self._lock = threading.Lock()
         self._idle: dict[str, list[ControlConnection]] = {}
+        self._pipelines: dict[str, Pipeline] = {}
         self._closed = False
+
+    def pipeline(self, address: str) -> Pipeline:
+        """The late commits to ``address`` (see :meth:`ControlConnection.commit_late`)."""
+        with self._lock:
+            p = self._pipelines.get(address)
+            if p is None:
+                p = self._pipelines[address] = Pipeline()
+            return p
+
+    def settle_commits(self, address: str) -> bool:
+        """Wait (at most the I/O timeout) until the store at ``address`` has
+        answered every late commit sent so far: its chunks are readable then,
+        or counted lost. Returns whether it has.
+
+        The answers of idle connections are read here; a connection in use
+        reads its own before its next exchange.
+        """
+        p = self.pipeline(address)
+        upto = p.issued()
+        if not p.open_until(upto):
+            return True
+        with self._lock:
+            idle = self._idle.pop(address, [])
+        for conn in idle:
+            try:
+                conn.settle()
+            except (KVDepotError, OSError):
+                conn.close()
+                continue
+            self.checkin(address, conn)
+        return p.wait(upto, self._io_timeout_s)
 
     def checkout(self, address: str) -> ControlConnection:
         """An attached connection to ``address`` (a pooled one if it is still alive).
@@ -356,19 +500,20 @@ class ControlPool:
             conn.close()
         sock = connect(address, self._connect_timeout_s, self._io_timeout_s, self._token)
         try:
-            return ControlConnection(sock, attach(sock, self._kind))
+            return ControlConnection(sock, attach(sock, self._kind), self.pipeline(address))
         except BaseException:
             sock.close()
             raise
 
     def checkin(self, address: str, conn: ControlConnection) -> None:
-        """Return a connection with no COMMIT answer unread (RELEASE answers may be)."""
+        """Return a connection with no :meth:`ControlConnection.send_commit`
+        answer unread (RELEASE and late COMMIT answers may be)."""
         with self._lock:
             idle = self._idle.setdefault(address, [])
             if not self._closed and len(idle) < self._max_idle:
                 idle.append(conn)
                 return
-        conn.close()
+        _retire(conn)
 
     def drop(self, address: str) -> None:
         """Close the idle connections to ``address`` (its store restarted)."""
@@ -378,10 +523,20 @@ class ControlPool:
             conn.close()
 
     def close(self) -> None:
-        """Close every idle connection; later checkouts raise."""
+        """Close every idle connection, once it read the answers it awaits;
+        later checkouts raise."""
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, {}
         for conns in idle.values():
             for conn in conns:
-                conn.close()
+                _retire(conn)
+
+
+def _retire(conn: ControlConnection) -> None:
+    """Close a connection after reading the answers it awaits (bounded by
+    its I/O timeout): a late commit's outcome is then known, not lost."""
+    # A failure: closed below, what it awaited counts as lost.
+    with contextlib.suppress(KVDepotError, OSError):
+        conn.settle()
+    conn.close()

@@ -373,6 +373,7 @@ class ShmTransport(ArenaTransport[_Mapping]):
     ) -> list[tuple[int, PutStatus]]:
         sizes = [e.size for _, e, _, _ in batch]
         if conn.info.flags & AttachFlags.GRANTS and sum(sizes) <= MAX_GRANTED_BYTES:
+            conn.settle()  # a late commit's answer brings the grants of this put
             offsets = conn.take_grants(sizes)
             if offsets is None:
                 conn.grant(sizes)
@@ -448,7 +449,12 @@ class ShmTransport(ArenaTransport[_Mapping]):
         round trip. A chunk the store holds already is copied for nothing
         (the store frees its grant and answers EXISTS): a local copy of at
         most ``MAX_GRANTED_BYTES``, against a RESERVE round trip saved on
-        every put."""
+        every put.
+
+        A deferring ``writer``'s COMMIT is not waited for: its chunks are
+        reported OK and PENDING (their index commit follows the store's
+        commit anyway), and the answer is read by the connection's next
+        exchange (see :meth:`ControlConnection.commit_late`)."""
         arena = m.view
         jobs = [
             (arena[off : off + e.size], view, False)
@@ -471,6 +477,12 @@ class ShmTransport(ArenaTransport[_Mapping]):
                 committed.append(i)
                 sizes.append(e.size)
         if not entries:
+            return out
+        if writer and indexed is not None:
+            conn.commit_late(entries, sizes, writer)
+            out.extend((i, PutStatus.OK) for i in committed)
+            for i in committed:
+                indexed[i] = IndexCode.PENDING
             return out
         got: list[IndexCode] = []
         codes = conn.commit_granted(entries, sizes, indexed is not None, writer, got)

@@ -136,6 +136,8 @@ from typing import Any, TypeVar
 
 from kvdepot.errors import Corrupt, InvalidArgument, Unauthenticated
 from kvdepot.keys import KEY_BYTES, ChunkKey
+from kvdepot.wire.settled import INDEX_SETTLED as INDEX_SETTLED
+from kvdepot.wire.settled import IndexSettled as IndexSettled
 from kvdepot.wire.sockets import HASH_BLOCK as HASH_BLOCK
 from kvdepot.wire.sockets import PeerClosed as PeerClosed
 from kvdepot.wire.sockets import TimedOut as TimedOut
@@ -167,7 +169,6 @@ LEASE_ID = struct.Struct("<Q")
 CHECKSUM = struct.Struct("<Q")
 ATTACH_INFO = struct.Struct("<QQQQIHHH6x")
 ERROR_CODE = struct.Struct("<I")
-INDEX_SETTLED = struct.Struct("<QQQQ")
 
 MAX_GRANTED_BYTES = 8 << 20
 """Most bytes granted to one connection at once; larger batches reserve by key."""
@@ -696,41 +697,6 @@ def recv_index_codes(sock: socket.socket, header: Header) -> list[IndexCode]:
     if not header.flags & HeaderFlags.INDEX:
         return [IndexCode.NOT_INDEXED] * header.count
     return unpack_statuses(recv_exact(sock, header.count), IndexCode)
-
-
-@dataclass(frozen=True, slots=True)
-class IndexSettled:
-    """What the index did with a writer's deferred chunks (SYNC_REPLY).
-
-    Attributes:
-        new: Committed, the first replica in the cluster.
-        elsewhere: Committed as one more replica of a chunk another node
-            had stored.
-        not_indexed: Not committed within the store's bound (the index
-            unreachable, the store not registered, or the chunk gone): in
-            the store, readable there, named by no lookup until the store
-            registers its inventory again.
-        pending: Still on their way into the index when the wait ended
-            (of two answers added, the later one's).
-    """
-
-    new: int = 0
-    elsewhere: int = 0
-    not_indexed: int = 0
-    pending: int = 0
-
-    def pack(self) -> bytes:
-        """The SYNC_REPLY body."""
-        return INDEX_SETTLED.pack(self.new, self.elsewhere, self.not_indexed, self.pending)
-
-    def __add__(self, other: IndexSettled) -> IndexSettled:
-        # This answer, then a later one: outcomes add up; pending is a state.
-        return IndexSettled(
-            self.new + other.new,
-            self.elsewhere + other.elsewhere,
-            self.not_indexed + other.not_indexed,
-            other.pending,
-        )
 
 
 def index_flags(index: bool, writer: int = 0) -> int:

@@ -506,3 +506,68 @@ def test_a_connection_holding_grants_is_not_cut_for_idleness(tmp_path: Path) -> 
     finally:
         server.stop()
         chunks_.close()
+
+
+def test_a_deferring_writers_shm_put_returns_before_the_commit_answer(
+    stores: LocalCluster,
+) -> None:
+    """The store commits one put while the writer goes on; the writer's own
+    reads wait for that commit, and its next sync says what became of it."""
+    address = stores.stores[0].info["address"]
+    rng = random.Random(41)
+    with ShmTransport(max_idle_per_peer=1) as t:
+        pipeline = t._pool.pipeline(address)
+        batches = [chunks(rng, [256 * KiB] * 8) for _ in range(2)]
+        for keys, data in batches:
+            items = [PutItem(k, d) for k, d in zip(keys, data, strict=True)]
+            statuses, indexed = t.put_indexed(address, items, writer=7)
+            assert statuses == [PutStatus.OK] * 8
+            assert indexed == [p.IndexCode.PENDING] * 8
+            # Sent, its answer unread: the next exchange on the connection reads it.
+            assert pipeline.open_until(pipeline.issued())
+        for keys, data in batches:
+            bufs = [bytearray(len(d)) for d in data]
+            gets = [GetItem(k, memoryview(b)) for k, b in zip(keys, bufs, strict=True)]
+            assert all(o.ok for o in t.get_into(address, gets)) and bufs == data
+        assert not pipeline.open_until(pipeline.issued())
+        # Published again: the store held them; the writer learns it on sync.
+        keys, data = batches[0]
+        items = [PutItem(k, d) for k, d in zip(keys, data, strict=True)]
+        assert t.put_indexed(address, items, writer=7)[0] == [PutStatus.OK] * 8
+        settled = t.sync_index(address, 7, 5.0)
+        assert settled is not None
+        assert (settled.new, settled.skipped, settled.lost, settled.pending) == (16, 8, 0, 0)
+        assert t.sync_index(address, 7, 5.0) == p.IndexSettled()
+        t.delete(address, [k for keys, _ in batches for k in keys])
+
+
+def test_a_frozen_store_never_holds_a_pipelined_put_and_its_chunks_count_lost(
+    tmp_path: Path,
+) -> None:
+    with LocalCluster(nodes=1, capacity="32MiB", log_dir=tmp_path) as c:
+        store = c.stores[0]
+        address = store.info["address"]
+        rng = random.Random(43)
+        with ShmTransport(io_timeout_s=1.0, max_idle_per_peer=1) as t:
+            keys, data = chunks(rng, [64 * KiB] * 4)
+            items = [PutItem(k, d) for k, d in zip(keys, data, strict=True)]
+            assert t.put_indexed(address, items, writer=9)[0] == [PutStatus.OK] * 4
+            assert t.sync_index(address, 9, 5.0) is not None  # answered; grants in hand
+            os.kill(store.pid, signal.SIGSTOP)
+            try:
+                keys, data = chunks(rng, [64 * KiB] * 4)
+                items = [PutItem(k, d) for k, d in zip(keys, data, strict=True)]
+                t0 = time.monotonic()
+                statuses, indexed = t.put_indexed(address, items, writer=9)
+                assert time.monotonic() - t0 < 1.0  # nothing waited on the frozen store
+                assert (statuses, indexed) == ([PutStatus.OK] * 4, [p.IndexCode.PENDING] * 4)
+                # A read waits a bounded time for the commit, then misses.
+                bufs = [bytearray(64 * KiB) for _ in keys]
+                gets = [GetItem(k, memoryview(b)) for k, b in zip(keys, bufs, strict=True)]
+                t0 = time.monotonic()
+                assert not any(o.ok for o in t.get_into(address, gets))
+                assert time.monotonic() - t0 < 10.0
+            finally:
+                os.kill(store.pid, signal.SIGCONT)
+            settled = t.sync_index(address, 9, 5.0)
+            assert settled is not None and settled.lost == 4
