@@ -40,7 +40,7 @@ KiB = 1 << 10
 # stage from the first argument (the metadata method).
 _TARGETS: list[tuple[str, str, str | None, bool]] = [
     ("kvdepot.metadata_client", "MetadataClient.call", None, True),
-    ("kvdepot.connector.transport.tcp", "_Pool.checkout", "connection checkout", True),
+    ("kvdepot.connector.transport.tcp_pool", "TcpPool.checkout", "connection checkout", True),
     ("kvdepot.connector.transport.control", "ControlPool.checkout", "connection checkout", True),
     ("kvdepot.connector.transport.control", "ControlConnection.reserve", "control RESERVE", True),
     (

@@ -5,13 +5,13 @@ a control connection, the bytes by a mechanism each subclass supplies."""
 from __future__ import annotations
 
 import abc
-import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import Generic, TypeVar
 
 from kvdepot.connector.transport.base import GetItem, GetOutcome, PutItem, PutStatus, Transport
 from kvdepot.connector.transport.control import ControlConnection, ControlPool
+from kvdepot.connector.transport.pipeline import with_outcomes
 from kvdepot.connector.transport.tcp import (
     GetWork,
     PutWork,
@@ -100,12 +100,7 @@ class ArenaTransport(Transport, Generic[PeerT], abc.ABC):
         settled = self._tcp.sync_index(address, writer, wait_s)
         if settled is None:
             return None  # the outcomes wait for an answer that can carry them
-        skipped, lost = self._pool.pipeline(address).take_outcomes()
-        if not (skipped or lost):
-            return settled
-        return dataclasses.replace(
-            settled, skipped=settled.skipped + skipped, lost=settled.lost + lost
-        )
+        return with_outcomes(settled, self._pool.pipeline(address))
 
     def _put(
         self,

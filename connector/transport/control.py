@@ -31,6 +31,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvdepot.connector.transport.pipeline import Pipeline
 from kvdepot.endpoints import parse_endpoint
 from kvdepot.errors import InvalidArgument, KVDepotError, Unavailable
 from kvdepot.keys import ChunkKey
@@ -132,64 +133,6 @@ def looks_alive(sock: socket.socket) -> bool:
     except OSError:
         return False
     return False  # EOF (b"") or unexpected bytes
-
-
-class Pipeline:
-    """The pipelined commits to one store whose answers are not read yet.
-
-    Each commit sent without waiting takes a ticket; whoever reads its
-    answer (any thread, on whichever connection carried it) settles the
-    ticket. Readers wait for the tickets issued before them; writers learn
-    what the store did not store anew when they ask (:meth:`take_outcomes`).
-    """
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._issued = 0
-        self._open: dict[int, int] = {}  # ticket -> chunks it carries
-        self._skipped = 0
-        self._lost = 0
-
-    def sent(self, n: int) -> int:
-        """A ticket for a commit of ``n`` chunks just sent."""
-        with self._cond:
-            self._issued += 1
-            self._open[self._issued] = n
-            return self._issued
-
-    def answered(self, ticket: int, statuses: Sequence[PutCode] | None) -> None:
-        """The answer of ``ticket`` was read (``None``: it never will be)."""
-        with self._cond:
-            n = self._open.pop(ticket, 0)
-            if statuses is None:
-                self._lost += n
-            else:
-                self._skipped += sum(c is PutCode.EXISTS for c in statuses)
-                self._lost += sum(c not in (PutCode.OK, PutCode.EXISTS) for c in statuses)
-            self._cond.notify_all()
-
-    def issued(self) -> int:
-        """The last ticket issued (0 when none)."""
-        with self._cond:
-            return self._issued
-
-    def open_until(self, ticket: int) -> bool:
-        """Whether a ticket up to ``ticket`` is still unanswered."""
-        with self._cond:
-            return any(t <= ticket for t in self._open)
-
-    def wait(self, ticket: int, timeout_s: float) -> bool:
-        """Wait until every ticket up to ``ticket`` is answered; whether they are."""
-        with self._cond:
-            return self._cond.wait_for(lambda: not any(t <= ticket for t in self._open), timeout_s)
-
-    def take_outcomes(self) -> tuple[int, int]:
-        """Chunks the store held already (EXISTS) and chunks lost (refused, or
-        no answer) since the last call."""
-        with self._cond:
-            out = (self._skipped, self._lost)
-            self._skipped = self._lost = 0
-            return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -392,9 +335,10 @@ class ControlConnection:
         while self._expected:
             e = self._expected[0]
             if isinstance(e, _LateCommit):
-                statuses = self._read_granted(e.sizes, None)
+                codes: list[IndexCode] = []
+                statuses = self._read_granted(e.sizes, codes)
                 self._expected.popleft()
-                self._pipeline.answered(e.ticket, statuses)
+                self._pipeline.answered(e.ticket, statuses, codes)
             else:
                 recv_reply_header(self.sock, Opcode.RELEASE_REPLY, e)
                 recv_exact(self.sock, e)
@@ -460,10 +404,9 @@ class ControlPool:
         The answers of idle connections are read here; a connection in use
         reads its own before its next exchange.
         """
-        p = self.pipeline(address)
-        upto = p.issued()
-        if not p.open_until(upto):
-            return True
+        return self.pipeline(address).settle(lambda: self._settle_idle(address), self._io_timeout_s)
+
+    def _settle_idle(self, address: str) -> None:
         with self._lock:
             idle = self._idle.pop(address, [])
         for conn in idle:
@@ -473,7 +416,6 @@ class ControlPool:
                 conn.close()
                 continue
             self.checkin(address, conn)
-        return p.wait(upto, self._io_timeout_s)
 
     def checkout(self, address: str) -> ControlConnection:
         """An attached connection to ``address`` (a pooled one if it is still alive).

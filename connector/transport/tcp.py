@@ -37,7 +37,9 @@ from kvdepot.connector.transport.base import (
     PutStatus,
     Transport,
 )
-from kvdepot.connector.transport.control import connect, looks_alive, parse_address
+from kvdepot.connector.transport.control import parse_address
+from kvdepot.connector.transport.pipeline import with_outcomes
+from kvdepot.connector.transport.tcp_pool import Stream, TcpPool
 from kvdepot.errors import InvalidArgument, KVDepotError, Unauthenticated
 from kvdepot.keys import ChunkKey, validate_key
 from kvdepot.rpc.security_config import SecurityConfig
@@ -187,55 +189,6 @@ def _spread(items: list[_T], size: Callable[[_T], int], ways: int) -> list[list[
     return runs
 
 
-class _Pool:
-    """Idle connections per peer; connections in use belong to their caller."""
-
-    def __init__(
-        self, connect_timeout_s: float, io_timeout_s: float, max_idle: int, token: str = ""
-    ) -> None:
-        self._token = token
-        self._connect_timeout_s = connect_timeout_s
-        self._io_timeout_s = io_timeout_s
-        self._max_idle = max_idle
-        self._lock = threading.Lock()
-        self._idle: dict[str, list[socket.socket]] = {}
-        self._closed = False
-
-    def checkout(self, address: str) -> tuple[socket.socket, bool]:
-        """A connection to ``address`` and whether it was reused from the pool.
-
-        Raises:
-            Unavailable: If a new connection cannot be made.
-        """
-        while True:
-            with self._lock:
-                idle = self._idle.get(address)
-                sock = idle.pop() if idle else None
-            if sock is None:
-                sock = connect(address, self._connect_timeout_s, self._io_timeout_s, self._token)
-                return sock, False
-            if looks_alive(sock):
-                return sock, True
-            sock.close()
-
-    def checkin(self, address: str, sock: socket.socket) -> None:
-        """Return a healthy connection after a complete request and reply."""
-        with self._lock:
-            idle = self._idle.setdefault(address, [])
-            if not self._closed and len(idle) < self._max_idle:
-                idle.append(sock)
-                return
-        sock.close()
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            idle, self._idle = self._idle, {}
-        for socks in idle.values():
-            for sock in socks:
-                sock.close()
-
-
 DEFAULT_STREAMS = min(4, max(1, (os.cpu_count() or 2) // 2))
 """Connections per large batch: each busy one keeps a core on either end
 copying (and hashing); on two cores one stream beat two by 10-20 %."""
@@ -277,7 +230,9 @@ class TcpTransport(Transport):
             raise InvalidArgument("streams must be at least 1")
         self._limits = limits or ProtocolLimits()
         token = security.tokens().token if security is not None else ""
-        self._pool = _Pool(connect_timeout_s, io_timeout_s, max(max_idle_per_peer, streams), token)
+        self._pool = TcpPool(
+            connect_timeout_s, io_timeout_s, max(max_idle_per_peer, streams), token
+        )
         self._streams = streams
         self._executor: ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
@@ -296,8 +251,11 @@ class TcpTransport(Transport):
     def sync_index(self, address: str, writer: int, wait_s: float) -> IndexSettled | None:
         """Ask the store about a writer's deferred chunks; see :meth:`Transport.sync_index`."""
         self._check_usable(address)
+        # The late puts' chunks are in the store's count once it answered them.
+        self._pool.settle(address)
         wait_ms = min(max(int(wait_s * 1000), 0), 0xFFFFFFFF)
-        return self._exchange(address, _sync, (writer, wait_ms))
+        settled = self._exchange(address, _sync, (writer, wait_ms))
+        return with_outcomes(settled, self._pool.pipeline(address))
 
     def _put(
         self, address: str, items: Sequence[PutItem], index: bool, writer: int = 0
@@ -305,14 +263,18 @@ class TcpTransport(Transport):
         self._check_usable(address)
         statuses, todo = check_put_items(items, self._limits)
         indexed = [IndexCode.NOT_INDEXED] * len(items)
+        # A deferring writer learns the store's answer later (sync_index).
+        late = index and writer != 0
 
-        def request(sock: socket.socket, batch: list[PutWork]) -> list[tuple[PutCode, IndexCode]]:
-            return _put_batch(sock, batch, index, writer)
+        def request(stream: Stream, batch: list[PutWork]) -> list[tuple[PutCode, IndexCode]]:
+            if late:
+                return _put_late(stream, batch, writer)
+            return _put_batch(stream.sock, batch, index, writer)
 
         def run(run_items: list[PutWork]) -> None:
             for batch in split_batches(run_items, lambda t: t[2].nbytes, self._limits):
                 try:
-                    codes = self._exchange(address, request, batch)
+                    codes = self._exchange(address, request, batch, late=late)
                 except Unauthenticated:
                     raise  # every later call would fail the same: the caller must know
                 except KVDepotError as exc:
@@ -333,6 +295,9 @@ class TcpTransport(Transport):
         self._check_usable(address)
         todo = check_get_items(items)
         outcomes = [GetOutcome(False, 0, "transport: not attempted")] * len(items)
+        # Read-your-writes: chunks of late puts are committed first (or a
+        # miss, when the wait runs out).
+        self._pool.settle(address)
         cap = self._limits.max_chunk_bytes
 
         def size(t: GetWork) -> int:
@@ -365,6 +330,7 @@ class TcpTransport(Transport):
         """Delete chunks; see :meth:`Transport.delete`."""
         self._check_usable(address)
         todo = [(i, validate_key(k, i)) for i, k in enumerate(keys)]
+        self._pool.settle(address)  # a late put of these keys comes first
         removed = [False] * len(keys)
         for batch in split_batches(todo, lambda _: 0, self._limits):
             try:
@@ -413,32 +379,43 @@ class TcpTransport(Transport):
             for f in futures:
                 f.result()
 
-    def _exchange(self, address: str, request: Callable[[socket.socket, _A], _T], batch: _A) -> _T:
-        """Run one request/reply on a pooled connection.
+    def _exchange(
+        self,
+        address: str,
+        request: Callable[[Stream, _A], _T],
+        batch: _A,
+        *,
+        late: bool = False,
+    ) -> _T:
+        """Run one request/reply on a pooled connection (``late``: a late put,
+        which reads the connection's late answers after sending, not before).
 
         Raises:
             Unavailable: The store is unreachable or the connection failed.
             ProtocolError: The store answered ERROR or something unparsable.
         """
         for attempt in range(2):
-            sock, reused = self._pool.checkout(address)
+            stream, reused = self._pool.checkout(address)
             try:
-                result = request(sock, batch)
+                if not late:
+                    stream.settle()
+                result = request(stream, batch)
             except PeerClosed:
-                sock.close()
+                stream.close()
                 # A pooled connection the store had just closed: one retry on
                 # a fresh connection, which is not a judgement on the store.
                 if reused and attempt == 0:
                     continue
                 raise
             except BaseException:
-                sock.close()
+                stream.close()
                 raise
-            self._pool.checkin(address, sock)
+            self._pool.checkin(address, stream)
             return result
         raise AssertionError("unreachable")
 
-    def _get_batch(self, sock: socket.socket, batch: list[GetWork]) -> list[GetOutcome]:
+    def _get_batch(self, stream: Stream, batch: list[GetWork]) -> list[GetOutcome]:
+        sock = stream.sock
         n = len(batch)
         send_all(sock, [Header(Opcode.GET, n).pack() + pack_get_entries(e for _, e, _ in batch)])
         recv_reply_header(sock, Opcode.GET_REPLY, n)
@@ -501,6 +478,38 @@ def _put_batch(
     return [codes[i] for i, _, _, _ in batch]
 
 
+def _put_late(stream: Stream, batch: list[PutWork], writer: int) -> list[tuple[PutCode, IndexCode]]:
+    """A deferring writer's put, answered later: sent as :func:`_put_batch`
+    sends it, then the connection's older late answers are read (they came
+    while this one was sent), and this one's is left for the next exchange.
+    Every chunk is reported OK and PENDING: the store's answer is counted in
+    its pipeline (``skipped``, ``lost``) and its index in its sync."""
+    sock = stream.sock
+    flags = index_flags(True, writer)
+    sent = 0
+    for opcode, part in ((Opcode.PUT, False), (Opcode.PUT_TRAILED, True)):
+        work = [t for t in batch if t[3] is part]
+        if not work:
+            continue
+        head = Header(opcode, len(work), writer, flags).pack() + pack_put_entries(
+            e for _, e, _, _ in work
+        )
+        if part:
+            send_hashed(sock, [head], [view for _, _, view, _ in work])
+        else:
+            send_all(sock, [head, *(view for _, _, view, _ in work)])
+        stream.sent_late(len(work))
+        sent += 1
+    try:
+        stream.settle(keep=sent)
+    except BaseException:
+        # This put fails as a whole (its caller sends it again or reports
+        # it): its answers are not counted as lost as well.
+        stream.withdraw_last(sent)
+        raise
+    return [(PutCode.OK, IndexCode.PENDING)] * len(batch)
+
+
 def _put_reply(sock: socket.socket, n: int) -> list[tuple[PutCode, IndexCode]]:
     """A PUT_REPLY's statuses and index codes (NOT_INDEXED where it has none)."""
     header = recv_reply_header(sock, Opcode.PUT_REPLY, n)
@@ -508,14 +517,16 @@ def _put_reply(sock: socket.socket, n: int) -> list[tuple[PutCode, IndexCode]]:
     return list(zip(got, recv_index_codes(sock, header), strict=True))
 
 
-def _sync(sock: socket.socket, ask: tuple[int, int]) -> IndexSettled:
+def _sync(stream: Stream, ask: tuple[int, int]) -> IndexSettled:
+    sock = stream.sock
     writer, wait_ms = ask
     send_all(sock, [Header(Opcode.SYNC, wait_ms, writer).pack()])
     header = recv_reply_header(sock, Opcode.SYNC_REPLY, INDEX_SETTLED.size)
     return unpack_index_settled(recv_exact(sock, header.count))
 
 
-def _delete_batch(sock: socket.socket, batch: list[tuple[int, ChunkKey]]) -> list[DeleteCode]:
+def _delete_batch(stream: Stream, batch: list[tuple[int, ChunkKey]]) -> list[DeleteCode]:
+    sock = stream.sock
     n = len(batch)
     send_all(sock, [Header(Opcode.DELETE, n).pack() + pack_keys(k for _, k in batch)])
     recv_reply_header(sock, Opcode.DELETE_REPLY, n)

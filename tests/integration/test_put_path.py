@@ -303,14 +303,10 @@ def test_a_deferred_put_answers_before_the_index_and_the_writer_learns_what_it_d
     assert deferring.lookup(more) == 4
     assert deferring.sync_index() == IndexSettled()  # told already, before the lookup
     again = deferring.put(more, [payload(k, SIZE) for k in more])
-    if deferring.config.transport == "tcp":
-        # Republished: held here, so the reference path says skipped, nothing pending.
-        assert (again.stored, again.skipped, again.pending) == (0, 4, 0)
-    else:
-        # shm: the put returned before the store's answer to its commit
-        # (pending); the writer learns from the next sync that it held them.
-        assert (again.stored, again.skipped, again.pending) == (0, 0, 4)
-        assert deferring.sync_index() == IndexSettled(skipped=4)
+    # Republished: the put returned before the store's answer (pending); the
+    # writer learns from the next sync that the store held them already.
+    assert (again.stored, again.skipped, again.pending) == (0, 0, 4)
+    assert deferring.sync_index() == IndexSettled(skipped=4)
     assert deferring.sync_index() == IndexSettled()
 
 

@@ -1,0 +1,194 @@
+"""Pooled ``tcp`` connections, and the put answers they have not read yet.
+
+A deferring writer's put over ``tcp`` returns once its bytes are handed to
+the kernel (:meth:`Stream.sent_late`): the store's answer is read by the next
+exchange on the connection, which is usually the writer's next put, sent
+before the answer is read so the store's last receive, verification and
+commit of one put overlap the writer's next. Each such put holds a ticket of
+its store's :class:`~kvdepot.connector.transport.pipeline.Pipeline`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import select
+import socket
+import threading
+from collections import deque
+
+from kvdepot.connector.transport.control import connect, looks_alive
+from kvdepot.connector.transport.pipeline import Pipeline
+from kvdepot.errors import InvalidArgument, KVDepotError
+from kvdepot.wire.protocol import (
+    Opcode,
+    PutCode,
+    recv_exact,
+    recv_index_codes,
+    recv_reply_header,
+    unpack_statuses,
+)
+
+
+class Stream:
+    """One connection to a store and the late put answers it awaits, oldest first.
+
+    Not thread-safe: used by one caller at a time (checked out of a :class:`TcpPool`).
+    """
+
+    __slots__ = ("_late", "_pipeline", "sock")
+
+    def __init__(self, sock: socket.socket, pipeline: Pipeline) -> None:
+        self.sock = sock
+        self._pipeline = pipeline
+        self._late: deque[tuple[int, int]] = deque()  # (chunks, ticket)
+
+    @property
+    def awaits(self) -> int:
+        """Late answers not read yet."""
+        return len(self._late)
+
+    def sent_late(self, n: int) -> None:
+        """A PUT of ``n`` chunks was just sent; its answer is read later."""
+        self._late.append((n, self._pipeline.sent(n)))
+
+    def withdraw_last(self, k: int) -> None:
+        """Forget the last ``k`` late puts: their caller reports them failed itself."""
+        for _ in range(k):
+            _, ticket = self._late.pop()
+            self._pipeline.withdraw(ticket)
+
+    def settle(self, keep: int = 0) -> None:
+        """Read the late answers, all but the newest ``keep``.
+
+        Raises:
+            ProtocolError: The store answered ERROR or something unparsable.
+            Unavailable: The connection failed.
+        """
+        while len(self._late) > keep:
+            n, ticket = self._late[0]
+            header = recv_reply_header(self.sock, Opcode.PUT_REPLY, n)
+            statuses = unpack_statuses(recv_exact(self.sock, n), PutCode)
+            codes = recv_index_codes(self.sock, header)
+            self._late.popleft()
+            self._pipeline.answered(ticket, statuses, codes)
+
+    def answer_arrived(self) -> bool:
+        """Whether bytes of the oldest late answer (or EOF) are here to read."""
+        try:
+            readable, _, _ = select.select([self.sock], [], [], 0)
+        except (OSError, ValueError):
+            return True  # let the read report what is wrong
+        return bool(readable)
+
+    def close(self) -> None:
+        """Close the socket; the answers it awaited never come (their chunks count lost)."""
+        self.sock.close()
+        late, self._late = self._late, deque()
+        for _, ticket in late:
+            self._pipeline.answered(ticket, None)
+
+
+class TcpPool:
+    """Idle connections per store, with their late answers; connections in
+    use belong to their caller.
+
+    Args:
+        connect_timeout_s: Time allowed to establish a connection.
+        io_timeout_s: Time a send or receive may stall.
+        max_idle: Idle connections kept per store.
+        token: Proven to the store on each new connection (when set).
+    """
+
+    def __init__(
+        self, connect_timeout_s: float, io_timeout_s: float, max_idle: int, token: str = ""
+    ) -> None:
+        self._token = token
+        self._connect_timeout_s = connect_timeout_s
+        self._io_timeout_s = io_timeout_s
+        self._max_idle = max_idle
+        self._lock = threading.Lock()
+        self._idle: dict[str, list[Stream]] = {}
+        self._pipelines: dict[str, Pipeline] = {}
+        self._closed = False
+
+    def pipeline(self, address: str) -> Pipeline:
+        """The late puts to ``address``."""
+        with self._lock:
+            p = self._pipelines.get(address)
+            if p is None:
+                p = self._pipelines[address] = Pipeline()
+            return p
+
+    def checkout(self, address: str) -> tuple[Stream, bool]:
+        """A connection to ``address`` and whether it was reused from the pool.
+
+        A reused one may await late answers: one whose answer has not come
+        yet is in use by the store, alive; the others have read theirs.
+
+        Raises:
+            Unavailable: If a new connection cannot be made.
+            InvalidArgument: The pool is closed.
+        """
+        while True:
+            with self._lock:
+                if self._closed:
+                    raise InvalidArgument("transport is closed")
+                idle = self._idle.get(address)
+                stream = idle.pop() if idle else None
+            if stream is None:
+                sock = connect(address, self._connect_timeout_s, self._io_timeout_s, self._token)
+                return Stream(sock, self.pipeline(address)), False
+            if stream.awaits and not stream.answer_arrived():
+                return stream, True
+            try:
+                stream.settle()
+            except (KVDepotError, OSError):
+                stream.close()
+                continue
+            if looks_alive(stream.sock):
+                return stream, True
+            stream.close()
+
+    def checkin(self, address: str, stream: Stream) -> None:
+        """Return a healthy connection after a complete exchange (late
+        answers may be unread)."""
+        with self._lock:
+            idle = self._idle.setdefault(address, [])
+            if not self._closed and len(idle) < self._max_idle:
+                idle.append(stream)
+                return
+        _retire(stream)
+
+    def settle(self, address: str) -> bool:
+        """Wait (at most the I/O timeout) until the store at ``address`` has
+        answered every late put sent so far: its chunks are readable then,
+        or counted lost. Returns whether it has."""
+        return self.pipeline(address).settle(lambda: self._settle_idle(address), self._io_timeout_s)
+
+    def _settle_idle(self, address: str) -> None:
+        with self._lock:
+            idle = self._idle.pop(address, [])
+        for stream in idle:
+            try:
+                stream.settle()
+            except (KVDepotError, OSError):
+                stream.close()
+                continue
+            self.checkin(address, stream)
+
+    def close(self) -> None:
+        """Close every idle connection once it read the answers it awaits."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, {}
+        for streams in idle.values():
+            for stream in streams:
+                _retire(stream)
+
+
+def _retire(stream: Stream) -> None:
+    """Close a connection after reading its late answers (bounded by its I/O
+    timeout): their outcome is then known, not lost."""
+    with contextlib.suppress(KVDepotError, OSError):
+        stream.settle()
+    stream.close()
