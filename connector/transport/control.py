@@ -66,6 +66,7 @@ from kvdepot.wire.protocol import (
     recv_reply_header,
     send_all,
     set_io_timeout,
+    set_recv_timeout,
     unpack_attach_info,
     unpack_lease_reply_entries,
     unpack_reserve_reply_entries,
@@ -475,10 +476,17 @@ class ControlPool:
                 _retire(conn)
 
 
+RETIRE_WAIT_S = 1.0
+"""How long closing a connection waits for the answers it awaits."""
+
+
 def _retire(conn: ControlConnection) -> None:
-    """Close a connection after reading the answers it awaits (bounded by
-    its I/O timeout): a late commit's outcome is then known, not lost."""
+    """Close a connection after reading the answers it awaits, waiting at
+    most :data:`RETIRE_WAIT_S` (a frozen store must not hold up a client's
+    close): a late commit's outcome is then known, not lost."""
     # A failure: closed below, what it awaited counts as lost.
     with contextlib.suppress(KVDepotError, OSError):
-        conn.settle()
+        if conn._expected:
+            set_recv_timeout(conn.sock, RETIRE_WAIT_S)
+            conn.settle()
     conn.close()

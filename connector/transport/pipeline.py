@@ -108,6 +108,11 @@ class Pipeline:
         answered, calling ``read_idle`` (which reads the answers idle
         connections hold) first and again each :data:`SETTLE_SLICE_S`;
         whether they all are."""
+        if not self._open:
+            # Every put that returned before this call took its ticket before
+            # returning: nothing open means nothing to wait for (a dict's
+            # truth is read atomically).
+            return True
         upto = self.issued()
         if not self.open_until(upto):
             return True

@@ -39,7 +39,7 @@ from kvdepot.connector.transport.base import (
 )
 from kvdepot.connector.transport.control import parse_address
 from kvdepot.connector.transport.pipeline import with_outcomes
-from kvdepot.connector.transport.tcp_pool import Stream, TcpPool
+from kvdepot.connector.transport.tcp_pool import MAX_LATE, Stream, TcpPool
 from kvdepot.errors import InvalidArgument, KVDepotError, Unauthenticated
 from kvdepot.keys import ChunkKey, validate_key
 from kvdepot.rpc.security_config import SecurityConfig
@@ -480,8 +480,9 @@ def _put_batch(
 
 def _put_late(stream: Stream, batch: list[PutWork], writer: int) -> list[tuple[PutCode, IndexCode]]:
     """A deferring writer's put, answered later: sent as :func:`_put_batch`
-    sends it, then the connection's older late answers are read (they came
-    while this one was sent), and this one's is left for the next exchange.
+    sends it, then the connection's older late answers that arrived are read
+    (usually all: they came while this one was sent), and this one's is left
+    for the next exchange.
     Every chunk is reported OK and PENDING: the store's answer is counted in
     its pipeline (``skipped``, ``lost``) and its index in its sync."""
     sock = stream.sock
@@ -501,7 +502,10 @@ def _put_late(stream: Stream, batch: list[PutWork], writer: int) -> list[tuple[P
         stream.sent_late(len(work))
         sent += 1
     try:
-        stream.settle(keep=sent)
+        # The older answers that came while this one was sent; past
+        # MAX_LATE unanswered, this put waits for the oldest.
+        stream.settle_arrived(keep=sent)
+        stream.settle(keep=max(MAX_LATE, sent))
     except BaseException:
         # This put fails as a whole (its caller sends it again or reports
         # it): its answers are not counted as lost as well.

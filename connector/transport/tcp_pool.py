@@ -25,6 +25,7 @@ from kvdepot.wire.protocol import (
     recv_exact,
     recv_index_codes,
     recv_reply_header,
+    set_recv_timeout,
     unpack_statuses,
 )
 
@@ -65,12 +66,28 @@ class Stream:
             Unavailable: The connection failed.
         """
         while len(self._late) > keep:
-            n, ticket = self._late[0]
-            header = recv_reply_header(self.sock, Opcode.PUT_REPLY, n)
-            statuses = unpack_statuses(recv_exact(self.sock, n), PutCode)
-            codes = recv_index_codes(self.sock, header)
-            self._late.popleft()
-            self._pipeline.answered(ticket, statuses, codes)
+            self._read_oldest()
+
+    def settle_arrived(self, keep: int = 0) -> None:
+        """Read the late answers that have arrived, all but the newest ``keep``:
+        never waits for one the store has not sent yet.
+
+        Raises:
+            ProtocolError: The store answered ERROR or something unparsable.
+            Unavailable: The connection failed.
+        """
+        while len(self._late) > keep and self.answer_arrived():
+            self._read_oldest()
+
+    def _read_oldest(self) -> None:
+        # The store sends an answer in one piece: once its first byte is
+        # here, the rest is (or is about to be).
+        n, ticket = self._late[0]
+        header = recv_reply_header(self.sock, Opcode.PUT_REPLY, n)
+        statuses = unpack_statuses(recv_exact(self.sock, n), PutCode)
+        codes = recv_index_codes(self.sock, header)
+        self._late.popleft()
+        self._pipeline.answered(ticket, statuses, codes)
 
     def answer_arrived(self) -> bool:
         """Whether bytes of the oldest late answer (or EOF) are here to read."""
@@ -86,6 +103,11 @@ class Stream:
         late, self._late = self._late, deque()
         for _, ticket in late:
             self._pipeline.answered(ticket, None)
+
+
+MAX_LATE = 4
+"""Late answers one connection may await: a writer's put past them waits
+(bounded by the I/O timeout) for the oldest, as a put would without them."""
 
 
 class TcpPool:
@@ -122,8 +144,8 @@ class TcpPool:
     def checkout(self, address: str) -> tuple[Stream, bool]:
         """A connection to ``address`` and whether it was reused from the pool.
 
-        A reused one may await late answers: one whose answer has not come
-        yet is in use by the store, alive; the others have read theirs.
+        A reused one has read the late answers that arrived; one still
+        awaiting some is in use by the store, alive.
 
         Raises:
             Unavailable: If a new connection cannot be made.
@@ -138,14 +160,13 @@ class TcpPool:
             if stream is None:
                 sock = connect(address, self._connect_timeout_s, self._io_timeout_s, self._token)
                 return Stream(sock, self.pipeline(address)), False
-            if stream.awaits and not stream.answer_arrived():
-                return stream, True
             try:
-                stream.settle()
+                stream.settle_arrived()
             except (KVDepotError, OSError):
                 stream.close()
                 continue
-            if looks_alive(stream.sock):
+            if stream.awaits or looks_alive(stream.sock):
+                # One still awaiting an answer is in use by the store: alive.
                 return stream, True
             stream.close()
 
@@ -186,9 +207,19 @@ class TcpPool:
                 _retire(stream)
 
 
+RETIRE_WAIT_S = 1.0
+"""How long closing a connection waits for its late answers."""
+
+
 def _retire(stream: Stream) -> None:
-    """Close a connection after reading its late answers (bounded by its I/O
-    timeout): their outcome is then known, not lost."""
+    """Close a connection after reading its late answers, waiting at most
+    :data:`RETIRE_WAIT_S` (a frozen store must not hold up a client's close).
+
+    Closing with an answer unread would reset the connection, and the store
+    could drop a put it has not read yet; the answers read count the chunks
+    as the store stored them."""
     with contextlib.suppress(KVDepotError, OSError):
-        stream.settle()
+        if stream.awaits:
+            set_recv_timeout(stream.sock, RETIRE_WAIT_S)
+            stream.settle()
     stream.close()

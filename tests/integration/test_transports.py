@@ -576,3 +576,31 @@ def test_a_frozen_store_never_holds_a_pipelined_put_and_its_chunks_count_lost(
                 os.kill(store.pid, signal.SIGCONT)
             settled = t.sync_index(address, 9, 5.0)
             assert settled is not None and settled.lost == 4
+
+
+@pytest.mark.parametrize("kind", [ShmTransport, TcpTransport])
+def test_closing_a_transport_waits_a_frozen_stores_answer_only_briefly(
+    tmp_path: Path, kind: type[ShmTransport | TcpTransport]
+) -> None:
+    with LocalCluster(nodes=1, capacity="32MiB", log_dir=tmp_path) as c:
+        store = c.stores[0]
+        address = store.info["address"]
+        rng = random.Random(47)
+        t = kind(io_timeout_s=30.0, max_idle_per_peer=1)
+        try:
+            keys, data = chunks(rng, [8 * KiB] * 4)
+            items = [PutItem(k, d) for k, d in zip(keys, data, strict=True)]
+            assert t.put_indexed(address, items, writer=11)[0] == [PutStatus.OK] * 4
+            if kind is ShmTransport:
+                # Answered, and the grants the next put copies into in hand.
+                assert t.sync_index(address, 11, 5.0) is not None
+            os.kill(store.pid, signal.SIGSTOP)
+            keys, data = chunks(rng, [8 * KiB] * 4)
+            items = [PutItem(k, d) for k, d in zip(keys, data, strict=True)]
+            assert t.put_indexed(address, items, writer=11)[0] == [PutStatus.OK] * 4
+            t0 = time.monotonic()
+            t.close()  # the answer never comes: a bounded wait, not the I/O timeout
+            assert time.monotonic() - t0 < 5.0
+        finally:
+            os.kill(store.pid, signal.SIGCONT)
+            t.close()
