@@ -13,6 +13,12 @@ in parallel: one Python thread per connection spends its time in system calls
 that release the GIL, so a single request no longer has to wait for one
 connection's round trips, wake-ups and hashing in series.
 
+A deferring writer's put (``put_indexed`` with a writer token) does not wait
+for the store's answer: it returns once its bytes are handed to the kernel,
+and the next exchange on the connection reads the answer (see
+:mod:`kvdepot.connector.transport.tcp_pool`). Reads, deletes and syncs of the
+same transport first wait, bounded, for the answers of every put sent before.
+
 Connections are pooled per peer and reused across calls; a connection that saw
 any error is closed, never returned to the pool, because after an error the
 position in the byte stream is unknown. A pooled connection the store closed
