@@ -91,11 +91,13 @@ class Stream:
 
     def answer_arrived(self) -> bool:
         """Whether bytes of the oldest late answer (or EOF) are here to read."""
+        # poll, not select: an engine's process may hold more than 1024 fds.
+        poller = select.poll()
         try:
-            readable, _, _ = select.select([self.sock], [], [], 0)
+            poller.register(self.sock, select.POLLIN)
+            return bool(poller.poll(0))
         except (OSError, ValueError):
             return True  # let the read report what is wrong
-        return bool(readable)
 
     def close(self) -> None:
         """Close the socket; the answers it awaited never come (their chunks count lost)."""

@@ -4,6 +4,7 @@ and clients that die mid-transfer as real processes."""
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import random
 import signal
@@ -69,6 +70,21 @@ def granted_bytes(t: ShmTransport, address: str) -> int:
     return sum(
         -(-size // page) * page * len(offsets) for c in idle for size, offsets in c.grants.items()
     )
+
+
+def freeze(pid: int) -> None:
+    """SIGSTOP ``pid`` and wait until every thread of it is stopped."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        states = {
+            Path(f).read_text().rsplit(")", 1)[1].split()[0]
+            for f in glob.glob(f"/proc/{pid}/task/*/stat")
+        }
+        if states <= {"T", "t"}:
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"process {pid} did not stop")
 
 
 def chunks(rng: random.Random, sizes: list[int]) -> tuple[list[ChunkKey], list[bytes]]:
@@ -558,7 +574,7 @@ def test_a_frozen_store_never_holds_a_pipelined_put_and_its_chunks_count_lost(
             items = [PutItem(k, d) for k, d in zip(keys, data, strict=True)]
             assert t.put_indexed(address, items, writer=9)[0] == [PutStatus.OK] * 4
             assert t.sync_index(address, 9, 5.0) is not None  # answered; grants in hand
-            os.kill(store.pid, signal.SIGSTOP)
+            freeze(store.pid)
             try:
                 keys, data = chunks(rng, [size] * 4)
                 items = [PutItem(k, d) for k, d in zip(keys, data, strict=True)]
@@ -594,7 +610,7 @@ def test_closing_a_transport_waits_a_frozen_stores_answer_only_briefly(
             if kind is ShmTransport:
                 # Answered, and the grants the next put copies into in hand.
                 assert t.sync_index(address, 11, 5.0) is not None
-            os.kill(store.pid, signal.SIGSTOP)
+            freeze(store.pid)
             keys, data = chunks(rng, [8 * KiB] * 4)
             items = [PutItem(k, d) for k, d in zip(keys, data, strict=True)]
             assert t.put_indexed(address, items, writer=11)[0] == [PutStatus.OK] * 4
