@@ -96,7 +96,7 @@ class ArenaTransport(Transport, Generic[PeerT], abc.ABC):
         counted ``skipped`` or ``lost``); see :meth:`Transport.sync_index`."""
         if not self.indexes:
             return None
-        self._pool.settle_commits(address)
+        self._pool.settle(address)
         settled = self._tcp.sync_index(address, writer, wait_s)
         if settled is None:
             return None  # the outcomes wait for an answer that can carry them
@@ -143,7 +143,7 @@ class ArenaTransport(Transport, Generic[PeerT], abc.ABC):
             return outcomes
         # Read-your-writes: chunks whose commit a put left unanswered are
         # committed first (or a miss, when the wait runs out).
-        self._pool.settle_commits(address)
+        self._pool.settle(address)
         try:
             conn, peer = self._open(address)
         except Unauthenticated:

@@ -23,15 +23,14 @@ the store did not commit is counted lost until the writer asks.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import socket
-import threading
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvdepot.connector.transport.pipeline import Pipeline
+from kvdepot.connector.transport.pool import IdlePool
 from kvdepot.endpoints import parse_endpoint
 from kvdepot.errors import InvalidArgument, KVDepotError, Unavailable
 from kvdepot.keys import ChunkKey
@@ -66,7 +65,6 @@ from kvdepot.wire.protocol import (
     recv_reply_header,
     send_all,
     set_io_timeout,
-    set_recv_timeout,
     unpack_attach_info,
     unpack_lease_reply_entries,
     unpack_reserve_reply_entries,
@@ -168,6 +166,11 @@ class ControlConnection:
         self._expected: deque[int | _LateCommit] = deque()
         # Arena offsets of the room the store granted this connection, by size.
         self.grants: dict[int, list[int]] = {}
+
+    @property
+    def awaits(self) -> int:
+        """Answers not read yet (of RELEASEs and late COMMITs)."""
+        return len(self._expected)
 
     def close(self) -> None:
         """Close the socket; the store drops what this connection held (a
@@ -360,7 +363,7 @@ def attach(sock: socket.socket, kind: AttachKind) -> AttachInfo:
     return unpack_attach_info(recv_exact(sock, header.count))
 
 
-class ControlPool:
+class ControlPool(IdlePool[ControlConnection]):
     """Idle attached connections per store; those in use belong to their caller.
 
     Args:
@@ -379,44 +382,8 @@ class ControlPool:
         max_idle: int = 4,
         token: str = "",
     ) -> None:
+        super().__init__(connect_timeout_s, io_timeout_s, max_idle, token)
         self._kind = kind
-        self._token = token
-        self._connect_timeout_s = connect_timeout_s
-        self._io_timeout_s = io_timeout_s
-        self._max_idle = max_idle
-        self._lock = threading.Lock()
-        self._idle: dict[str, list[ControlConnection]] = {}
-        self._pipelines: dict[str, Pipeline] = {}
-        self._closed = False
-
-    def pipeline(self, address: str) -> Pipeline:
-        """The late commits to ``address`` (see :meth:`ControlConnection.commit_late`)."""
-        with self._lock:
-            p = self._pipelines.get(address)
-            if p is None:
-                p = self._pipelines[address] = Pipeline()
-            return p
-
-    def settle_commits(self, address: str) -> bool:
-        """Wait (at most the I/O timeout) until the store at ``address`` has
-        answered every late commit sent so far: its chunks are readable then,
-        or counted lost. Returns whether it has.
-
-        The answers of idle connections are read here; a connection in use
-        reads its own before its next exchange.
-        """
-        return self.pipeline(address).settle(lambda: self._settle_idle(address), self._io_timeout_s)
-
-    def _settle_idle(self, address: str) -> None:
-        with self._lock:
-            idle = self._idle.pop(address, [])
-        for conn in idle:
-            try:
-                conn.settle()
-            except (KVDepotError, OSError):
-                conn.close()
-                continue
-            self.checkin(address, conn)
 
     def checkout(self, address: str) -> ControlConnection:
         """An attached connection to ``address`` (a pooled one if it is still alive).
@@ -426,11 +393,7 @@ class ControlPool:
             ProtocolError: The store answered something unparsable.
         """
         while True:
-            with self._lock:
-                if self._closed:
-                    raise InvalidArgument("transport is closed")
-                idle = self._idle.get(address)
-                conn = idle.pop() if idle else None
+            conn = self._take(address)
             if conn is None:
                 break
             try:
@@ -448,45 +411,9 @@ class ControlPool:
             sock.close()
             raise
 
-    def checkin(self, address: str, conn: ControlConnection) -> None:
-        """Return a connection with no :meth:`ControlConnection.send_commit`
-        answer unread (RELEASE and late COMMIT answers may be)."""
-        with self._lock:
-            idle = self._idle.setdefault(address, [])
-            if not self._closed and len(idle) < self._max_idle:
-                idle.append(conn)
-                return
-        _retire(conn)
-
     def drop(self, address: str) -> None:
         """Close the idle connections to ``address`` (its store restarted)."""
         with self._lock:
             idle = self._idle.pop(address, [])
         for conn in idle:
             conn.close()
-
-    def close(self) -> None:
-        """Close every idle connection, once it read the answers it awaits;
-        later checkouts raise."""
-        with self._lock:
-            self._closed = True
-            idle, self._idle = self._idle, {}
-        for conns in idle.values():
-            for conn in conns:
-                _retire(conn)
-
-
-RETIRE_WAIT_S = 1.0
-"""How long closing a connection waits for the answers it awaits."""
-
-
-def _retire(conn: ControlConnection) -> None:
-    """Close a connection after reading the answers it awaits, waiting at
-    most :data:`RETIRE_WAIT_S` (a frozen store must not hold up a client's
-    close): a late commit's outcome is then known, not lost."""
-    # A failure: closed below, what it awaited counts as lost.
-    with contextlib.suppress(KVDepotError, OSError):
-        if conn._expected:
-            set_recv_timeout(conn.sock, RETIRE_WAIT_S)
-            conn.settle()
-    conn.close()

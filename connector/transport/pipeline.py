@@ -13,7 +13,6 @@ store's answer by :func:`with_outcomes`.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -145,13 +144,5 @@ class Pipeline:
 def with_outcomes(settled: IndexSettled, pipeline: Pipeline) -> IndexSettled:
     """The store's answer to a sync, with what the pipeline's answers said."""
     o = pipeline.take_outcomes()
-    if o == IndexSettled():
-        return settled
-    return dataclasses.replace(
-        settled,
-        new=settled.new + o.new,
-        elsewhere=settled.elsewhere + o.elsewhere,
-        not_indexed=settled.not_indexed + o.not_indexed,
-        skipped=settled.skipped + o.skipped,
-        lost=settled.lost + o.lost,
-    )
+    # The outcomes add up, the store's pending stays (IndexSettled.__add__).
+    return settled if o == IndexSettled() else o + settled

@@ -456,31 +456,40 @@ class TcpTransport(Transport):
         return GetOutcome(True, length)
 
 
+def _parts(batch: list[PutWork]) -> Iterator[tuple[bool, list[PutWork]]]:
+    """The items of a batch whose checksum is known (one PUT), then those whose
+    checksum is computed while sending (one PUT_TRAILED); empty parts left out."""
+    for trailed in (False, True):
+        work = [t for t in batch if t[3] is trailed]
+        if work:
+            yield trailed, work
+
+
+def _send_put(
+    sock: socket.socket, work: list[PutWork], trailed: bool, writer: int, flags: int
+) -> None:
+    """Send one PUT, or one PUT_TRAILED whose checksums follow the payload."""
+    opcode = Opcode.PUT_TRAILED if trailed else Opcode.PUT
+    head = Header(opcode, len(work), writer, flags).pack() + pack_put_entries(
+        e for _, e, _, _ in work
+    )
+    if trailed:
+        send_hashed(sock, [head], [view for _, _, view, _ in work])
+    else:
+        send_all(sock, [head, *(view for _, _, view, _ in work)])
+
+
 def _put_batch(
     sock: socket.socket, batch: list[PutWork], index: bool = False, writer: int = 0
 ) -> list[tuple[PutCode, IndexCode]]:
-    # Items whose checksum is known go as one PUT, the others as one
-    # PUT_TRAILED whose checksums are computed while sending. With ``index``
-    # the store commits what it stored into the index too (HeaderFlags.INDEX),
-    # after its reply where a ``writer`` token is given (DEFER).
-    known = [t for t in batch if not t[3]]
-    trailed = [t for t in batch if t[3]]
+    # With ``index`` the store commits what it stored into the index too
+    # (HeaderFlags.INDEX), after its reply where a ``writer`` token is given
+    # (DEFER).
     flags = index_flags(index, writer)
     codes: dict[int, tuple[PutCode, IndexCode]] = {}
-    if known:
-        n = len(known)
-        head = Header(Opcode.PUT, n, writer, flags).pack() + pack_put_entries(
-            e for _, e, _, _ in known
-        )
-        send_all(sock, [head, *(view for _, _, view, _ in known)])
-        codes.update(zip((t[0] for t in known), _put_reply(sock, n), strict=True))
-    if trailed:
-        n = len(trailed)
-        head = Header(Opcode.PUT_TRAILED, n, writer, flags).pack() + pack_put_entries(
-            e for _, e, _, _ in trailed
-        )
-        send_hashed(sock, [head], [view for _, _, view, _ in trailed])
-        codes.update(zip((t[0] for t in trailed), _put_reply(sock, n), strict=True))
+    for trailed, work in _parts(batch):
+        _send_put(sock, work, trailed, writer, flags)
+        codes.update(zip((t[0] for t in work), _put_reply(sock, len(work)), strict=True))
     return [codes[i] for i, _, _, _ in batch]
 
 
@@ -491,20 +500,10 @@ def _put_late(stream: Stream, batch: list[PutWork], writer: int) -> list[tuple[P
     for the next exchange.
     Every chunk is reported OK and PENDING: the store's answer is counted in
     its pipeline (``skipped``, ``lost``) and its index in its sync."""
-    sock = stream.sock
     flags = index_flags(True, writer)
     sent = 0
-    for opcode, part in ((Opcode.PUT, False), (Opcode.PUT_TRAILED, True)):
-        work = [t for t in batch if t[3] is part]
-        if not work:
-            continue
-        head = Header(opcode, len(work), writer, flags).pack() + pack_put_entries(
-            e for _, e, _, _ in work
-        )
-        if part:
-            send_hashed(sock, [head], [view for _, _, view, _ in work])
-        else:
-            send_all(sock, [head, *(view for _, _, view, _ in work)])
+    for trailed, work in _parts(batch):
+        _send_put(stream.sock, work, trailed, writer, flags)
         stream.sent_late(len(work))
         sent += 1
     try:

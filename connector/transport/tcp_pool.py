@@ -10,22 +10,20 @@ its store's :class:`~kvdepot.connector.transport.pipeline.Pipeline`.
 
 from __future__ import annotations
 
-import contextlib
 import select
 import socket
-import threading
 from collections import deque
 
 from kvdepot.connector.transport.control import connect, looks_alive
 from kvdepot.connector.transport.pipeline import Pipeline
-from kvdepot.errors import InvalidArgument, KVDepotError
+from kvdepot.connector.transport.pool import IdlePool
+from kvdepot.errors import KVDepotError
 from kvdepot.wire.protocol import (
     Opcode,
     PutCode,
     recv_exact,
     recv_index_codes,
     recv_reply_header,
-    set_recv_timeout,
     unpack_statuses,
 )
 
@@ -112,36 +110,9 @@ MAX_LATE = 4
 (bounded by the I/O timeout) for the oldest, as a put would without them."""
 
 
-class TcpPool:
-    """Idle connections per store, with their late answers; connections in
-    use belong to their caller.
-
-    Args:
-        connect_timeout_s: Time allowed to establish a connection.
-        io_timeout_s: Time a send or receive may stall.
-        max_idle: Idle connections kept per store.
-        token: Proven to the store on each new connection (when set).
-    """
-
-    def __init__(
-        self, connect_timeout_s: float, io_timeout_s: float, max_idle: int, token: str = ""
-    ) -> None:
-        self._token = token
-        self._connect_timeout_s = connect_timeout_s
-        self._io_timeout_s = io_timeout_s
-        self._max_idle = max_idle
-        self._lock = threading.Lock()
-        self._idle: dict[str, list[Stream]] = {}
-        self._pipelines: dict[str, Pipeline] = {}
-        self._closed = False
-
-    def pipeline(self, address: str) -> Pipeline:
-        """The late puts to ``address``."""
-        with self._lock:
-            p = self._pipelines.get(address)
-            if p is None:
-                p = self._pipelines[address] = Pipeline()
-            return p
+class TcpPool(IdlePool[Stream]):
+    """Idle ``tcp`` connections per store, with their late answers; see
+    :class:`~kvdepot.connector.transport.pool.IdlePool` for the arguments."""
 
     def checkout(self, address: str) -> tuple[Stream, bool]:
         """A connection to ``address`` and whether it was reused from the pool.
@@ -154,11 +125,7 @@ class TcpPool:
             InvalidArgument: The pool is closed.
         """
         while True:
-            with self._lock:
-                if self._closed:
-                    raise InvalidArgument("transport is closed")
-                idle = self._idle.get(address)
-                stream = idle.pop() if idle else None
+            stream = self._take(address)
             if stream is None:
                 sock = connect(address, self._connect_timeout_s, self._io_timeout_s, self._token)
                 return Stream(sock, self.pipeline(address)), False
@@ -171,57 +138,3 @@ class TcpPool:
                 # One still awaiting an answer is in use by the store: alive.
                 return stream, True
             stream.close()
-
-    def checkin(self, address: str, stream: Stream) -> None:
-        """Return a healthy connection after a complete exchange (late
-        answers may be unread)."""
-        with self._lock:
-            idle = self._idle.setdefault(address, [])
-            if not self._closed and len(idle) < self._max_idle:
-                idle.append(stream)
-                return
-        _retire(stream)
-
-    def settle(self, address: str) -> bool:
-        """Wait (at most the I/O timeout) until the store at ``address`` has
-        answered every late put sent so far: its chunks are readable then,
-        or counted lost. Returns whether it has."""
-        return self.pipeline(address).settle(lambda: self._settle_idle(address), self._io_timeout_s)
-
-    def _settle_idle(self, address: str) -> None:
-        with self._lock:
-            idle = self._idle.pop(address, [])
-        for stream in idle:
-            try:
-                stream.settle()
-            except (KVDepotError, OSError):
-                stream.close()
-                continue
-            self.checkin(address, stream)
-
-    def close(self) -> None:
-        """Close every idle connection once it read the answers it awaits."""
-        with self._lock:
-            self._closed = True
-            idle, self._idle = self._idle, {}
-        for streams in idle.values():
-            for stream in streams:
-                _retire(stream)
-
-
-RETIRE_WAIT_S = 1.0
-"""How long closing a connection waits for its late answers."""
-
-
-def _retire(stream: Stream) -> None:
-    """Close a connection after reading its late answers, waiting at most
-    :data:`RETIRE_WAIT_S` (a frozen store must not hold up a client's close).
-
-    Closing with an answer unread would reset the connection, and the store
-    could drop a put it has not read yet; the answers read count the chunks
-    as the store stored them."""
-    with contextlib.suppress(KVDepotError, OSError):
-        if stream.awaits:
-            set_recv_timeout(stream.sock, RETIRE_WAIT_S)
-            stream.settle()
-    stream.close()
