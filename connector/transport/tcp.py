@@ -51,12 +51,13 @@ from kvdepot.keys import ChunkKey, validate_key
 from kvdepot.rpc.security_config import SecurityConfig
 from kvdepot.wire.protocol import (
     GET_REPLY_ENTRY,
+    HASH_BLOCK,
     INDEX_SETTLED,
+    IOV_MAX,
     DeleteCode,
     ErrorCode,
     GetCode,
     GetEntry,
-    GetReplyEntry,
     Header,
     IndexCode,
     IndexSettled,
@@ -73,15 +74,17 @@ from kvdepot.wire.protocol import (
     pack_keys,
     pack_put_entries,
     recv_exact,
+    recv_exact_into_many,
     recv_hashed_into,
     recv_index_codes,
     recv_reply_header,
     send_all,
     send_hashed,
-    unpack_get_reply_entries,
+    unpack_get_reply_rows,
     unpack_index_settled,
     unpack_statuses,
 )
+from kvdepot.wire.xxh3 import xxh3_64
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +198,21 @@ def _spread(items: list[_T], size: Callable[[_T], int], ways: int) -> list[list[
     return runs
 
 
+def _plan(
+    items: list[_T], sizes: list[int], limits: ProtocolLimits, ways: int
+) -> list[list[list[_T]]]:
+    """The requests of each parallel run: :func:`_spread` over ``ways``
+    connections, then :func:`split_batches` within the limits."""
+    total = sum(sizes)
+    if total < PARALLEL_MIN_BYTES and (
+        len(items) <= limits.max_batch and total <= limits.max_request_bytes
+    ):
+        return [[items]] if items else []  # the common case: one request
+    size = sizes.__getitem__
+    runs = _spread(list(range(len(items))), size, ways)
+    return [[[items[i] for i in b] for b in split_batches(r, size, limits)] for r in runs if r]
+
+
 DEFAULT_STREAMS = min(4, max(1, (os.cpu_count() or 2) // 2))
 """Connections per large batch: each busy one keeps a core on either end
 copying (and hashing); on two cores one stream beat two by 10-20 %."""
@@ -277,8 +295,8 @@ class TcpTransport(Transport):
                 return _put_late(stream, batch, writer)
             return _put_batch(stream.sock, batch, index, writer)
 
-        def run(run_items: list[PutWork]) -> None:
-            for batch in split_batches(run_items, lambda t: t[2].nbytes, self._limits):
+        def run(batches: list[list[PutWork]]) -> None:
+            for batch in batches:
                 try:
                     codes = self._exchange(address, request, batch, late=late)
                 except Unauthenticated:
@@ -286,31 +304,29 @@ class TcpTransport(Transport):
                 except KVDepotError as exc:
                     # This batch and the rest stay FAILED: the store is unreachable or broken.
                     logger.warning(
-                        "put of %d chunks to %s failed: %s", len(run_items), address, str(exc)
+                        "put of %d chunks to %s failed: %s", len(todo), address, str(exc)
                     )
                     return
                 for (i, _, _, _), (code, ix) in zip(batch, codes, strict=True):
                     statuses[i] = PUT_STATUS[code]
                     indexed[i] = ix
 
-        self._in_parallel(_spread(todo, lambda t: t[2].nbytes, self._streams), run)
+        plan = _plan(todo, [t[2].nbytes for t in todo], self._limits, self._streams)
+        self._in_parallel(plan, run)
         return statuses, indexed
 
     def get_into(self, address: str, items: Sequence[GetItem]) -> list[GetOutcome]:
         """Read chunks into caller buffers; see :meth:`Transport.get_into`."""
         self._check_usable(address)
         todo = check_get_items(items)
-        outcomes = [GetOutcome(False, 0, "transport: not attempted")] * len(items)
+        outcomes = [_NOT_ATTEMPTED] * len(items)
         # Read-your-writes: chunks of late puts are committed first (or a
         # miss, when the wait runs out).
         self._pool.settle(address)
         cap = self._limits.max_chunk_bytes
+        sizes = [min(e.length or buf.nbytes, cap) for _, e, buf in todo]
 
-        def size(t: GetWork) -> int:
-            return min(t[1].length or t[2].nbytes, cap)
-
-        def run(run_items: list[GetWork]) -> None:
-            batches = list(split_batches(run_items, size, self._limits))
+        def run(batches: list[list[GetWork]]) -> None:
             for k, batch in enumerate(batches):
                 try:
                     results = self._exchange(address, self._get_batch, batch)
@@ -319,7 +335,7 @@ class TcpTransport(Transport):
                 except KVDepotError as exc:
                     # This batch and the rest are misses: the store is unreachable or broken.
                     logger.warning(
-                        "get of %d chunks from %s failed: %s", len(run_items), address, str(exc)
+                        "get of %d chunks from %s failed: %s", len(todo), address, str(exc)
                     )
                     failed = GetOutcome(False, 0, f"transport: {exc}")
                     for rest in batches[k:]:
@@ -329,7 +345,7 @@ class TcpTransport(Transport):
                 for (i, _, _), outcome in zip(batch, results, strict=True):
                     outcomes[i] = outcome
 
-        self._in_parallel(_spread(todo, size, self._streams), run)
+        self._in_parallel(_plan(todo, sizes, self._limits, self._streams), run)
         return outcomes
 
     def delete(self, address: str, keys: Sequence[ChunkKey]) -> list[bool]:
@@ -421,39 +437,98 @@ class TcpTransport(Transport):
         raise AssertionError("unreachable")
 
     def _get_batch(self, stream: Stream, batch: list[GetWork]) -> list[GetOutcome]:
+        """One GET and its reply: each payload lands in its buffer and is
+        hashed while in cache; consecutive small ones arrive in one call."""
         sock = stream.sock
         n = len(batch)
         send_all(sock, [Header(Opcode.GET, n).pack() + pack_get_entries(e for _, e, _ in batch)])
         recv_reply_header(sock, Opcode.GET_REPLY, n)
-        replies = unpack_get_reply_entries(recv_exact(sock, n * GET_REPLY_ENTRY.size))
-        return [
-            self._receive(sock, work, reply) for work, reply in zip(batch, replies, strict=True)
-        ]
+        rows = unpack_get_reply_rows(recv_exact(sock, n * GET_REPLY_ENTRY.size))
+        outcomes: list[GetOutcome] = []
+        small = _SmallPayloads(outcomes)
+        cap = self._limits.max_chunk_bytes
+        for (_, entry, buf), (status, length, checksum) in zip(batch, rows, strict=True):
+            if status != GetCode.OK:
+                outcomes.append(_MISSES[status])
+                continue
+            if length > cap:
+                raise ProtocolError(ErrorCode.MALFORMED, f"reply of {length} bytes for one chunk")
+            if length > buf.nbytes or (entry.length and length != entry.length):
+                # Keep the stream in sync, but never hand out these bytes.
+                small.receive(sock)
+                drain(sock, length)
+                outcomes.append(GetOutcome(False, 0, _misfit(buf.nbytes, length, entry.length)))
+                continue
+            dest = buf[:length] if length < buf.nbytes else buf
+            if small.fits(length):
+                small.add(dest, checksum)
+                continue
+            small.receive(sock)
+            if length <= HASH_BLOCK:
+                small.add(dest, checksum)
+            else:
+                ok = recv_hashed_into(sock, dest) == checksum
+                outcomes.append(GetOutcome(True, length) if ok else _MISMATCH)
+        small.receive(sock)
+        return outcomes
 
-    def _receive(self, sock: socket.socket, work: GetWork, reply: GetReplyEntry) -> GetOutcome:
-        """Receive one payload of a GET_REPLY into its buffer, hashing each
-        block as it arrives: verified without a second pass over memory."""
-        _, entry, buf = work
-        if reply.status is GetCode.NOT_FOUND:
-            return GetOutcome(False, 0, "not found")
-        if reply.status is GetCode.INVALID:
-            return GetOutcome(False, 0, "invalid range")
-        length = reply.length
-        if length > self._limits.max_chunk_bytes:
-            raise ProtocolError(ErrorCode.MALFORMED, f"reply of {length} bytes for one chunk")
-        if length > buf.nbytes or (entry.length and length != entry.length):
-            # Keep the stream in sync, but never hand out these bytes.
-            drain(sock, length)
-            why = (
-                f"buffer of {buf.nbytes} bytes too small for {length}"
-                if length > buf.nbytes
-                else f"store sent {length} bytes for a range of {entry.length}"
-            )
-            return GetOutcome(False, 0, why)
-        dest = buf[:length] if length < buf.nbytes else buf
-        if recv_hashed_into(sock, dest) != reply.checksum:
-            return GetOutcome(False, 0, "checksum mismatch")
-        return GetOutcome(True, length)
+
+_MISSES: dict[int, GetOutcome] = {
+    GetCode.NOT_FOUND: GetOutcome(False, 0, "not found"),
+    GetCode.INVALID: GetOutcome(False, 0, "invalid range"),
+}
+_MISMATCH = GetOutcome(False, 0, "checksum mismatch")
+_NOT_ATTEMPTED = GetOutcome(False, 0, "transport: not attempted")
+
+
+def _misfit(room: int, length: int, asked: int) -> str:
+    if length > room:
+        return f"buffer of {room} bytes too small for {length}"
+    return f"store sent {length} bytes for a range of {asked}"
+
+
+class _SmallPayloads:
+    """Consecutive payloads of a GET_REPLY of at most ``HASH_BLOCK`` bytes in
+    all, received with one system call and then hashed, still in cache.
+
+    Their outcomes are appended to ``outcomes`` in reply order, as
+    placeholders until :meth:`receive` fills them in.
+    """
+
+    __slots__ = ("_bytes", "_first", "_outcomes", "_sums", "_views")
+
+    def __init__(self, outcomes: list[GetOutcome]) -> None:
+        self._outcomes = outcomes
+        self._views: list[memoryview] = []
+        self._sums: list[int] = []
+        self._first = 0
+        self._bytes = 0
+
+    def fits(self, length: int) -> bool:
+        """Whether a payload of ``length`` bytes joins the pending ones."""
+        return self._bytes + length <= HASH_BLOCK and len(self._views) < IOV_MAX
+
+    def add(self, dest: memoryview, checksum: int) -> None:
+        if not self._views:
+            self._first = len(self._outcomes)
+        self._views.append(dest)
+        self._sums.append(checksum)
+        self._bytes += dest.nbytes
+        self._outcomes.append(_MISMATCH)
+
+    def receive(self, sock: socket.socket) -> None:
+        """Receive the pending payloads and settle their outcomes."""
+        if not self._views:
+            return
+        recv_exact_into_many(sock, self._views)
+        ok = _MISMATCH
+        for k, (view, checksum) in enumerate(zip(self._views, self._sums, strict=True)):
+            if xxh3_64(view) != checksum:
+                continue  # the placeholder: a checksum mismatch
+            if ok.length != view.nbytes or not ok.ok:
+                ok = GetOutcome(True, view.nbytes)  # shared by the payloads of one size
+            self._outcomes[self._first + k] = ok
+        self._views, self._sums, self._bytes = [], [], 0
 
 
 def _parts(batch: list[PutWork]) -> Iterator[tuple[bool, list[PutWork]]]:
