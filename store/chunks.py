@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvdepot.errors import CapacityExceeded, Corrupt, InvalidArgument, Unavailable
@@ -382,12 +382,15 @@ class ChunkStore(TierPlacement):
         out: list[ReadLease | _Read | None] = []
         seen: set[ChunkKey] = set()
         try:
-            for key in keys:
-                if key in seen:
-                    out.append(None)  # a repeat: taken after the first is done
-                    continue
-                seen.add(key)
-                out.append(self._begin_read(key, in_arena, removed, moved))
+            # One hold of the lock for the batch: a read of chunks in DRAM
+            # is done here, and per-chunk locking cost as much as the lease.
+            with self._lock:
+                for key in keys:
+                    if key in seen:
+                        out.append(None)  # a repeat: taken after the first is done
+                        continue
+                    seen.add(key)
+                    out.append(self._begin_read(key, in_arena, removed, moved))
             self._run_reads([r for r in out if isinstance(r, _Read)])
             done = [self._end_read(r, removed, moved) if isinstance(r, _Read) else r for r in out]
             if len(seen) < len(keys):
@@ -414,55 +417,54 @@ class ChunkStore(TierPlacement):
         removed: list[ChunkKey],
         moved: list[tuple[ChunkKey, str]],
     ) -> ReadLease | _Read | None:
-        # Under the lock: a lease on DRAM, a miss, or a read that needs I/O
-        # (its source held, its DRAM room taken if it is promoted).
+        # Under the lock (the caller's): a lease on DRAM, a miss, or a read
+        # that needs I/O (its source held, its DRAM room taken if it is promoted).
         counted = False
-        with self._lock:
-            while True:
-                self._check_open()
-                entry = self._entries.get(key)
-                if entry is None or not entry.committed:
-                    if not counted:
-                        for level in self._levels:
-                            level.misses += 1
-                    return None
-                source = entry.copy
-                level = source.level
+        while True:
+            self._check_open()
+            entry = self._entries.get(key)
+            if entry is None or not entry.committed:
                 if not counted:
-                    counted = True
-                    self._count_hit(entry)
-                if level is self._cpu:
-                    if self._mover is not None:
-                        self._mover.consider_promotion(entry)
-                    return self._lease(entry, source)
-                promote = in_arena or (
-                    level.rank > self._cpu.rank
-                    and self._options.promote_hits > 0
-                    and entry.hits >= self._options.promote_hits
-                )
-                if promote and entry.moving:
-                    if not in_arena:
-                        promote = False  # another reader is promoting it: copy it out
-                    elif not self._moved_cv.wait(self._options.move_wait_s):
+                    for level in self._levels:
+                        level.misses += 1
+                return None
+            source = entry.copy
+            level = source.level
+            if not counted:
+                counted = True
+                self._count_hit(entry)
+            if level is self._cpu:
+                if self._mover is not None:
+                    self._mover.consider_promotion(entry)
+                return self._lease(entry, source)
+            promote = in_arena or (
+                level.rank > self._cpu.rank
+                and self._options.promote_hits > 0
+                and entry.hits >= self._options.promote_hits
+            )
+            if promote and entry.moving:
+                if not in_arena:
+                    promote = False  # another reader is promoting it: copy it out
+                elif not self._moved_cv.wait(self._options.move_wait_s):
+                    return None
+                else:
+                    continue  # it moved: look again
+            # Held before making room, so making room cannot take it.
+            source.leases += 1
+            self.sync_held(entry)
+            target: Copy | None = None
+            if promote:
+                try:
+                    handle = self.allocate(self._cpu, entry.size, removed, moved)
+                except CapacityExceeded:
+                    if in_arena:
+                        self.unhold(entry, source)
                         return None
-                    else:
-                        continue  # it moved: look again
-                # Held before making room, so making room cannot take it.
-                source.leases += 1
-                self.sync_held(entry)
-                target: Copy | None = None
-                if promote:
-                    try:
-                        handle = self.allocate(self._cpu, entry.size, removed, moved)
-                    except CapacityExceeded:
-                        if in_arena:
-                            self.unhold(entry, source)
-                            return None
-                    else:
-                        target = Copy(self._cpu, handle, self._cpu_tier.size_of(handle))
-                        entry.moving = True
-                        self.sync_held(entry)
-                return _Read(entry, source, target)
+                else:
+                    target = Copy(self._cpu, handle, self._cpu_tier.size_of(handle))
+                    entry.moving = True
+                    self.sync_held(entry)
+            return _Read(entry, source, target)
 
     def _run_reads(self, reads: list[_Read]) -> None:
         # Without the lock: fill each read's destination, in parallel on the
@@ -574,24 +576,36 @@ class ChunkStore(TierPlacement):
         Raises:
             InvalidArgument: If ``lease`` is not outstanding (released twice).
         """
+        self.release_many((lease,))
+
+    def release_many(self, leases: Iterable[ReadLease]) -> None:
+        """:meth:`release` of each lease, under one hold of the lock.
+
+        Raises:
+            InvalidArgument: If a lease is not outstanding (released twice);
+                the leases before it are released.
+        """
         with self._lock:
-            held = self._leases.pop(id(lease), None)
-            if held is None:
-                if self._closed:
-                    return
-                raise InvalidArgument(
-                    f"release of a lease that is not outstanding: {lease.key.hex()}"
-                )
-            copy = held[1]
-            if copy is None:
+            for lease in leases:
+                self._release(lease)
+
+    def _release(self, lease: ReadLease) -> None:
+        # Under the lock.
+        held = self._leases.pop(id(lease), None)
+        if held is None:
+            if self._closed:
                 return
-            copy.leases -= 1
-            if copy.orphan:
-                self.release_copy(copy)
-                return
-            entry = self._entries.get(lease.key)
-            if entry is not None and entry.copy is copy:
-                self.sync_held(entry)
+            raise InvalidArgument(f"release of a lease that is not outstanding: {lease.key.hex()}")
+        copy = held[1]
+        if copy is None:
+            return
+        copy.leases -= 1
+        if copy.orphan:
+            self.release_copy(copy)
+            return
+        entry = self._entries.get(lease.key)
+        if entry is not None and entry.copy is copy:
+            self.sync_held(entry)
 
     # -- other operations -------------------------------------------------------------------
     def delete(self, key: ChunkKey) -> bool:

@@ -24,6 +24,7 @@ from kvdepot.wire.protocol import (
     CHECKSUM,
     COMMIT_ENTRY,
     GET_ENTRY,
+    GET_REPLY_ENTRY,
     GRANTED_COMMIT_ENTRY,
     LEASE_ID,
     PUT_ENTRY,
@@ -32,7 +33,6 @@ from kvdepot.wire.protocol import (
     DeleteCode,
     ErrorCode,
     GetCode,
-    GetReplyEntry,
     Header,
     HeaderFlags,
     IndexCode,
@@ -43,7 +43,6 @@ from kvdepot.wire.protocol import (
     PutCode,
     PutEntry,
     drain,
-    pack_get_reply_entries,
     pack_lease_reply_entries,
     pack_reserve_reply_entries,
     recv_exact,
@@ -52,10 +51,14 @@ from kvdepot.wire.protocol import (
     send_all,
     unpack_commit_entries,
     unpack_get_entries,
+    unpack_get_rows,
     unpack_keys,
     unpack_lease_ids,
     unpack_put_entries,
 )
+
+_NOT_FOUND = GET_REPLY_ENTRY.pack(GetCode.NOT_FOUND, 0, 0)
+_INVALID = GET_REPLY_ENTRY.pack(GetCode.INVALID, 0, 0)
 
 _SESSION_OPS = frozenset(
     {
@@ -376,45 +379,43 @@ class RequestHandlers:
         self._reply(conn, [self._put_reply(header, n, tail, granted), statuses, *tail])
 
     def _handle_get(self, conn: socket.socket, n: int, session: Session) -> None:
-        entries = unpack_get_entries(recv_exact(conn, n * GET_ENTRY.size))
+        entries = unpack_get_rows(recv_exact(conn, n * GET_ENTRY.size))
         self._watchdog.disarm(conn)  # reads off SSD are the store's work
         leases: list[ReadLease] = []
         try:
-            replies: list[GetReplyEntry] = []
-            payloads: list[bytes | bytearray | memoryview] = []
+            replies: list[bytes] = []
+            payloads: list[memoryview] = []
+            misses = 0
             # Chunks on SSD are read in parallel, off this thread.
-            acquired = self._chunks.acquire_many([session.key(e.key) for e in entries])
+            acquired = self._chunks.acquire_many([session.key(key) for key, _, _ in entries])
             leases = [lease for lease in acquired if lease is not None]
-            for e, lease in zip(entries, acquired, strict=True):
+            for (_, offset, asked), lease in zip(entries, acquired, strict=True):
                 if lease is None:
-                    replies.append(GetReplyEntry(GetCode.NOT_FOUND))
+                    replies.append(_NOT_FOUND)
+                    misses += 1
                     continue
                 size = lease.size
-                length = e.length or size - e.offset
-                if e.offset >= size or length <= 0 or e.offset + length > size:
-                    replies.append(GetReplyEntry(GetCode.INVALID))
+                length = asked or size - offset
+                if offset >= size or length <= 0 or offset + length > size:
+                    replies.append(_INVALID)
                     continue
                 if length == size:
                     # Whole chunk: the writer's checksum, checked end to end.
                     view, ck = lease.view, lease.checksum
                 else:
-                    view = lease.view[e.offset : e.offset + length]
+                    view = lease.view[offset : offset + length]
                     ck = checksum(view)
-                replies.append(GetReplyEntry(GetCode.OK, length, ck))
+                replies.append(GET_REPLY_ENTRY.pack(GetCode.OK, length, ck))
                 payloads.append(view)
             # Counted before the reply goes out, so a client that has its
             # answer also sees it in the stats.
-            self._count(
-                gets=len(payloads),
-                get_misses=sum(1 for r in replies if r.status is GetCode.NOT_FOUND),
-                bytes_out=sum(r.length for r in replies),
-            )
-            head = Header(Opcode.GET_REPLY, n).pack() + pack_get_reply_entries(replies)
-            self._watchdog.arm(conn, len(head) + sum(r.length for r in replies))
+            out = sum(p.nbytes for p in payloads)
+            self._count(gets=len(payloads), get_misses=misses, bytes_out=out)
+            head = b"".join([Header(Opcode.GET_REPLY, n).pack(), *replies])
+            self._watchdog.arm(conn, len(head) + out)
             self._reply(conn, [head, *payloads])
         finally:
-            for lease in leases:
-                self._chunks.release(lease)
+            self._chunks.release_many(leases)
 
     def _handle_delete(self, conn: socket.socket, n: int, session: Session) -> None:
         keys = unpack_keys(recv_exact(conn, n * KEY_BYTES))
