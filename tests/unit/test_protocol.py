@@ -86,6 +86,19 @@ def test_get_reply_entries_round_trip() -> None:
         p.unpack_get_reply_entries(b"\x09" + raw[1:24])
 
 
+def test_row_unpackers_agree_with_the_entry_unpackers() -> None:
+    gets = [p.GetEntry(key(1)), p.GetEntry(key(2), offset=4096, length=1 << 40)]
+    rows = p.unpack_get_rows(p.pack_get_entries(gets))
+    assert [p.GetEntry(ChunkKey(bytes(k)), off, n) for k, off, n in rows] == gets
+    replies = [p.GetReplyEntry(p.GetCode.OK, 123, 456), p.GetReplyEntry(p.GetCode.NOT_FOUND)]
+    raw = p.pack_get_reply_entries(replies)
+    assert [p.GetReplyEntry(p.GetCode(s), n, c) for s, n, c in p.unpack_get_reply_rows(raw)] == (
+        replies
+    )
+    with pytest.raises(p.ProtocolError, match="unknown GET status 9"):
+        p.unpack_get_reply_rows(raw[:24] + b"\x09" + raw[25:])
+
+
 def test_keys_round_trip() -> None:
     keys = [key(i) for i in range(4)]
     assert p.unpack_keys(p.pack_keys(keys)) == keys
@@ -259,6 +272,41 @@ def test_recv_exact_into_fills_and_detects_eof(pair: tuple[socket.socket, socket
         p.recv_exact_into(b, memoryview(bytearray(10)))
 
 
+def test_recv_exact_into_many_fills_views_in_order_across_partial_arrivals(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    a, b = pair
+    sizes = [1, 0, 4096, 3, 70_000, 17]
+    data = os.urandom(sum(sizes))
+
+    def dribble() -> None:
+        # Pieces that end inside a view, on a boundary and across several views.
+        for i in range(0, len(data), 2999):
+            a.sendall(data[i : i + 2999])
+            time.sleep(0.001)
+
+    t = threading.Thread(target=dribble)
+    t.start()
+    bufs = [bytearray(n) for n in sizes]
+    p.recv_exact_into_many(b, [memoryview(x) for x in bufs])
+    t.join(10)
+    assert b"".join(bufs) == data
+
+
+def test_recv_exact_into_many_detects_eof_and_bounds_the_views(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    a, b = pair
+    a.sendall(b"abcde")
+    a.shutdown(socket.SHUT_WR)
+    bufs = [bytearray(4), bytearray(4)]
+    with pytest.raises(p.PeerClosed, match="after 5 of 8"):
+        p.recv_exact_into_many(b, [memoryview(x) for x in bufs])
+    assert bufs[0] == b"abcd" and bufs[1][:1] == b"e"
+    with pytest.raises(InvalidArgument, match="exceed"):
+        p.recv_exact_into_many(b, [memoryview(bytearray(1))] * (p.IOV_MAX + 1))
+
+
 def test_recv_exact_and_drain(pair: tuple[socket.socket, socket.socket]) -> None:
     a, b = pair
     t = threading.Thread(target=a.sendall, args=(b"0123456789" + bytes(300_000) + b"tail",))
@@ -301,6 +349,8 @@ PARSERS = [
     p.unpack_put_entries,
     p.unpack_get_entries,
     p.unpack_get_reply_entries,
+    p.unpack_get_rows,
+    p.unpack_get_reply_rows,
     p.unpack_keys,
     p.unpack_reserve_reply_entries,
     p.unpack_commit_entries,
