@@ -492,16 +492,17 @@ class _SmallPayloads:
     all, received with one system call and then hashed, still in cache.
 
     Their outcomes are appended to ``outcomes`` in reply order, as
-    placeholders until :meth:`receive` fills them in.
+    placeholders until :meth:`receive` fills them in (misses of the same
+    reply may be appended between them: each payload keeps its own place).
     """
 
-    __slots__ = ("_bytes", "_first", "_outcomes", "_sums", "_views")
+    __slots__ = ("_at", "_bytes", "_outcomes", "_sums", "_views")
 
     def __init__(self, outcomes: list[GetOutcome]) -> None:
         self._outcomes = outcomes
         self._views: list[memoryview] = []
         self._sums: list[int] = []
-        self._first = 0
+        self._at: list[int] = []
         self._bytes = 0
 
     def fits(self, length: int) -> bool:
@@ -509,8 +510,7 @@ class _SmallPayloads:
         return self._bytes + length <= HASH_BLOCK and len(self._views) < IOV_MAX
 
     def add(self, dest: memoryview, checksum: int) -> None:
-        if not self._views:
-            self._first = len(self._outcomes)
+        self._at.append(len(self._outcomes))
         self._views.append(dest)
         self._sums.append(checksum)
         self._bytes += dest.nbytes
@@ -522,13 +522,13 @@ class _SmallPayloads:
             return
         recv_exact_into_many(sock, self._views)
         ok = _MISMATCH
-        for k, (view, checksum) in enumerate(zip(self._views, self._sums, strict=True)):
+        for at, view, checksum in zip(self._at, self._views, self._sums, strict=True):
             if xxh3_64(view) != checksum:
                 continue  # the placeholder: a checksum mismatch
             if ok.length != view.nbytes or not ok.ok:
                 ok = GetOutcome(True, view.nbytes)  # shared by the payloads of one size
-            self._outcomes[self._first + k] = ok
-        self._views, self._sums, self._bytes = [], [], 0
+            self._outcomes[at] = ok
+        self._views, self._sums, self._at, self._bytes = [], [], [], 0
 
 
 def _parts(batch: list[PutWork]) -> Iterator[tuple[bool, list[PutWork]]]:

@@ -311,6 +311,45 @@ def test_tcp_put_with_trailing_checksums_over_parallel_connections(stores: Local
         assert t.delete(address, keys) == [True] * 6
 
 
+def test_tcp_misses_between_small_payloads_keep_their_places(stores: LocalCluster) -> None:
+    # Small payloads of one reply are received together and settled after:
+    # a miss between them must stay a miss, and each hit its own outcome.
+    address = stores.stores[0].info["address"]
+    rng = random.Random(7)
+    sizes = [4 * KiB, 10 * KiB, 1 * KiB, 3 * KiB, 600 * KiB, 2 * KiB]
+    keys, data = chunks(rng, sizes)
+    with TcpTransport() as t:
+        assert t.put(address, [PutItem(k, d) for k, d in zip(keys, data, strict=True)]) == (
+            [PutStatus.OK] * len(sizes)
+        )
+        wanted = [
+            (keys[0], 0, 0, True),
+            (ChunkKey(rng.randbytes(16)), 0, 0, False),  # not found
+            (keys[1], 0, 0, True),
+            (keys[2], 2 * KiB, 1, False),  # invalid range
+            (keys[3], 0, 0, True),
+            (ChunkKey(rng.randbytes(16)), 0, 0, False),
+            (keys[4], 0, 0, True),  # larger than a hash block: settles the pending ones
+            (keys[5], KiB, KiB, True),
+            (ChunkKey(rng.randbytes(16)), 0, 0, False),
+        ]
+        bufs = [bytearray(16 * KiB if i != 6 else 600 * KiB) for i in range(len(wanted))]
+        outs = t.get_into(
+            address,
+            [
+                GetItem(k, memoryview(b), offset=off, length=n)
+                for (k, off, n, _), b in zip(wanted, bufs, strict=True)
+            ],
+        )
+    assert [o.ok for o in outs] == [w[3] for w in wanted]
+    assert [o.error for o in outs if not o.ok] == [
+        "not found", "invalid range", "not found", "not found"
+    ]  # fmt: skip
+    expect = {0: data[0], 2: data[1], 4: data[3], 6: data[4], 7: data[5][KiB : 2 * KiB]}
+    for i, want in expect.items():
+        assert outs[i].length == len(want) and bytes(bufs[i][: len(want)]) == want
+
+
 def test_tcp_trailing_checksum_mismatch_is_corrupt(stores: LocalCluster) -> None:
     host, port = stores.stores[0].info["address"].rsplit(":", 1)
     rng = random.Random(5)
