@@ -490,14 +490,7 @@ def unpack_get_reply_entries(data: bytes | bytearray | memoryview) -> list[GetRe
     Raises:
         ProtocolError: An unknown status.
     """
-    out = []
-    for status, length, ck in _entries(GET_REPLY_ENTRY, data):
-        try:
-            code = GetCode(status)
-        except ValueError:
-            raise ProtocolError(ErrorCode.MALFORMED, f"unknown GET status {status}") from None
-        out.append(GetReplyEntry(code, length, ck))
-    return out
+    return [GetReplyEntry(GetCode(s), n, ck) for s, n, ck in unpack_get_reply_rows(data)]
 
 
 _GET_CODES = frozenset(int(c) for c in GetCode)

@@ -97,14 +97,20 @@ def send_all(sock: socket.socket, buffers: Sequence[bytes | bytearray | memoryvi
             raise _translate(exc, "send") from exc
         if sent <= 0:
             raise Unavailable("send failed: the socket accepted no bytes")
-        while sent:
-            n = views[i].nbytes
-            if sent >= n:
-                sent -= n
-                i += 1
-            else:
-                views[i] = views[i][sent:]
-                sent = 0
+        i = _advance(views, i, sent)
+
+
+def _advance(views: list[memoryview], i: int, moved: int) -> int:
+    """After ``moved`` more bytes went from (or into) ``views[i:]``: the index
+    of the first view not wholly moved, which is trimmed to its rest in place."""
+    while moved:
+        size = views[i].nbytes
+        if moved < size:
+            views[i] = views[i][moved:]
+            break
+        moved -= size
+        i += 1
+    return i
 
 
 def _piece(views: list[memoryview], i: int) -> list[memoryview]:
@@ -160,22 +166,17 @@ def recv_exact_into_many(sock: socket.socket, views: Sequence[memoryview]) -> No
         raise InvalidArgument(f"{len(left)} views exceed the {IOV_MAX} one receive takes")
     total = sum(v.nbytes for v in left)
     got = 0
-    while left:
+    i = 0
+    while i < len(left):
         try:
-            n = sock.recvmsg_into(left, 0, socket.MSG_WAITALL)[0]
+            n = sock.recvmsg_into(left[i:] if i else left, 0, socket.MSG_WAITALL)[0]
         except OSError as exc:
             raise _translate(exc, "receive") from exc
         if n == 0:
             raise PeerClosed(f"peer closed the connection after {got} of {total} bytes")
         got += n
         # A signal or the receive timeout cut the call short: resume after the filled part.
-        i = 0
-        while i < len(left) and n >= left[i].nbytes:
-            n -= left[i].nbytes
-            i += 1
-        left = left[i:]
-        if n:
-            left[0] = left[0][n:]
+        i = _advance(left, i, n)
 
 
 HASH_BLOCK = 512 << 10
