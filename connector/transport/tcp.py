@@ -460,15 +460,14 @@ class TcpTransport(Transport):
                 outcomes.append(GetOutcome(False, 0, _misfit(buf.nbytes, length, entry.length)))
                 continue
             dest = buf[:length] if length < buf.nbytes else buf
-            if small.fits(length):
+            if length <= HASH_BLOCK:
+                if not small.fits(length):
+                    small.receive(sock)
                 small.add(dest, checksum)
                 continue
             small.receive(sock)
-            if length <= HASH_BLOCK:
-                small.add(dest, checksum)
-            else:
-                ok = recv_hashed_into(sock, dest) == checksum
-                outcomes.append(GetOutcome(True, length) if ok else _MISMATCH)
+            ok = recv_hashed_into(sock, dest) == checksum
+            outcomes.append(GetOutcome(True, length) if ok else _MISMATCH)
         small.receive(sock)
         return outcomes
 
