@@ -593,9 +593,7 @@ class KVDepotClient:
         self, address: str, keys: list[ChunkKey], views: list[memoryview]
     ) -> list[GetOutcome]:
         """Read every chunk from the store at ``address`` (each verified)."""
-        return self._transport.get_into(
-            address, [GetItem(k, v) for k, v in zip(keys, views, strict=True)]
-        )
+        return self._transport.get_whole(address, keys, views)
 
     def _remember(self, sources: list[str]) -> None:
         """Which store the next read tries first, from where this one's chunks came."""
@@ -641,8 +639,9 @@ class KVDepotClient:
             if not groups:
                 break
             for address, idx in groups.items():
-                items = [GetItem(keys[i], views[i][: locations[i].size]) for i in idx]
-                for i, out in zip(idx, self._transport.get_into(address, items), strict=True):
+                sub = [views[i][: locations[i].size] for i in idx]
+                got = self._transport.get_whole(address, [keys[i] for i in idx], sub)
+                for i, out in zip(idx, got, strict=True):
                     if out.ok and out.length == locations[i].size:
                         pull.loaded_from(i, address)
                     else:

@@ -36,9 +36,14 @@ class Reservation:
     view: memoryview
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, eq=False)
 class ReadLease:
     """A read of one committed chunk; its bytes stay put until released.
+
+    Read-only by contract, not frozen: one is built per chunk on every read,
+    and a frozen dataclass's ``__init__`` (``object.__setattr__`` per field)
+    cost three times as much. A lease is its identity (``eq=False``): the
+    store finds it by ``id``.
 
     Attributes:
         key: The chunk's key.

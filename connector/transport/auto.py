@@ -203,6 +203,22 @@ class AutoTransport(Transport):
             outcomes[i] = o
         return outcomes
 
+    def get_whole(
+        self, address: str, keys: Sequence[ChunkKey], views: Sequence[memoryview]
+    ) -> list[GetOutcome]:
+        """Read whole chunks with the transport chosen for ``address``; see
+        :meth:`Transport.get_whole`."""
+        t = self._pick(address)
+        outcomes = t.get_whole(address, keys, views)
+        failed = [i for i, o in enumerate(outcomes) if o.error.startswith("transport")]
+        if t is self._tcp or not failed:
+            return outcomes
+        again = self._forget(address, t)
+        retried = again.get_whole(address, [keys[i] for i in failed], [views[i] for i in failed])
+        for i, o in zip(failed, retried, strict=True):
+            outcomes[i] = o
+        return outcomes
+
     def delete(self, address: str, keys: Sequence[ChunkKey]) -> list[bool]:
         """Delete chunks (over the store's socket); see :meth:`Transport.delete`."""
         return self._tcp.delete(address, keys)

@@ -20,6 +20,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvdepot.errors import InvalidArgument
 from kvdepot.keys import ChunkKey
 from kvdepot.wire.protocol import IndexCode, IndexSettled
 
@@ -148,6 +149,23 @@ class Transport(abc.ABC):
             InvalidArgument: A malformed address, key, range, or a read-only or
                 too small buffer for an explicit ``length``.
         """
+
+    def get_whole(
+        self, address: str, keys: Sequence[ChunkKey], views: Sequence[memoryview]
+    ) -> list[GetOutcome]:
+        """:meth:`get_into` of whole chunks, for a caller that validated its
+        arguments already: ``keys`` are :data:`ChunkKey` values (see
+        :func:`~kvdepot.keys.validate_key`) and ``views`` writable flat byte
+        views, one per key. A transport may then skip its own validation of
+        every item (``KVDepotClient`` validates each call once).
+
+        Raises:
+            InvalidArgument: A malformed address, as many views as keys, or
+                an empty view.
+        """
+        if len(keys) != len(views):
+            raise InvalidArgument(f"{len(keys)} keys but {len(views)} buffers")
+        return self.get_into(address, [GetItem(k, v) for k, v in zip(keys, views, strict=True)])
 
     @abc.abstractmethod
     def delete(self, address: str, keys: Sequence[ChunkKey]) -> list[bool]:

@@ -318,8 +318,22 @@ class TcpTransport(Transport):
     def get_into(self, address: str, items: Sequence[GetItem]) -> list[GetOutcome]:
         """Read chunks into caller buffers; see :meth:`Transport.get_into`."""
         self._check_usable(address)
-        todo = check_get_items(items)
-        outcomes = [_NOT_ATTEMPTED] * len(items)
+        return self._get(address, check_get_items(items), len(items))
+
+    def get_whole(
+        self, address: str, keys: Sequence[ChunkKey], views: Sequence[memoryview]
+    ) -> list[GetOutcome]:
+        """Read whole chunks, validated by the caller; see :meth:`Transport.get_whole`."""
+        self._check_usable(address)
+        if len(keys) != len(views):
+            raise InvalidArgument(f"{len(keys)} keys but {len(views)} buffers")
+        if not all(v.nbytes for v in views):
+            raise InvalidArgument("get buffers must not be empty")
+        todo = [(i, GetEntry(k), v) for i, (k, v) in enumerate(zip(keys, views, strict=True))]
+        return self._get(address, todo, len(keys))
+
+    def _get(self, address: str, todo: list[GetWork], count: int) -> list[GetOutcome]:
+        outcomes = [_NOT_ATTEMPTED] * count
         # Read-your-writes: chunks of late puts are committed first (or a
         # miss, when the wait runs out).
         self._pool.settle(address)

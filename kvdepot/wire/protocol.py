@@ -407,11 +407,15 @@ def unpack_header(data: bytes | bytearray | memoryview) -> Header:
         raise ProtocolError(ErrorCode.BAD_MAGIC, f"bad magic {bytes(magic)!r}")
     if version != VERSION:
         raise ProtocolError(ErrorCode.BAD_VERSION, f"unsupported version {version}")
-    try:
-        op = Opcode(opcode)
-    except ValueError:
-        raise ProtocolError(ErrorCode.BAD_OPCODE, f"unknown opcode {opcode}") from None
+    op = _OPCODES.get(opcode)
+    if op is None:
+        raise ProtocolError(ErrorCode.BAD_OPCODE, f"unknown opcode {opcode}")
     return Header(op, count, aux, flags)
+
+
+# Every message's opcode is looked up here: a dict is several times faster
+# than calling the enum.
+_OPCODES: dict[int, Opcode] = {int(op): op for op in Opcode}
 
 
 @dataclass(frozen=True, slots=True)

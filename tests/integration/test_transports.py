@@ -33,7 +33,7 @@ from kvdepot.connector.transport import (
     create_transport,
 )
 from kvdepot.connector.transport.control import looks_alive
-from kvdepot.errors import Unavailable
+from kvdepot.errors import InvalidArgument, Unavailable
 from kvdepot.keys import ChunkKey
 from kvdepot.proto.gen import store_pb2, store_pb2_grpc
 from kvdepot.store.chunks import ChunkStore, checksum
@@ -107,9 +107,20 @@ def round_trip(transport: object, address: str, rng: random.Random) -> None:
     )
     assert [o.length for o in outs] == sizes and all(o.ok for o in outs)
     assert bufs == [bytearray(d) for d in data]
+    # Whole chunks for a caller that validated its arguments (as KVDepotClient
+    # does): the same bytes, a miss where the buffer is too small or the key unknown.
+    miss = ChunkKey(rng.randbytes(16))
+    views = [memoryview(bytearray(n)) for n in sizes]
+    views[1] = memoryview(bytearray(sizes[1] - 1))
+    outs = transport.get_whole(address, [*keys, miss], [*views, memoryview(bytearray(9))])  # type: ignore[attr-defined]
+    assert [o.ok for o in outs] == [i != 1 for i in range(len(sizes))] + [False]
+    assert "too small" in outs[1].error and outs[-1].error == "not found"
+    assert all(bytes(v) == d for i, (v, d) in enumerate(zip(views, data, strict=True)) if i != 1)
+    for bad in ([memoryview(bytearray(9))] * 2, [memoryview(bytearray(0))]):
+        with pytest.raises(InvalidArgument):
+            transport.get_whole(address, keys[:1], bad)  # type: ignore[attr-defined]
     big = data[3]
     layer = bytearray(64 * KiB)
-    miss = ChunkKey(rng.randbytes(16))
     outs = transport.get_into(  # type: ignore[attr-defined]
         address,
         [

@@ -256,6 +256,26 @@ def test_stats_count_hits_misses_puts(store: ChunkStore) -> None:
     assert (s.hits, s.misses, s.puts, s.evictions, s.rejected) == (1, 1, 1, 0, 0)
 
 
+def test_acquire_many_leases_each_found_chunk_once_per_asking(store: ChunkStore) -> None:
+    put(store, key(1), 100, fill=1)
+    put(store, key(2), 2 * PAGE, fill=2)
+    got = store.acquire_many([key(1), key(3), key(2), key(1)])
+    first, missing, second, again = got
+    assert missing is None and first is not None and second is not None and again is not None
+    assert first is not again and bytes(again.view) == bytes(first.view) == b"\x01" * 100
+    assert bytes(second.view) == b"\x02" * (2 * PAGE) and second.view.readonly
+    s = store.stats()
+    assert (s.hits, s.misses) == (3, 1)
+    # Leased: a delete waits for the last release to free the bytes.
+    assert store.delete(key(1))
+    store.release_many([first, second])
+    assert store.stats().used_bytes == 3 * PAGE
+    store.release(again)
+    assert store.stats().used_bytes == 2 * PAGE
+    with pytest.raises(InvalidArgument):
+        store.release(first)
+
+
 def test_churn_of_mixed_sizes_does_not_leak() -> None:
     rng = random.Random(11)
     cs = ChunkStore(4 * MiB)
