@@ -261,6 +261,7 @@ class TcpTransport(Transport):
         self._executor: ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
         self._closed = False
+        self._parsed: set[str] = set()  # addresses that parse_address took
 
     def put(self, address: str, items: Sequence[PutItem]) -> list[PutStatus]:
         """Write chunks; see :meth:`Transport.put`."""
@@ -318,7 +319,10 @@ class TcpTransport(Transport):
     def get_into(self, address: str, items: Sequence[GetItem]) -> list[GetOutcome]:
         """Read chunks into caller buffers; see :meth:`Transport.get_into`."""
         self._check_usable(address)
-        return self._get(address, check_get_items(items), len(items))
+        todo = check_get_items(items)
+        cap = self._limits.max_chunk_bytes
+        sizes = [min(e.length or buf.nbytes, cap) for _, e, buf in todo]
+        return self._get(address, todo, sizes)
 
     def get_whole(
         self, address: str, keys: Sequence[ChunkKey], views: Sequence[memoryview]
@@ -327,18 +331,22 @@ class TcpTransport(Transport):
         self._check_usable(address)
         if len(keys) != len(views):
             raise InvalidArgument(f"{len(keys)} keys but {len(views)} buffers")
-        if not all(v.nbytes for v in views):
+        sizes = [v.nbytes for v in views]
+        if 0 in sizes:
             raise InvalidArgument("get buffers must not be empty")
+        cap = self._limits.max_chunk_bytes
+        if sizes and max(sizes) > cap:
+            sizes = [min(n, cap) for n in sizes]
         todo = [(i, GetEntry(k), v) for i, (k, v) in enumerate(zip(keys, views, strict=True))]
-        return self._get(address, todo, len(keys))
+        return self._get(address, todo, sizes)
 
-    def _get(self, address: str, todo: list[GetWork], count: int) -> list[GetOutcome]:
-        outcomes = [_NOT_ATTEMPTED] * count
+    def _get(self, address: str, todo: list[GetWork], sizes: list[int]) -> list[GetOutcome]:
+        """Read ``todo`` (every item of a call, in order; ``sizes``: the bytes
+        each may take, for planning)."""
+        outcomes = [_NOT_ATTEMPTED] * len(todo)
         # Read-your-writes: chunks of late puts are committed first (or a
         # miss, when the wait runs out).
         self._pool.settle(address)
-        cap = self._limits.max_chunk_bytes
-        sizes = [min(e.length or buf.nbytes, cap) for _, e, buf in todo]
 
         def run(batches: list[list[GetWork]]) -> None:
             for k, batch in enumerate(batches):
@@ -392,7 +400,9 @@ class TcpTransport(Transport):
     def _check_usable(self, address: str) -> None:
         if self._closed:
             raise InvalidArgument("transport is closed")
-        parse_address(address)
+        if address not in self._parsed:
+            parse_address(address)
+            self._parsed.add(address)  # a set: adding under threads is atomic
 
     def _in_parallel(self, runs: list[list[_T]], fn: Callable[[list[_T]], None]) -> None:
         # The first run goes on the caller's thread, the others on helpers.
