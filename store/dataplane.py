@@ -33,6 +33,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
+import select
 import socket
 import struct
 import threading
@@ -367,8 +369,11 @@ class DataPlaneServer:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             set_io_timeout(conn, self._io_timeout_s)
             header = memoryview(bytearray(HEADER.size))
+            # poll, not select: a store may serve more than 1024 fds.
+            arrival = select.poll()
+            arrival.register(conn, select.POLLIN)
             while not self._stopping.is_set():
-                if not self._next_request(conn, header, session):
+                if not self._next_request(conn, header, session, arrival):
                     return
                 try:
                     request = unpack_header(header)
@@ -445,28 +450,33 @@ class DataPlaneServer:
         if left is not None and left <= 0:
             raise self._hold_error(session)
 
-    def _next_request(self, conn: socket.socket, header: memoryview, session: Session) -> bool:
+    def _next_request(
+        self, conn: socket.socket, header: memoryview, session: Session, arrival: select.poll
+    ) -> bool:
         # Wait for the first byte under the idle timeout (shorter while the
         # connection holds reservations or leases), then read the rest of
         # the request under the I/O timeout and the request's deadline. A
         # connection holding grants is not cut for idleness: its client may
         # be copying into them (it is on this host: its death closes the socket).
+        # The wait is a poll: the socket's receive timeout stays the I/O
+        # timeout, with no system calls per request to switch it.
         left = self._hold_left(session)
         idle = _NO_IDLE_CUT_S if session.granted else self._idle_timeout_s
         wait = idle if left is None else max(min(left, idle), 1e-3)
-        set_recv_timeout(conn, wait)
         try:
-            n = conn.recv_into(header, HEADER.size)
+            ready = arrival.poll(None if wait >= _NO_IDLE_CUT_S else math.ceil(wait * 1000))
+            n = conn.recv_into(header, HEADER.size) if ready else -1
         except OSError as exc:
-            timed_out = isinstance(exc, TimeoutError | BlockingIOError)
-            if timed_out and left is not None and left <= wait:
-                raise self._hold_error(session) from None
-            logger.debug("data plane connection idle or reset: %s", str(exc))
+            logger.debug("data plane connection reset: %s", str(exc))
+            return False
+        if n < 0:
+            if left is not None and left <= wait:
+                raise self._hold_error(session)
+            logger.debug("data plane connection idle for %.0f s", wait)
             return False
         if n == 0:
             return False
         self._watchdog.arm(conn)
-        set_recv_timeout(conn, self._io_timeout_s)
         if n < HEADER.size:
             try:
                 recv_exact_into(conn, header[n:])
