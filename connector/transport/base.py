@@ -160,8 +160,8 @@ class Transport(abc.ABC):
         every item (``KVDepotClient`` validates each call once).
 
         Raises:
-            InvalidArgument: A malformed address, as many views as keys, or
-                an empty view.
+            InvalidArgument: A malformed address, a number of views other
+                than of keys, or an empty view.
         """
         if len(keys) != len(views):
             raise InvalidArgument(f"{len(keys)} keys but {len(views)} buffers")
