@@ -79,6 +79,7 @@ from kvdepot.wire.protocol import (
     recv_index_codes,
     recv_reply_header,
     send_all,
+    send_bytes,
     send_hashed,
     unpack_get_reply_rows,
     unpack_index_settled,
@@ -350,10 +351,19 @@ class TcpTransport(Transport):
     def _get(self, address: str, todo: list[GetWork], sizes: list[int]) -> list[GetOutcome]:
         """Read ``todo`` (every item of a call, in order; ``sizes``: the bytes
         each may take, for planning)."""
-        outcomes = [_NOT_ATTEMPTED] * len(todo)
         # Read-your-writes: chunks of late puts are committed first (or a
         # miss, when the wait runs out).
         self._pool.settle(address)
+        plan = _plan(todo, sizes, self._limits, self._streams)
+        if len(plan) == 1 and len(plan[0]) == 1:
+            # One request on this thread, the common case: its outcomes are the call's.
+            try:
+                return self._exchange(address, self._get_batch, plan[0][0])
+            except Unauthenticated:
+                raise
+            except KVDepotError as exc:
+                return [_get_failed(address, len(todo), exc)] * len(todo)
+        outcomes = [_NOT_ATTEMPTED] * len(todo)
 
         def run(batches: list[list[GetWork]]) -> None:
             for k, batch in enumerate(batches):
@@ -362,11 +372,7 @@ class TcpTransport(Transport):
                 except Unauthenticated:
                     raise
                 except KVDepotError as exc:
-                    # This batch and the rest are misses: the store is unreachable or broken.
-                    logger.warning(
-                        "get of %d chunks from %s failed: %s", len(todo), address, str(exc)
-                    )
-                    failed = GetOutcome(False, 0, f"transport: {exc}")
+                    failed = _get_failed(address, len(todo), exc)
                     for rest in batches[k:]:
                         for i, _, _ in rest:
                             outcomes[i] = failed
@@ -374,7 +380,7 @@ class TcpTransport(Transport):
                 for (i, _, _), outcome in zip(batch, results, strict=True):
                     outcomes[i] = outcome
 
-        self._in_parallel(_plan(todo, sizes, self._limits, self._streams), run)
+        self._in_parallel(plan, run)
         return outcomes
 
     def delete(self, address: str, keys: Sequence[ChunkKey]) -> list[bool]:
@@ -472,7 +478,7 @@ class TcpTransport(Transport):
         hashed while in cache; consecutive small ones arrive in one call."""
         sock = stream.sock
         n = len(batch)
-        send_all(sock, [Header(Opcode.GET, n).pack() + pack_get_entries(e for _, e, _ in batch)])
+        send_bytes(sock, Header(Opcode.GET, n).pack() + pack_get_entries(e for _, e, _ in batch))
         recv_reply_header(sock, Opcode.GET_REPLY, n)
         rows = unpack_get_reply_rows(recv_exact(sock, n * GET_REPLY_ENTRY.size))
         outcomes: list[GetOutcome] = []
@@ -509,6 +515,13 @@ _MISSES: dict[int, GetOutcome] = {
 }
 _MISMATCH = GetOutcome(False, 0, "checksum mismatch")
 _NOT_ATTEMPTED = GetOutcome(False, 0, "transport: not attempted")
+
+
+def _get_failed(address: str, n: int, exc: KVDepotError) -> GetOutcome:
+    """The outcome of the items of a GET that failed, and of the ones after
+    it: misses (the store is unreachable or broken)."""
+    logger.warning("get of %d chunks from %s failed: %s", n, address, str(exc))
+    return GetOutcome(False, 0, f"transport: {exc}")
 
 
 def _misfit(room: int, length: int, asked: int) -> str:

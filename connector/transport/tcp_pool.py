@@ -14,7 +14,7 @@ import select
 import socket
 from collections import deque
 
-from kvdepot.connector.transport.control import connect, looks_alive
+from kvdepot.connector.transport.control import connect
 from kvdepot.connector.transport.pipeline import Pipeline
 from kvdepot.connector.transport.pool import IdlePool
 from kvdepot.errors import KVDepotError
@@ -34,12 +34,16 @@ class Stream:
     Not thread-safe: used by one caller at a time (checked out of a :class:`TcpPool`).
     """
 
-    __slots__ = ("_late", "_pipeline", "sock")
+    __slots__ = ("_arrival", "_late", "_pipeline", "sock")
 
     def __init__(self, sock: socket.socket, pipeline: Pipeline) -> None:
         self.sock = sock
         self._pipeline = pipeline
         self._late: deque[tuple[int, int]] = deque()  # (chunks, ticket)
+        # poll, not select: an engine's process may hold more than 1024 fds.
+        # One poller for the connection's life: each reuse checks it.
+        self._arrival = select.poll()
+        self._arrival.register(sock, select.POLLIN)
 
     @property
     def awaits(self) -> int:
@@ -89,12 +93,17 @@ class Stream:
 
     def answer_arrived(self) -> bool:
         """Whether bytes of the oldest late answer (or EOF) are here to read."""
-        # poll, not select: an engine's process may hold more than 1024 fds.
-        poller = select.poll()
+        return self.readable()
+
+    def readable(self) -> bool:
+        """Whether bytes, EOF or an error are here to read, without waiting.
+
+        An idle connection has nothing to read: EOF means the store closed it
+        (idle timeout, restart), data means the stream is out of sync.
+        """
         try:
-            poller.register(self.sock, select.POLLIN)
-            return bool(poller.poll(0))
-        except (OSError, ValueError):
+            return bool(self._arrival.poll(0))
+        except OSError:
             return True  # let the read report what is wrong
 
     def close(self) -> None:
@@ -134,7 +143,7 @@ class TcpPool(IdlePool[Stream]):
             except (KVDepotError, OSError):
                 stream.close()
                 continue
-            if stream.awaits or looks_alive(stream.sock):
+            if stream.awaits or not stream.readable():
                 # One still awaiting an answer is in use by the store: alive.
                 return stream, True
             stream.close()

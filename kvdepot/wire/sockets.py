@@ -100,6 +100,21 @@ def send_all(sock: socket.socket, buffers: Sequence[bytes | bytearray | memoryvi
         i = _advance(views, i, sent)
 
 
+def send_bytes(sock: socket.socket, data: bytes) -> None:
+    """Send one small message whole (a request's header and entries):
+    :func:`send_all` without its vector bookkeeping.
+
+    Raises:
+        PeerClosed: The peer closed or reset the connection.
+        TimedOut: The peer stopped reading.
+        Unavailable: The connection failed otherwise.
+    """
+    try:
+        sock.sendall(data)
+    except OSError as exc:
+        raise _translate(exc, "send") from exc
+
+
 def _advance(views: list[memoryview], i: int, moved: int) -> int:
     """After ``moved`` more bytes went from (or into) ``views[i:]``: the index
     of the first view not wholly moved, which is trimmed to its rest in place."""
