@@ -396,9 +396,7 @@ class ChunkStore(TierPlacement):
                     entry = self._entries.get(key)
                     if entry is not None and entry.copy.level is dram and entry.committed:
                         # In DRAM, the fastest tier: _begin_read's common case, inline.
-                        dram.hits += 1
-                        entry.hits += 1
-                        dram.policy.touch(key)
+                        self._count_hit(entry)
                         out.append(self._lease(entry, entry.copy))
                     else:
                         out.append(self._begin_read(key, in_arena, removed, moved))

@@ -79,7 +79,6 @@ from kvdepot.wire.protocol import (
     recv_index_codes,
     recv_reply_header,
     send_all,
-    send_bytes,
     send_hashed,
     unpack_get_reply_rows,
     unpack_index_settled,
@@ -478,7 +477,7 @@ class TcpTransport(Transport):
         hashed while in cache; consecutive small ones arrive in one call."""
         sock = stream.sock
         n = len(batch)
-        send_bytes(sock, Header(Opcode.GET, n).pack() + pack_get_entries(e for _, e, _ in batch))
+        send_all(sock, [Header(Opcode.GET, n).pack() + pack_get_entries(e for _, e, _ in batch)])
         recv_reply_header(sock, Opcode.GET_REPLY, n)
         rows = unpack_get_reply_rows(recv_exact(sock, n * GET_REPLY_ENTRY.size))
         outcomes: list[GetOutcome] = []

@@ -78,7 +78,7 @@ class Stream:
             ProtocolError: The store answered ERROR or something unparsable.
             Unavailable: The connection failed.
         """
-        while len(self._late) > keep and self.answer_arrived():
+        while len(self._late) > keep and self.readable():
             self._read_oldest()
 
     def _read_oldest(self) -> None:
@@ -90,10 +90,6 @@ class Stream:
         codes = recv_index_codes(self.sock, header)
         self._late.popleft()
         self._pipeline.answered(ticket, statuses, codes)
-
-    def answer_arrived(self) -> bool:
-        """Whether bytes of the oldest late answer (or EOF) are here to read."""
-        return self.readable()
 
     def readable(self) -> bool:
         """Whether bytes, EOF or an error are here to read, without waiting.

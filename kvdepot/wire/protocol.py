@@ -149,7 +149,6 @@ from kvdepot.wire.sockets import recv_exact_into as recv_exact_into
 from kvdepot.wire.sockets import recv_exact_into_many as recv_exact_into_many
 from kvdepot.wire.sockets import recv_hashed_into as recv_hashed_into
 from kvdepot.wire.sockets import send_all as send_all
-from kvdepot.wire.sockets import send_bytes as send_bytes
 from kvdepot.wire.sockets import send_hashed as send_hashed
 from kvdepot.wire.sockets import set_io_timeout as set_io_timeout
 from kvdepot.wire.sockets import set_recv_timeout as set_recv_timeout

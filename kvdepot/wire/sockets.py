@@ -87,6 +87,13 @@ def send_all(sock: socket.socket, buffers: Sequence[bytes | bytearray | memoryvi
         TimedOut: The peer stopped reading.
         Unavailable: The connection failed otherwise.
     """
+    if len(buffers) == 1 and type(buffers[0]) is bytes and len(buffers[0]) <= SEND_PIECE:
+        # One small message (a request, most answers): one call, no vector bookkeeping.
+        try:
+            sock.sendall(buffers[0])
+        except OSError as exc:
+            raise _translate(exc, "send") from exc
+        return
     views = [v for v in (byte_view(b) for b in buffers) if v.nbytes]
     i = 0
     while i < len(views):
@@ -98,21 +105,6 @@ def send_all(sock: socket.socket, buffers: Sequence[bytes | bytearray | memoryvi
         if sent <= 0:
             raise Unavailable("send failed: the socket accepted no bytes")
         i = _advance(views, i, sent)
-
-
-def send_bytes(sock: socket.socket, data: bytes) -> None:
-    """Send one small message whole (a request's header and entries):
-    :func:`send_all` without its vector bookkeeping.
-
-    Raises:
-        PeerClosed: The peer closed or reset the connection.
-        TimedOut: The peer stopped reading.
-        Unavailable: The connection failed otherwise.
-    """
-    try:
-        sock.sendall(data)
-    except OSError as exc:
-        raise _translate(exc, "send") from exc
 
 
 def _advance(views: list[memoryview], i: int, moved: int) -> int:
