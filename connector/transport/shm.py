@@ -56,7 +56,6 @@ from kvdepot.keys import ChunkKey
 from kvdepot.rpc.security_config import SecurityConfig
 from kvdepot.wire.host import host_identity
 from kvdepot.wire.protocol import (
-    HASH_BLOCK,
     MAX_GRANTED_BYTES,
     AttachFlags,
     AttachInfo,
@@ -86,12 +85,24 @@ DEFAULT_COPY_THREADS = min(2, os.cpu_count() or 1)
 """Copy threads per client: two nearly doubled copy bandwidth over one."""
 
 
+COPY_BLOCK = 1 << 20
+"""Bytes copied between two hash updates in :func:`copy_hashed`.
+
+Larger than the tcp paths' ``HASH_BLOCK``: on the CI machine kind (AMD EPYC,
+a tmpfs arena in 4 KiB pages) a copy into the arena ran at 0.58-0.72 ms per
+8 MiB in calls of 256-768 KiB and at 0.43-0.44 ms in calls of 1 MiB and up
+(anonymous memory in huge pages: the same at every size); with the hash
+after each block, a put of 8 x 1 MiB copied in 0.78 ms per 8 MiB with
+512 KiB blocks and 0.59-0.62 ms with 1 MiB ones. A 1 MiB source block is
+still in the core's L2 when it is hashed."""
+
+
 class ShmUnavailable(Unavailable):
     """The store's arena cannot be mapped here (another host, no file, no access)."""
 
 
 def copy_hashed(
-    dst: memoryview, src: memoryview, *, hash_dst: bool, block: int = HASH_BLOCK
+    dst: memoryview, src: memoryview, *, hash_dst: bool, block: int = COPY_BLOCK
 ) -> int:
     """Copy ``src`` into ``dst`` (same length) and return the xxh3-64 of the bytes.
 
