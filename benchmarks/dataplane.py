@@ -45,7 +45,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -53,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from rss import RssSampler
 from stages import client_profiler, print_profiles, profile_env, put_ceilings, run_stages
 
 KiB = 1 << 10
@@ -107,6 +107,14 @@ class System(abc.ABC):
     @abc.abstractmethod
     def get(self) -> None:
         """Read one batch (verified where the system verifies)."""
+
+    def quiesce(self) -> None:  # noqa: B027 - optional hook
+        """Wait, untimed, until the work of the last operation has ended.
+
+        A put that returns before its store has committed (kvdepot's
+        deferred, pipelined puts) leaves work running; without this, it
+        would run inside the next system's timed operation and be charged
+        to that system."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Stop whatever the system started."""
@@ -393,6 +401,10 @@ class KVDepot(System):
         if result.leading != len(self._keys):
             raise RuntimeError(f"{self.name}: get loaded {result.leading} of {len(self._keys)}")
 
+    def quiesce(self) -> None:
+        # The store's answers to the puts and its index commits.
+        self._client.sync_index()
+
     def close(self) -> None:
         self._client.close()
 
@@ -475,37 +487,6 @@ _UCX_NO_RDMA = {"UCX_NET_DEVICES": "lo", "UCX_MODULES": "^ib,ib_mlx5,ib_efa,rdma
 _READ_FIRST = {"kvdepot-tcp-remote": None, "kvdepot-tcp-lookup": True, "kvdepot-tcp-probe": False}
 
 
-class RssSampler:
-    """Samples a process's resident memory in the background (max seen)."""
-
-    def __init__(self, pid: int) -> None:
-        self._pid = pid
-        self.max_rss = self.max_anon = self.max_shmem = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
-
-    def _read(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        with contextlib.suppress(OSError), open(f"/proc/{self._pid}/status") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key in ("VmRSS", "RssAnon", "RssShmem"):
-                    out[key] = int(value.split()[0]) * KiB
-        return out
-
-    def _loop(self) -> None:
-        while not self._stop.wait(0.05):
-            s = self._read()
-            self.max_rss = max(self.max_rss, s.get("VmRSS", 0))
-            self.max_anon = max(self.max_anon, s.get("RssAnon", 0))
-            self.max_shmem = max(self.max_shmem, s.get("RssShmem", 0))
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(2)
-
-
 def _measure(
     systems: list[System],
     sizes: tuple[int, ...],
@@ -529,11 +510,13 @@ def _measure(
                 if op == "get":
                     s.before_get()
                 getattr(s, op)()
+                s.quiesce()
             for _ in range(trials):
                 for s in ready:  # round-robin: ratios compare runs under the same load
                     t0 = time.perf_counter()
                     getattr(s, op)()
                     times[s.name].append(time.perf_counter() - t0)
+                    s.quiesce()
             for s in ready:
                 ts = times[s.name]
                 med = statistics.median(ts)

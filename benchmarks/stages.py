@@ -271,6 +271,7 @@ def run_stages(
                         t0 = time.perf_counter()
                         getattr(s, op)()
                         walls[s.name].append(time.perf_counter() - t0)
+                    s.quiesce()
             refs = {r.name: statistics.median(walls[r.name]) * 1e3 for r in raws}
             for s in staged:
                 wall, stages, calls = summarize(timers[s.name], walls[s.name])
