@@ -14,7 +14,7 @@ while the client copies the next one; :meth:`ControlConnection.finish_commits`
 collects the answers in order.
 
 A deferring writer's put goes further (:meth:`ControlConnection.commit_late`):
-it returns once its COMMIT|GRANT is sent, and the answer is read by whatever
+it returns once its COMMIT (with GRANT, in granted room) is sent, and the answer is read by whatever
 next uses the connection, so the store commits one put while the writer
 prepares the next. A :class:`Pipeline` per store keeps count: a read waits
 for the answers of every commit sent before it (read-your-writes), and what
@@ -138,7 +138,8 @@ def looks_alive(sock: socket.socket) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class _LateCommit:
-    """A COMMIT|GRANT whose answer is read later: its grants' sizes, its ticket."""
+    """A COMMIT whose answer is read later: its chunks' sizes (those of the
+    grants a COMMIT|GRANT's answer brings), its ticket."""
 
     sizes: list[int]
     ticket: int
@@ -224,13 +225,22 @@ class ControlConnection:
         return self._read_granted(sizes, indexed)
 
     def commit_late(
-        self, entries: Sequence[CommitEntry], sizes: Sequence[int], writer: int
+        self,
+        entries: Sequence[CommitEntry],
+        sizes: Sequence[int],
+        writer: int,
+        *,
+        granted: bool = True,
     ) -> None:
-        """Send a deferring writer's COMMIT|GRANT (indexed after the answer)
-        and return: its answer, with the next grants, is read by the next
-        exchange on this connection (:meth:`settle`), its outcome counted
-        in the store's :class:`Pipeline`."""
-        self._send_granted(entries, True, writer)
+        """Send a deferring writer's COMMIT (indexed after the answer; of
+        ``granted`` room: a COMMIT|GRANT) and return: its answer, with the
+        next grants, is read by the next exchange on this connection
+        (:meth:`settle`), its outcome counted in the store's :class:`Pipeline`."""
+        if granted:
+            self._send_granted(entries, True, writer)
+        else:
+            head = Header(Opcode.COMMIT, len(entries), writer, index_flags(True, writer)).pack()
+            send_all(self.sock, [head + pack_commit_entries(entries)])
         self._expected.append(_LateCommit(list(sizes), self._pipeline.sent(len(entries))))
 
     def _send_granted(self, entries: Sequence[CommitEntry], index: bool, writer: int) -> None:

@@ -433,6 +433,14 @@ class ShmTransport(ArenaTransport[_Mapping]):
                     conn.send_commit(group, index, writer)
                     counts.append(len(group))
                     group, group_bytes = [], 0
+        if group and not counts and not wrong and writer and indexed is not None:
+            # A deferring writer's batch in one COMMIT: its answer is read
+            # by the connection's next exchange, as in granted room.
+            conn.commit_late(group, [e.size for _, e, _ in placed], writer, granted=False)
+            for i in committed:
+                out.append((i, PutStatus.OK))
+                indexed[i] = IndexCode.PENDING
+            return out
         if group:
             conn.send_commit(group, index, writer)
             counts.append(len(group))

@@ -28,7 +28,7 @@ from kvdepot.connector.transport import PutItem, PutStatus
 from kvdepot.errors import Unavailable
 from kvdepot.keys import ChunkKey
 from kvdepot.proto.gen import metadata_pb2, metadata_pb2_grpc
-from kvdepot.wire.protocol import IndexCode, IndexSettled
+from kvdepot.wire.protocol import MAX_GRANTED_BYTES, IndexCode, IndexSettled
 from tests.integration.test_cluster import payload, store_stats
 
 SIZE = 64 << 10
@@ -308,6 +308,38 @@ def test_a_deferred_put_answers_before_the_index_and_the_writer_learns_what_it_d
     assert (again.stored, again.skipped, again.pending) == (0, 0, 4)
     assert deferring.sync_index() == IndexSettled(skipped=4)
     assert deferring.sync_index() == IndexSettled()
+
+
+def test_a_deferred_shm_put_beyond_its_grants_reserves_and_returns_before_the_answer(
+    cluster: LocalCluster,
+) -> None:
+    node = cluster.stores[0].info["node_id"]
+    config = ClientConfig(
+        metadata=cluster.metadata_address, node_id=node, transport="shm", defer_index_commit=True
+    )
+    with KVDepotClient(config) as w:
+        w.put(_keys(1), [np.ones(SIZE, dtype=np.uint8)])  # learns its node's store
+        size = (MAX_GRANTED_BYTES // 3) + 4096  # three are more than a connection's grants
+        keys = _keys(3)
+        data = [payload(k, size) for k in keys]
+        calls = CallLog(w)
+        r = w.put(keys, data)
+        assert (r.stored, r.skipped, r.failed, r.pending) == (0, 0, 0, 3)
+        assert calls.methods == []
+        # Sent, its answer unread: the next exchange on the connection reads it.
+        pipeline = w._transport._pool.pipeline(cluster.stores[0].info["address"])  # type: ignore[attr-defined]
+        assert pipeline.open_until(pipeline.issued())
+        # Its own read waits for the COMMIT's answer (read-your-writes).
+        out = [np.zeros(size, dtype=np.uint8) for _ in keys]
+        assert w.get_into(keys, out).leading == 3
+        assert all(np.array_equal(a, b) for a, b in zip(out, data, strict=True))
+        assert w.sync_index() == IndexSettled(new=3)
+        assert calls.methods == []
+        # Republished: RESERVE answers EXISTS, nothing is copied or committed again.
+        assert w.put(keys, data).skipped == 3
+        assert w.sync_index() == IndexSettled()
+    with KVDepotClient(ClientConfig(metadata=cluster.metadata_address)) as reader:
+        assert reader.lookup(keys) == 3
 
 
 def test_a_stalled_metadata_service_never_holds_a_deferred_put(tmp_path: Path) -> None:
