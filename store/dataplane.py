@@ -45,7 +45,7 @@ from kvdepot.rpc.auth import Authenticator, RefusalLog, peer_host
 from kvdepot.store.chunks import ChunkStore
 from kvdepot.store.handlers import ReplyFailed, RequestHandlers
 from kvdepot.store.indexer import Indexer
-from kvdepot.store.session import HeldListener, Session
+from kvdepot.store.session import GrantBudget, HeldListener, Session
 from kvdepot.store.watchdog import RequestWatchdog
 from kvdepot.wire.handshake import ServerHandshake
 from kvdepot.wire.host import host_identity
@@ -172,6 +172,7 @@ class DataPlaneServer:
         self._on_nixl_held = on_nixl_held
         self._auth = auth
         self._verify_shm_commits = verify_shm_commits
+        self._grants = GrantBudget(chunks.capacity)
         self._refusals = RefusalLog("data plane")
         arena = chunks.arena
         dev, ino = arena.file_id or (0, 0)
@@ -363,6 +364,7 @@ class DataPlaneServer:
             self._limits.max_held,
             self._on_nixl_held,
             verify_shm_commits=self._verify_shm_commits,
+            grants=self._grants,
         )
         gate = ServerHandshake(self._auth)
         try:

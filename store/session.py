@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -47,6 +48,46 @@ HeldListener = Callable[[int], None]
 """Told the change in items a session of kind NIXL holds (+n, -n)."""
 
 
+MIN_GRANT_SHARE = 32
+"""A connection's grants are at most this share of DRAM (but 8 MiB at least)."""
+
+MAX_GRANTED_SHARE = 4
+"""Grants of all connections together are at most this share of DRAM."""
+
+
+class GrantBudget:
+    """What a store's ``shm`` connections may hold in grants: each at most
+    ``MAX_GRANTED_BYTES`` and 1/32 of DRAM (8 MiB at least), all together a
+    quarter of DRAM. Room granted ahead of any key is taken from the cache:
+    an idle connection keeps the room of its last batch, so on a small
+    store a few idle writers must not hold most of it.
+
+    Thread-safe: the data-plane threads of all connections share one.
+
+    Args:
+        capacity: The store's DRAM bytes.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.per_connection = min(MAX_GRANTED_BYTES, max(8 << 20, capacity // MIN_GRANT_SHARE))
+        self._total = capacity // MAX_GRANTED_SHARE
+        self._held = 0
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> bool:
+        """Count ``size`` more bytes granted, if the store-wide share allows."""
+        with self._lock:
+            if self._held + size > self._total:
+                return False
+            self._held += size
+            return True
+
+    def give(self, size: int) -> None:
+        """Count ``size`` granted bytes given back (used, freed or dropped)."""
+        with self._lock:
+            self._held -= size
+
+
 class Session:
     """What one connection holds on behalf of a client that moves bytes itself.
 
@@ -66,6 +107,8 @@ class Session:
             verifies it, so a wrong one (or a source changed during the copy)
             is a miss, never wrong data, and the put saves a pass over memory.
             NIXL writes are always verified (the writer never sees the arena).
+        grants: The store's grant budget, shared by its connections (by
+            default one of this connection's own).
     """
 
     def __init__(
@@ -75,8 +118,10 @@ class Session:
         on_held: HeldListener | None = None,
         *,
         verify_shm_commits: bool = False,
+        grants: GrantBudget | None = None,
     ) -> None:
         self._chunks = chunks
+        self._budget = grants or GrantBudget(chunks.capacity)
         self._verify_shm = verify_shm_commits
         self._max_held = max_held
         self._on_held = on_held
@@ -206,8 +251,8 @@ class Session:
 
         Only ``shm`` connections are granted room (NIXL writers are remote:
         a grant's safety rests on the client's death closing the socket), at
-        most :data:`MAX_GRANTED_BYTES` at once; beyond that an entry is
-        NO_SPACE and the client reserves by key as before.
+        most what the store's :class:`GrantBudget` allows; beyond that an
+        entry is NO_SPACE and the client reserves by key as before.
 
         Args:
             sizes: One size per grant asked for.
@@ -220,12 +265,15 @@ class Session:
             if self.kind is not AttachKind.SHM or size <= 0:
                 out.append(ReserveReplyEntry(PutCode.INVALID))
                 continue
-            if self._granted_bytes + size > MAX_GRANTED_BYTES:
+            if self._granted_bytes + size > self._budget.per_connection or not self._budget.take(
+                size
+            ):
                 out.append(ReserveReplyEntry(PutCode.NO_SPACE))
                 continue
             name = self._placeholder + next(self._placeholders).to_bytes(8, "little")
             res = self._reserve(ChunkKey(name), size, 0)
             if isinstance(res, PutCode):
+                self._budget.give(size)
                 # EXISTS: a chunk stored under a placeholder key (2**-64).
                 out.append(ReserveReplyEntry(PutCode.NO_SPACE if res is PutCode.EXISTS else res))
                 continue
@@ -250,6 +298,7 @@ class Session:
                 out.append((PutCode.INVALID, 0))
                 continue
             self._granted_bytes -= res.size
+            self._budget.give(res.size)
             if self._verify_shm and checksum(res.view) != e.checksum:
                 self._chunks.revoke(res)
                 out.append((PutCode.CORRUPT, res.size))
@@ -267,6 +316,7 @@ class Session:
         for res in self._grants.values():
             self._chunks.revoke(res)
         self._grants.clear()
+        self._budget.give(self._granted_bytes)
         self._granted_bytes = 0
 
     def abort(self, keys: Sequence[ChunkKey]) -> list[HeldCode]:

@@ -39,6 +39,7 @@ from kvdepot.wire.handshake import authenticate
 from kvdepot.wire.protocol import (
     LEASE_REPLY_ENTRY,
     MAX_ATTACH_BODY,
+    MAX_GRANTED_BYTES,
     RESERVE_REPLY_ENTRY,
     AttachInfo,
     AttachKind,
@@ -169,6 +170,10 @@ class ControlConnection:
         self._expected: deque[int | _LateCommit] = deque()
         # Arena offsets of the room the store granted this connection, by size.
         self.grants: dict[int, list[int]] = {}
+        self.grant_limit = MAX_GRANTED_BYTES
+        """Largest batch to copy into grants: lowered to what the store
+        granted when it refused some (its DRAM is small, or other
+        connections hold their share), so later puts reserve at once."""
 
     @property
     def awaits(self) -> int:
@@ -194,6 +199,9 @@ class ControlConnection:
         replies = self._reserve([PutEntry(_NO_KEY, size, 0) for size in sizes], HeaderFlags.GRANT)
         self.grants = {}
         self._add_grants(sizes, replies)
+        if any(r.status is not PutCode.OK for r in replies):
+            granted = sum(s for s, r in zip(sizes, replies, strict=True) if r.status is PutCode.OK)
+            self.grant_limit = min(self.grant_limit, granted)
 
     def take_grants(self, sizes: Sequence[int]) -> list[int] | None:
         """Arena offsets of a grant for each size (taken from :attr:`grants`),

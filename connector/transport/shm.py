@@ -56,7 +56,6 @@ from kvdepot.keys import ChunkKey
 from kvdepot.rpc.security_config import SecurityConfig
 from kvdepot.wire.host import host_identity
 from kvdepot.wire.protocol import (
-    MAX_GRANTED_BYTES,
     AttachFlags,
     AttachInfo,
     AttachKind,
@@ -383,7 +382,7 @@ class ShmTransport(ArenaTransport[_Mapping]):
         writer: int = 0,
     ) -> list[tuple[int, PutStatus]]:
         sizes = [e.size for _, e, _, _ in batch]
-        if conn.info.flags & AttachFlags.GRANTS and sum(sizes) <= MAX_GRANTED_BYTES:
+        if conn.info.flags & AttachFlags.GRANTS and sum(sizes) <= conn.grant_limit:
             conn.settle()  # a late commit's answer brings the grants of this put
             offsets = conn.take_grants(sizes)
             if offsets is None:
@@ -467,8 +466,8 @@ class ShmTransport(ArenaTransport[_Mapping]):
         """Copy a batch into room the store granted ahead, then COMMIT it: one
         round trip. A chunk the store holds already is copied for nothing
         (the store frees its grant and answers EXISTS): a local copy of at
-        most ``MAX_GRANTED_BYTES``, against a RESERVE round trip saved on
-        every put.
+        most the connection's ``grant_limit``, against a RESERVE round trip
+        saved on every put.
 
         A deferring ``writer``'s COMMIT is not waited for: its chunks are
         reported OK and PENDING (their index commit follows the store's

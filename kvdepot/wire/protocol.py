@@ -172,8 +172,11 @@ CHECKSUM = struct.Struct("<Q")
 ATTACH_INFO = struct.Struct("<QQQQIHHH6x")
 ERROR_CODE = struct.Struct("<I")
 
-MAX_GRANTED_BYTES = 8 << 20
-"""Most bytes granted to one connection at once; larger batches reserve by key."""
+MAX_GRANTED_BYTES = 32 << 20
+"""Most bytes granted to one connection at once; larger batches reserve by
+key. A store grants less where its DRAM is small (see
+``kvdepot.store.session.GrantBudget``); a client learns that from the
+grants it was refused."""
 
 MAX_ERROR_MESSAGE = 4096
 """Longest ERROR message accepted or sent, in bytes."""

@@ -28,7 +28,7 @@ from kvdepot.connector.transport import PutItem, PutStatus
 from kvdepot.errors import Unavailable
 from kvdepot.keys import ChunkKey
 from kvdepot.proto.gen import metadata_pb2, metadata_pb2_grpc
-from kvdepot.wire.protocol import MAX_GRANTED_BYTES, IndexCode, IndexSettled
+from kvdepot.wire.protocol import IndexCode, IndexSettled
 from tests.integration.test_cluster import payload, store_stats
 
 SIZE = 64 << 10
@@ -319,7 +319,7 @@ def test_a_deferred_shm_put_beyond_its_grants_reserves_and_returns_before_the_an
     )
     with KVDepotClient(config) as w:
         w.put(_keys(1), [np.ones(SIZE, dtype=np.uint8)])  # learns its node's store
-        size = (MAX_GRANTED_BYTES // 3) + 4096  # three are more than a connection's grants
+        size = 3 << 20  # three are more than this small store grants a connection
         keys = _keys(3)
         data = [payload(k, size) for k in keys]
         calls = CallLog(w)

@@ -531,13 +531,17 @@ def test_steady_shm_puts_take_one_round_trip(
             bufs = [bytearray(len(d)) for d in data]
             gets = [GetItem(k, memoryview(b)) for k, b in zip(keys, bufs, strict=True)]
             assert all(o.ok for o in t.get_into(address, gets)) and bufs == data
-        # Larger than what a connection is granted: reserved by key, as before.
-        calls.clear()
-        keys, data = chunks(rng, [3 * MiB] * 3)
-        items = [PutItem(k, d) for k, d in zip(keys, data, strict=True)]
-        assert t.put(address, items) == [PutStatus.OK] * 3
-        assert calls == ["reserve", "send_commit"]
-        t.delete(address, [k for keys, _ in batches for k in keys] + keys)
+        # Larger than what this small store grants a connection (8 MiB):
+        # refused once, then reserved by key at once.
+        large = []
+        for n in range(2):
+            calls.clear()
+            keys, data = chunks(rng, [3 * MiB] * 3)
+            large += keys
+            items = [PutItem(k, d) for k, d in zip(keys, data, strict=True)]
+            assert t.put(address, items) == [PutStatus.OK] * 3
+            assert calls == ["grant"] * (n == 0) + ["reserve", "send_commit"]
+        t.delete(address, [k for keys, _ in batches for k in keys] + large)
 
 
 def test_a_connection_holding_grants_is_not_cut_for_idleness(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ import pytest
 
 from kvdepot.keys import ChunkKey
 from kvdepot.store.chunks import ChunkStore, checksum
-from kvdepot.store.session import Session
+from kvdepot.store.session import GrantBudget, Session
 from kvdepot.wire import protocol as p
 
 PAGE = 4096
@@ -198,6 +198,35 @@ def test_grants_are_bounded_replaced_and_freed_with_the_connection(
     assert r.status is p.PutCode.OK and chunks.stats().used_bytes == 2 * PAGE
     s.close()
     assert chunks.stats().used_bytes == 0 and not s.granted
+
+
+def test_the_grant_budget_scales_with_dram_and_bounds_every_connection_together(
+    chunks: ChunkStore,
+) -> None:
+    MiB = 1 << 20
+    assert GrantBudget(64 * MiB).per_connection == 8 * MiB  # never below 8 MiB
+    assert GrantBudget(512 * MiB).per_connection == 16 * MiB  # 1/32 of DRAM
+    assert GrantBudget(4096 * MiB).per_connection == p.MAX_GRANTED_BYTES
+    # All connections of a store share a quarter of its DRAM (4 pages here).
+    budget = GrantBudget(chunks.capacity)
+    first = Session(chunks, max_held=8, grants=budget)
+    second = Session(chunks, max_held=8, grants=budget)
+    for s in (first, second):
+        s.attach(p.AttachKind.SHM)
+    assert [r.status for r in first.grant([2 * PAGE, 2 * PAGE])] == [p.PutCode.OK] * 2
+    assert [r.status for r in second.grant([PAGE])] == [p.PutCode.NO_SPACE]
+    # Used grants come back to the budget as their chunks are committed.
+    a = [r.offset for r in first.grant([PAGE, PAGE], replace=True)]
+    assert [r.status for r in second.grant([2 * PAGE])] == [p.PutCode.OK]
+    assert [r.status for r in second.grant([PAGE])] == [p.PutCode.NO_SPACE]
+    write(chunks, a[0], b"g" * PAGE)
+    committed = first.commit_granted([p.CommitEntry(key(1), checksum(b"g" * PAGE), a[0])])
+    assert committed == [(p.PutCode.OK, PAGE)]
+    assert [r.status for r in second.grant([PAGE])] == [p.PutCode.OK]
+    first.close()  # its last grant goes back too
+    assert [r.status for r in second.grant([PAGE])] == [p.PutCode.OK]
+    second.close()
+    assert chunks.stats().used_bytes == PAGE  # the committed chunk
 
 
 def test_only_shm_connections_are_granted_and_verified_when_asked(chunks: ChunkStore) -> None:
