@@ -48,11 +48,11 @@ HeldListener = Callable[[int], None]
 """Told the change in items a session of kind NIXL holds (+n, -n)."""
 
 
-MIN_GRANT_SHARE = 32
-"""A connection's grants are at most this share of DRAM (but 8 MiB at least)."""
+CONNECTION_GRANT_DIVISOR = 32
+"""A connection's grants are at most 1/32 of DRAM (but 8 MiB at least)."""
 
-MAX_GRANTED_SHARE = 4
-"""Grants of all connections together are at most this share of DRAM."""
+STORE_GRANT_DIVISOR = 4
+"""Grants of all connections together are at most 1/4 of DRAM."""
 
 
 class GrantBudget:
@@ -69,8 +69,9 @@ class GrantBudget:
     """
 
     def __init__(self, capacity: int) -> None:
-        self.per_connection = min(MAX_GRANTED_BYTES, max(8 << 20, capacity // MIN_GRANT_SHARE))
-        self._total = capacity // MAX_GRANTED_SHARE
+        share = capacity // CONNECTION_GRANT_DIVISOR
+        self.per_connection = min(MAX_GRANTED_BYTES, max(8 << 20, share))
+        self._total = capacity // STORE_GRANT_DIVISOR
         self._held = 0
         self._lock = threading.Lock()
 
@@ -121,7 +122,7 @@ class Session:
         grants: GrantBudget | None = None,
     ) -> None:
         self._chunks = chunks
-        self._budget = grants or GrantBudget(chunks.capacity)
+        self._budget = grants if grants is not None else GrantBudget(chunks.capacity)
         self._verify_shm = verify_shm_commits
         self._max_held = max_held
         self._on_held = on_held
