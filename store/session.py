@@ -49,7 +49,10 @@ HeldListener = Callable[[int], None]
 
 
 CONNECTION_GRANT_DIVISOR = 32
-"""A connection's grants are at most 1/32 of DRAM (but 8 MiB at least)."""
+"""A connection's grants are at most 1/32 of DRAM (but ``MIN_CONNECTION_GRANT`` at least)."""
+
+MIN_CONNECTION_GRANT = 8 << 20
+"""What a connection may hold in grants on the smallest stores."""
 
 STORE_GRANT_DIVISOR = 4
 """Grants of all connections together are at most 1/4 of DRAM."""
@@ -70,7 +73,7 @@ class GrantBudget:
 
     def __init__(self, capacity: int) -> None:
         share = capacity // CONNECTION_GRANT_DIVISOR
-        self.per_connection = min(MAX_GRANTED_BYTES, max(8 << 20, share))
+        self.per_connection = min(MAX_GRANTED_BYTES, max(MIN_CONNECTION_GRANT, share))
         self._total = capacity // STORE_GRANT_DIVISOR
         self._held = 0
         self._lock = threading.Lock()
@@ -266,9 +269,8 @@ class Session:
             if self.kind is not AttachKind.SHM or size <= 0:
                 out.append(ReserveReplyEntry(PutCode.INVALID))
                 continue
-            if self._granted_bytes + size > self._budget.per_connection or not self._budget.take(
-                size
-            ):
+            over = self._granted_bytes + size > self._budget.per_connection
+            if over or not self._budget.take(size):
                 out.append(ReserveReplyEntry(PutCode.NO_SPACE))
                 continue
             name = self._placeholder + next(self._placeholders).to_bytes(8, "little")

@@ -14,11 +14,12 @@ while the client copies the next one; :meth:`ControlConnection.finish_commits`
 collects the answers in order.
 
 A deferring writer's put goes further (:meth:`ControlConnection.commit_late`):
-it returns once its COMMIT (with GRANT, in granted room) is sent, and the answer is read by whatever
-next uses the connection, so the store commits one put while the writer
-prepares the next. A :class:`Pipeline` per store keeps count: a read waits
-for the answers of every commit sent before it (read-your-writes), and what
-the store did not commit is counted lost until the writer asks.
+it returns once its COMMIT (a COMMIT|GRANT in granted room) is sent, and the
+answer is read by whatever next uses the connection, so the store commits one
+put while the writer prepares the next. A :class:`Pipeline` per store keeps
+count: a read waits for the answers of every commit sent before it
+(read-your-writes), and what the store did not commit is counted lost until
+the writer asks.
 """
 
 from __future__ import annotations
@@ -247,8 +248,7 @@ class ControlConnection:
         if granted:
             self._send_granted(entries, True, writer)
         else:
-            head = Header(Opcode.COMMIT, len(entries), writer, index_flags(True, writer)).pack()
-            send_all(self.sock, [head + pack_commit_entries(entries)])
+            self._send_commit(entries, True, writer)
         self._expected.append(_LateCommit(list(sizes), self._pipeline.sent(len(entries))))
 
     def _send_granted(self, entries: Sequence[CommitEntry], index: bool, writer: int) -> None:
@@ -289,10 +289,12 @@ class ControlConnection:
         """Ask the store to verify and commit chunks (``index``: and to commit
         them into the cluster's index then, after answering where a
         ``writer`` token is given); the answer is read later."""
-        n = len(entries)
-        head = Header(Opcode.COMMIT, n, writer, index_flags(index, writer)).pack()
-        send_all(self.sock, [head + pack_commit_entries(entries)])
+        self._send_commit(entries, index, writer)
         self._commits_in_flight += 1
+
+    def _send_commit(self, entries: Sequence[CommitEntry], index: bool, writer: int) -> None:
+        head = Header(Opcode.COMMIT, len(entries), writer, index_flags(index, writer)).pack()
+        send_all(self.sock, [head + pack_commit_entries(entries)])
 
     def finish_commits(
         self, counts: Sequence[int], indexed: list[IndexCode] | None = None

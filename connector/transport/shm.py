@@ -436,9 +436,7 @@ class ShmTransport(ArenaTransport[_Mapping]):
             # A deferring writer's batch in one COMMIT: its answer is read
             # by the connection's next exchange, as in granted room.
             conn.commit_late(group, [e.size for _, e, _ in placed], writer, granted=False)
-            for i in committed:
-                out.append((i, PutStatus.OK))
-                indexed[i] = IndexCode.PENDING
+            out.extend(_pending(committed, indexed))
             return out
         if group:
             conn.send_commit(group, index, writer)
@@ -498,9 +496,7 @@ class ShmTransport(ArenaTransport[_Mapping]):
             return out
         if writer and indexed is not None:
             conn.commit_late(entries, sizes, writer)
-            out.extend((i, PutStatus.OK) for i in committed)
-            for i in committed:
-                indexed[i] = IndexCode.PENDING
+            out.extend(_pending(committed, indexed))
             return out
         got: list[IndexCode] = []
         codes = conn.commit_granted(entries, sizes, indexed is not None, writer, got)
@@ -543,6 +539,14 @@ class ShmTransport(ArenaTransport[_Mapping]):
         self._copier.close()
         with self._lock:
             self._maps.clear()
+
+
+def _pending(committed: list[int], indexed: list[IndexCode]) -> list[tuple[int, PutStatus]]:
+    """Chunks a deferring writer's COMMIT carries without waiting for its
+    answer: OK now, PENDING in the index."""
+    for i in committed:
+        indexed[i] = IndexCode.PENDING
+    return [(i, PutStatus.OK) for i in committed]
 
 
 def _check_lease(
