@@ -16,6 +16,8 @@ instance holds: the milliseconds left of that instance's lease."""
 
 # Lower is faster; lookups order replicas by this after locality.
 TIER_RANK = {"gpu": 0, "cpu": 1, "ssd": 2}
+TIER_BY_CODE = ("gpu", "cpu", "ssd")
+"""Tiers by their one-byte code in a paged inventory (``TIER_RANK`` inverted)."""
 
 
 _NO_TRANSFER = TransferRate()  # frozen: one instance serves as every default

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvdepot.errors import InvalidArgument, NodeIdTaken, StaleRegistration
-from kvdepot.keys import ChunkKey
+from kvdepot.keys import KEY_BYTES, ChunkKey
 from kvdepot.records import TierStats, TransferRate
 from kvdepot.types import (
+    TIER_BY_CODE,
+    TIER_RANK,
     Allocation,
     IndexStats,
     InventoryItem,
@@ -41,6 +45,69 @@ class IndexConfig:
             raise InvalidArgument(f"index url {self.url!r} must look like scheme://…")
         if self.lease_ttl_s <= 0 or self.allocation_ttl_s <= 0:
             raise InvalidArgument("lease and allocation TTLs must be positive")
+
+
+MAX_PAGE_CHUNKS = 65536
+"""Chunks in one inventory page at most: about 1.5 MB on the wire, and a
+bounded amount of index work per call."""
+
+
+@dataclass(frozen=True, slots=True)
+class InventoryPage:
+    """One page of a node's inventory, in columns (no object per chunk).
+
+    Attributes:
+        keys: ``n`` chunk keys of 16 bytes, concatenated.
+        sizes: One size in bytes per key (``uint64``).
+        tiers: One tier code per key (``uint8``, index into ``TIER_BY_CODE``).
+    """
+
+    keys: bytes
+    sizes: np.ndarray
+    tiers: np.ndarray
+
+    def __post_init__(self) -> None:
+        n = len(self.keys) // KEY_BYTES
+        if len(self.keys) % KEY_BYTES:
+            raise InvalidArgument(f"inventory keys of {len(self.keys)} bytes: not 16 bytes each")
+        if len(self.sizes) != n:
+            raise InvalidArgument(f"{n} inventory keys but {len(self.sizes)} sizes")
+        if len(self.tiers) != n:
+            raise InvalidArgument(f"{n} inventory keys but {len(self.tiers)} tiers")
+        if n and int(self.tiers.max()) >= len(TIER_BY_CODE):
+            raise InvalidArgument(f"unknown tier code {int(self.tiers.max())} in an inventory")
+
+    def __len__(self) -> int:
+        return len(self.keys) // KEY_BYTES
+
+    @classmethod
+    def of(
+        cls, keys: bytes, sizes: Sequence[int] | np.ndarray, tiers: bytes = b""
+    ) -> InventoryPage:
+        """A page from wire columns; ``tiers`` empty: every chunk on cpu."""
+        n = len(keys) // KEY_BYTES
+        size_col = np.asarray(sizes, dtype=np.uint64)
+        if tiers:
+            tier_col = np.frombuffer(tiers, dtype=np.uint8)
+        else:
+            tier_col = np.full(n, TIER_RANK["cpu"], dtype=np.uint8)
+        return cls(keys, size_col, tier_col)
+
+    @classmethod
+    def from_items(cls, items: Sequence[InventoryItem]) -> InventoryPage:
+        return cls(
+            b"".join(i.key for i in items),
+            np.fromiter((i.size for i in items), dtype=np.uint64, count=len(items)),
+            np.fromiter((TIER_RANK[i.tier] for i in items), dtype=np.uint8, count=len(items)),
+        )
+
+    def key(self, i: int) -> ChunkKey:
+        return ChunkKey(self.keys[i * KEY_BYTES : (i + 1) * KEY_BYTES])
+
+    def items(self) -> Iterator[InventoryItem]:
+        """The page's chunks as items (an object each: for small pages)."""
+        for i, (size, tier) in enumerate(zip(self.sizes.tolist(), self.tiers.tolist(), strict=True)):
+            yield InventoryItem(self.key(i), size, TIER_BY_CODE[tier])
 
 
 def node_id_taken(node_id: NodeId, address: str, remaining_s: float) -> NodeIdTaken:
@@ -77,20 +144,23 @@ class IndexBackend(abc.ABC):
     """
 
     @abc.abstractmethod
-    async def register_node(
+    async def register_begin(
         self,
         node: NodeInfo,
-        inventory: Sequence[InventoryItem],
         now: float,
         instance: str = "",
         force: bool = False,
     ) -> int:
-        """Add or replace a node, replacing its replicas with ``inventory``.
+        """Add or replace a node with no chunks yet: its inventory follows in
+        :meth:`register_page` calls under the returned epoch.
+
+        The replicas of the node's earlier registration stop counting at once
+        (a lookup never names them again); what they leave in the index is
+        cleaned up later, in bounded steps.
 
         Args:
             node: The node; its id is owned by the store instance that holds
                 a live lease on it.
-            inventory: Every chunk the node holds.
             now: Monotonic time in seconds.
             instance: The registering store instance's identity. A node id
                 whose lease is live under another instance is refused; the
@@ -100,11 +170,49 @@ class IndexBackend(abc.ABC):
 
         Returns:
             The registration's epoch (positive, never reused for the node id),
-            which its heartbeats carry.
+            which its heartbeats and pages carry.
 
         Raises:
             NodeIdTaken: Another instance holds a live lease on the node id.
         """
+
+    @abc.abstractmethod
+    async def register_page(
+        self, node_id: NodeId, epoch: int, page: InventoryPage, now: float, last: bool = False
+    ) -> tuple[int, int]:
+        """Index one page of a registering node's inventory and renew its lease.
+
+        The work is bounded by the page (at most :data:`MAX_PAGE_CHUNKS`) and
+        done in steps that let other requests through. A page sent again (a
+        retry) changes nothing more.
+
+        Returns:
+            (keys of the page now indexed on the node, chunks the node has in
+            the index now).
+
+        Raises:
+            NotFound: The node is not registered (its lease ran out, or the
+                index was lost): register again.
+            StaleRegistration: The node was registered again under another epoch.
+        """
+
+    async def register_node(
+        self,
+        node: NodeInfo,
+        inventory: Sequence[InventoryItem],
+        now: float,
+        instance: str = "",
+        force: bool = False,
+    ) -> int:
+        """Add or replace a node with its whole inventory: :meth:`register_begin`
+        and the inventory in pages. Returns the epoch (see there)."""
+        epoch = await self.register_begin(node, now, instance, force)
+        pages = range(0, len(inventory), MAX_PAGE_CHUNKS)
+        for start in pages:
+            page = InventoryPage.from_items(inventory[start : start + MAX_PAGE_CHUNKS])
+            await self.register_page(node.node_id, epoch, page, now, last=False)
+        await self.register_page(node.node_id, epoch, InventoryPage.of(b"", ()), now, last=True)
+        return epoch
 
     @abc.abstractmethod
     async def heartbeat(

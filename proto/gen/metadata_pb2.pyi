@@ -10,7 +10,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RegisterNodeRequest(_message.Message):
-    __slots__ = ("node_id", "address", "grpc_address", "tiers", "inventory", "instance_id", "force")
+    __slots__ = ("node_id", "address", "grpc_address", "tiers", "inventory", "instance_id", "force", "paged")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class RegisterNodeRequest(_message.Message):
     INVENTORY_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     FORCE_FIELD_NUMBER: _ClassVar[int]
+    PAGED_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     grpc_address: str
@@ -25,17 +26,46 @@ class RegisterNodeRequest(_message.Message):
     inventory: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChunkRef]
     instance_id: str
     force: bool
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., grpc_address: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierStats, _Mapping]]] = ..., inventory: _Optional[_Iterable[_Union[_common_pb2.ChunkRef, _Mapping]]] = ..., instance_id: _Optional[str] = ..., force: bool = ...) -> None: ...
+    paged: bool
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., grpc_address: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierStats, _Mapping]]] = ..., inventory: _Optional[_Iterable[_Union[_common_pb2.ChunkRef, _Mapping]]] = ..., instance_id: _Optional[str] = ..., force: bool = ..., paged: bool = ...) -> None: ...
 
 class RegisterNodeResponse(_message.Message):
-    __slots__ = ("lease_ttl_ms", "heartbeat_interval_ms", "epoch")
+    __slots__ = ("lease_ttl_ms", "heartbeat_interval_ms", "epoch", "max_page_chunks")
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MAX_PAGE_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     lease_ttl_ms: int
     heartbeat_interval_ms: int
     epoch: int
-    def __init__(self, lease_ttl_ms: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    max_page_chunks: int
+    def __init__(self, lease_ttl_ms: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., epoch: _Optional[int] = ..., max_page_chunks: _Optional[int] = ...) -> None: ...
+
+class RegisterInventoryRequest(_message.Message):
+    __slots__ = ("node_id", "epoch", "keys", "sizes", "tiers", "last")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    epoch: int
+    keys: bytes
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    tiers: bytes
+    last: bool
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., keys: _Optional[bytes] = ..., sizes: _Optional[_Iterable[int]] = ..., tiers: _Optional[bytes] = ..., last: bool = ...) -> None: ...
+
+class RegisterInventoryResponse(_message.Message):
+    __slots__ = ("added", "lease_ttl_ms", "chunks")
+    ADDED_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    added: int
+    lease_ttl_ms: int
+    chunks: int
+    def __init__(self, added: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., chunks: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("node_id", "tiers", "transfer", "epoch")

@@ -41,6 +41,11 @@ class MetadataStub(object):
                 request_serializer=kvdepot_dot_v1_dot_metadata__pb2.RegisterNodeRequest.SerializeToString,
                 response_deserializer=kvdepot_dot_v1_dot_metadata__pb2.RegisterNodeResponse.FromString,
                 _registered_method=True)
+        self.RegisterInventory = channel.unary_unary(
+                '/kvdepot.v1.Metadata/RegisterInventory',
+                request_serializer=kvdepot_dot_v1_dot_metadata__pb2.RegisterInventoryRequest.SerializeToString,
+                response_deserializer=kvdepot_dot_v1_dot_metadata__pb2.RegisterInventoryResponse.FromString,
+                _registered_method=True)
         self.Heartbeat = channel.unary_unary(
                 '/kvdepot.v1.Metadata/Heartbeat',
                 request_serializer=kvdepot_dot_v1_dot_metadata__pb2.HeartbeatRequest.SerializeToString,
@@ -93,7 +98,18 @@ class MetadataServicer(object):
     """
 
     def RegisterNode(self, request, context):
-        """A store daemon joins (or re-joins) the cluster, announcing its inventory.
+        """A store daemon joins (or re-joins) the cluster. With `paged` its
+        inventory follows in RegisterInventory pages under the answered epoch;
+        without, it rides in this message (bounded by the message size).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RegisterInventory(self, request, context):
+        """One bounded page of a registering node's inventory; renews its lease.
+        NOT_FOUND: the node is no longer registered (register again);
+        FAILED_PRECONDITION: the epoch was replaced by another registration.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -171,6 +187,11 @@ def add_MetadataServicer_to_server(servicer, server):
                     request_deserializer=kvdepot_dot_v1_dot_metadata__pb2.RegisterNodeRequest.FromString,
                     response_serializer=kvdepot_dot_v1_dot_metadata__pb2.RegisterNodeResponse.SerializeToString,
             ),
+            'RegisterInventory': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterInventory,
+                    request_deserializer=kvdepot_dot_v1_dot_metadata__pb2.RegisterInventoryRequest.FromString,
+                    response_serializer=kvdepot_dot_v1_dot_metadata__pb2.RegisterInventoryResponse.SerializeToString,
+            ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
                     request_deserializer=kvdepot_dot_v1_dot_metadata__pb2.HeartbeatRequest.FromString,
@@ -245,6 +266,33 @@ class Metadata(object):
             '/kvdepot.v1.Metadata/RegisterNode',
             kvdepot_dot_v1_dot_metadata__pb2.RegisterNodeRequest.SerializeToString,
             kvdepot_dot_v1_dot_metadata__pb2.RegisterNodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterInventory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvdepot.v1.Metadata/RegisterInventory',
+            kvdepot_dot_v1_dot_metadata__pb2.RegisterInventoryRequest.SerializeToString,
+            kvdepot_dot_v1_dot_metadata__pb2.RegisterInventoryResponse.FromString,
             options,
             channel_credentials,
             insecure,
