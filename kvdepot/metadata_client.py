@@ -252,6 +252,14 @@ class AsyncMetadataClient:
         reply: pb.RegisterNodeResponse = await self._stub().RegisterNode(request, timeout=timeout_s)
         return reply
 
+    async def register_inventory(
+        self, request: pb.RegisterInventoryRequest, timeout_s: float
+    ) -> pb.RegisterInventoryResponse:
+        reply: pb.RegisterInventoryResponse = await self._stub().RegisterInventory(
+            request, timeout=timeout_s
+        )
+        return reply
+
     async def heartbeat(
         self, request: pb.HeartbeatRequest, timeout_s: float
     ) -> pb.HeartbeatResponse:

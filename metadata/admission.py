@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from kvdepot.errors import CapacityExceeded, Unavailable
 from kvdepot.keys import ChunkKey
-from kvdepot.metadata.placement import choose_node
+from kvdepot.metadata.placement import Placement
 from kvdepot.types import Action, Allocation, NodeId, NodeInfo, Replica
 
 
@@ -79,6 +79,7 @@ def admit(
     states: Sequence[KeyState],
     nodes: Mapping[NodeId, NodeInfo],
     writer_node_id: NodeId,
+    placement: Placement | None = None,
 ) -> Admission:
     """Decide every key of a put.
 
@@ -88,14 +89,16 @@ def admit(
         states: ``states[i]`` is the index's state of ``keys[i]``.
         nodes: The nodes that may take writes, by id (placement order).
         writer_node_id: The writer's own node, preferred for placement.
+        placement: Chooses the node of each key to place, and is told of each
+            choice; without one, free space alone decides.
 
     Raises:
         Unavailable: A key is to be placed and no node is registered.
         CapacityExceeded: A key is larger than every node's capacity.
     """
     out = Admission()
+    placement = placement or Placement()
     infos = list(nodes.values())
-    planned: dict[NodeId, int] = {}
     batch: set[ChunkKey] = set()
     for i, (key, size, state) in enumerate(zip(keys, sizes, states, strict=True)):
         if state.exists:
@@ -106,7 +109,7 @@ def admit(
         if (same := retry_target(mine, nodes)) is not None:
             # A retry of the put whose reply was lost (the replica that made
             # the allocation died or timed out): the same answer.
-            planned[same.node_id] = planned.get(same.node_id, 0) + size
+            placement.placed(same.node_id, size)
             batch.add(key)
             out.allocations.append(Allocation(Action.WRITE, same))
             continue
@@ -116,14 +119,14 @@ def admit(
             out.allocations.append(_PENDING)
             out.deduplicated, out.bytes_saved = out.deduplicated + 1, out.bytes_saved + size
             continue
-        node = choose_node(infos, writer_node_id, size, planned)
+        node = placement.choose(infos, writer_node_id, size)
         if node is None:
             if not infos:
                 raise Unavailable("no store node is registered to place chunks on")
             raise CapacityExceeded(
                 f"a chunk of {size} bytes is larger than any store node's capacity"
             )
-        planned[node.node_id] = planned.get(node.node_id, 0) + size
+        placement.placed(node.node_id, size)
         batch.add(key)
         out.allocations.append(None)
         out.placements.append((i, node))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvdepot.config import InvalidSetting, Number, Port, positive, setting, validate
+from kvdepot.metadata.index.base import MAX_PAGE_CHUNKS
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +21,14 @@ class MetadataConfig:
         allocation_ttl_s: Seconds an uncommitted ``PutStart`` allocation lives.
         reap_interval_s: How often expired nodes and allocations are reclaimed.
         max_keys_per_request: Upper bound on keys in one request.
+        placement_warmup_s: A store registered less than this long ago takes
+            a bounded share of new writes placed by the service.
+        placement_warmup_share: That share, as a multiple of the fair share
+            (1 / number of stores).
+        placement_backoff_s: A store whose allocations failed (revoked, or
+            expired uncommitted) is avoided this long.
+        max_page_chunks: Upper bound on chunks in one page of a store's
+            inventory (``RegisterInventory``); stores are told it when they register.
         kv_events: ZeroMQ endpoint to publish KV events on (vLLM's wire
             format), e.g. ``tcp://127.0.0.1:5557``; empty: off.
         kv_events_replay: Endpoint of the replay socket; empty: event port + 1.
@@ -48,6 +57,10 @@ class MetadataConfig:
     )
     reap_interval_s: float = setting(0.5, positive())
     max_keys_per_request: int = setting(65536, Number(low=1))
+    placement_warmup_s: float = setting(30.0, Number(low=0))
+    placement_warmup_share: float = setting(1.5, Number(low=1))
+    placement_backoff_s: float = setting(10.0, Number(low=0))
+    max_page_chunks: int = setting(MAX_PAGE_CHUNKS, Number(low=1, high=MAX_PAGE_CHUNKS))
     kv_events: str = setting(
         "",
         flag="--kv-events",

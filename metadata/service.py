@@ -9,6 +9,7 @@ import time
 from collections.abc import Sequence
 
 import grpc
+import numpy as np
 
 from kvdepot.errors import (
     InvalidArgument,
@@ -18,10 +19,12 @@ from kvdepot.errors import (
     StaleRegistration,
     Unavailable,
 )
-from kvdepot.keys import ChunkKey, validate_keys
+from kvdepot.keys import KEY_BYTES, ChunkKey, validate_keys
 from kvdepot.metadata.config import MetadataConfig
 from kvdepot.metadata.events import EventsConfig, KVEventPublisher
 from kvdepot.metadata.index import IndexBackend, IndexConfig, create_backend
+from kvdepot.metadata.index.base import InventoryPage
+from kvdepot.metadata.placement import PlacementConfig
 from kvdepot.metadata.replica_tiers import record_moves
 from kvdepot.metadata.routing import Candidate, RoutingWeights, best, score_candidates
 from kvdepot.metrics import ClusterCollector, MetricsServer, on_loop
@@ -34,6 +37,7 @@ from kvdepot.rpc.security_config import NO_SECURITY, SecurityConfig
 from kvdepot.types import (
     COUNT_NONE,
     LEASE_REMAINING_KEY,
+    TIER_BY_CODE,
     Action,
     IndexStats,
     InventoryItem,
@@ -134,10 +138,8 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
         logger.warning("refused the registration of a store at %s: %s", address, exc)
 
     # -- validation -------------------------------------------------------
-    def _keys(self, keys: Sequence[bytes], *, inventory: bool = False) -> list[ChunkKey]:
-        # A store's inventory is every chunk it holds, one message however
-        # many: bounded by the message size limit, not the per-request one.
-        if not inventory and len(keys) > self._config.max_keys_per_request:
+    def _keys(self, keys: Sequence[bytes]) -> list[ChunkKey]:
+        if len(keys) > self._config.max_keys_per_request:
             raise InvalidArgument(
                 f"{len(keys)} keys in one request; the limit is {self._config.max_keys_per_request}"
             )
@@ -179,20 +181,23 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
             check_address(request.grpc_address, "grpc_address", required=False)
             instance = check_text(request.instance_id, "instance_id", required=False)
             check_tier_stats(request.tiers)
-            keys = self._keys([c.key for c in request.inventory], inventory=True)
-            check_sizes([c.size for c in request.inventory], len(keys))
-            inventory = [
-                InventoryItem(k, c.size, check_tier(c.tier or "cpu"))
-                for k, c in zip(keys, request.inventory, strict=True)
-            ]
+            if request.paged and request.inventory:
+                raise InvalidArgument("a paged registration carries no inventory of its own")
+            pages = self._inventory_pages(request.inventory)
             info = NodeInfo(
                 node_id, request.address, request.grpc_address, tier_stats_from_proto(request.tiers)
             )
-            epoch = await self._index.register_node(
-                info, inventory, time.monotonic(), instance, request.force
+            epoch = await self._index.register_begin(
+                info, time.monotonic(), instance, request.force
             )
             if self._events is not None:
-                self._events.registered(node_id, [(i.key, i.tier) for i in inventory])
+                self._events.registered(node_id, ())
+            # An inventory in the message (a store that does not page) is
+            # indexed page by page like a paged one, then completed.
+            for page in pages:
+                await self._register_page(node_id, epoch, page, last=False)
+            if not request.paged:
+                await self._register_page(node_id, epoch, InventoryPage.of(b"", ()), last=True)
         except NodeIdTaken as exc:
             self._log_refusal(request.node_id, request.address, exc)
             # Tells the refused store whether the holder is renewing its lease.
@@ -204,6 +209,72 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
             lease_ttl_ms=int(self._config.lease_ttl_s * 1000),
             heartbeat_interval_ms=int(self._config.heartbeat_interval_s * 1000),
             epoch=epoch,
+            max_page_chunks=self._config.max_page_chunks,
+        )
+
+    def _inventory_pages(self, inventory: Sequence[common_pb2.ChunkRef]) -> list[InventoryPage]:
+        """An unpaged registration's inventory, validated, as pages."""
+        keys = validate_keys([c.key for c in inventory])
+        check_sizes([c.size for c in inventory], len(keys))
+        step = self._config.max_page_chunks
+        pages = []
+        for start in range(0, len(keys), step):
+            refs = inventory[start : start + step]
+            pages.append(
+                InventoryPage.from_items(
+                    [
+                        InventoryItem(k, c.size, check_tier(c.tier or "cpu"))
+                        for k, c in zip(keys[start : start + step], refs, strict=True)
+                    ]
+                )
+            )
+        return pages
+
+    async def _register_page(
+        self, node_id: str, epoch: int, page: InventoryPage, *, last: bool
+    ) -> tuple[int, int]:
+        added, chunks = await self._index.register_page(
+            node_id, epoch, page, time.monotonic(), last
+        )
+        if self._events is not None and len(page):
+            for code in np.unique(page.tiers).tolist():
+                tier = TIER_BY_CODE[code]
+                rows = np.flatnonzero(page.tiers == code).tolist()
+                self._events.stored(node_id, [page.key(i) for i in rows], tier)
+        if last:
+            logger.info(
+                "node %s registered with %d chunks (epoch %d)",
+                node_id,
+                chunks,
+                epoch,
+                extra={"event": "node_registered", "node": node_id, "chunks": chunks},
+            )
+        return added, chunks
+
+    async def RegisterInventory(
+        self, request: metadata_pb2.RegisterInventoryRequest, context: grpc.aio.ServicerContext
+    ) -> metadata_pb2.RegisterInventoryResponse:
+        try:
+            node_id = self._node_id(request.node_id)
+            if not request.epoch:
+                raise InvalidArgument("an inventory page needs the epoch RegisterNode answered")
+            count = len(request.keys) // KEY_BYTES
+            if count > self._config.max_page_chunks:
+                raise InvalidArgument(
+                    f"{count} chunks in one inventory page; the limit is "
+                    f"{self._config.max_page_chunks} (RegisterNodeResponse.max_page_chunks)"
+                )
+            page = InventoryPage.of(request.keys, request.sizes, request.tiers)
+            added, chunks = await self._register_page(
+                node_id, request.epoch, page, last=request.last
+            )
+        except StaleRegistration as exc:
+            logger.warning("refused an inventory page: %s", exc)
+            await self._guard(context, exc)
+        except KVDepotError as exc:
+            await self._guard(context, exc)
+        return metadata_pb2.RegisterInventoryResponse(
+            added=added, lease_ttl_ms=int(self._config.lease_ttl_s * 1000), chunks=chunks
         )
 
     async def Heartbeat(
@@ -422,6 +493,11 @@ class MetadataServer:
                 url=config.index,
                 lease_ttl_s=config.lease_ttl_s,
                 allocation_ttl_s=config.allocation_ttl_s,
+                placement=PlacementConfig(
+                    warmup_s=config.placement_warmup_s,
+                    warmup_share=config.placement_warmup_share,
+                    backoff_s=config.placement_backoff_s,
+                ),
             )
         )
         self._server: grpc.aio.Server | None = None

@@ -14,7 +14,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import grpc
 
@@ -33,10 +33,11 @@ from kvdepot.store.config import StoreConfig
 from kvdepot.store.dataplane import DataPlaneServer
 from kvdepot.store.identity import instance_identity
 from kvdepot.store.indexer import IndexCommitter, Indexer, WriterId
-from kvdepot.store.lease import MetadataLease
+from kvdepot.store.lease import InventoryColumns, MetadataLease
 from kvdepot.store.nixl_agent import StoreNixlAgent
 from kvdepot.store.throughput import ThroughputMeter
 from kvdepot.store.tiers.factory import build_chunk_store
+from kvdepot.types import TIER_RANK
 from kvdepot.wire.host import default_arena_path, rdma_devices, reap_stale_arenas
 from kvdepot.wire.nixl import nixl_available
 from kvdepot.wire.protocol import AttachFlags, IndexCode, IndexSettled, ProtocolLimits
@@ -188,7 +189,6 @@ class StoreDaemon:
         with contextlib.suppress(RuntimeError):  # loop shutting down
             loop.call_soon_threadsafe(self._queue_removed, keys)
 
-
     def _index_put_start(
         self, request: metadata_pb2.PutStartRequest, timeout_s: float
     ) -> metadata_pb2.PutStartResponse | None:
@@ -272,6 +272,7 @@ class StoreDaemon:
             channels=self._channels,
             health=health,
             registration=self._registration,
+            inventory=self._inventory,
             heartbeat=self._heartbeat,
             retry_s=self.config.register_retry_s,
             force=self.config.force_node_id,
@@ -390,21 +391,28 @@ class StoreDaemon:
         return tier_stats_to_proto(self.chunks.tier_stats())
 
     def _registration(self) -> metadata_pb2.RegisterNodeRequest:
-        inventory = [
-            common_pb2.ChunkRef(key=h.key, size=h.size, tier=h.tier) for h in self.chunks.holdings()
-        ]
-        # The inventory is authoritative: removals and moves queued before it are moot.
-        self._removed.clear()
-        self._moved.clear()
-        self._moves_recorded = True
         return metadata_pb2.RegisterNodeRequest(
             node_id=self.node_id,
             address=self.address,
             grpc_address=self.grpc_address,
             tiers=self._tiers(),
-            inventory=inventory,
             instance_id=self.instance_id,
         )
+
+    def _inventory(self, page_chunks: int) -> Iterator[InventoryColumns]:
+        """This moment's chunks, in pages; each page keeps only what is still held."""
+        holdings = self.chunks.holdings()
+        # The inventory is authoritative: removals and moves queued before it are moot.
+        self._removed.clear()
+        self._moved.clear()
+        self._moves_recorded = True
+        for start in range(0, len(holdings), page_chunks):
+            page = [h for h in holdings[start : start + page_chunks] if self.chunks.contains(h.key)]
+            yield (
+                b"".join(h.key for h in page),
+                [h.size for h in page],
+                bytes(TIER_RANK[h.tier] for h in page),
+            )
 
     def _heartbeat(self) -> metadata_pb2.HeartbeatRequest:
         return metadata_pb2.HeartbeatRequest(
@@ -444,7 +452,7 @@ class StoreDaemon:
             await asyncio.sleep(_REPORT_GATHER_S)
             self._removed_event.clear()
             assert self.lease is not None
-            await self.lease.registered.wait()
+            await self.lease.settled.wait()
             # A key written again since its eviction is still held.
             keys = [k for k in self._removed if not self.chunks.contains(k)]
             self._removed.clear()

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -42,6 +42,13 @@ RENEWED_SLACK_S = 0.5
 # Attempts to reach an unanswering metadata service back off up to this
 # (or the retry delay, if longer): well inside a lease.
 RETRY_CAP_S = 2.0
+
+# One inventory page may take this long to be indexed (the service renews
+# the lease with every page, so a slow page does not expire the node).
+PAGE_TIMEOUT_S = 10.0
+
+InventoryColumns = tuple[bytes, list[int], bytes]
+"""One page of chunks as RegisterInventory carries them: keys, sizes, tiers."""
 
 _TOKEN_HINT = "; give it the cluster token (--auth-token-file / KVDEPOT_AUTH_TOKEN)"
 # Refusals of a registration that retrying cannot change, and what they raise.
@@ -75,8 +82,11 @@ class MetadataLease:
         endpoints: The metadata replicas' addresses, one channel each.
         channels: Their channels (the caller closes them).
         health: Set SERVING while the lease holds.
-        registration: The RegisterNode request of this moment (its
-            inventory); ``force`` and nothing else is set here.
+        registration: The RegisterNode request of this moment; ``force``,
+            ``paged`` and nothing else is set here.
+        inventory: The store's chunks of this moment, in pages of at most
+            the given number (checked again as each page is built, so a
+            page never names a chunk the store no longer holds).
         heartbeat: The Heartbeat request of this moment; ``epoch`` is set here.
         retry_s: Base delay between attempts that found no service; it
             doubles with each round of replicas that all failed, up to
@@ -92,6 +102,7 @@ class MetadataLease:
         channels: list[grpc.aio.Channel],
         health: HealthState,
         registration: Callable[[], metadata_pb2.RegisterNodeRequest],
+        inventory: Callable[[int], Iterator[InventoryColumns]],
         heartbeat: Callable[[], metadata_pb2.HeartbeatRequest],
         retry_s: float,
         force: bool = False,
@@ -102,6 +113,7 @@ class MetadataLease:
         )
         self._health = health
         self._registration = registration
+        self._inventory = inventory
         self._heartbeat = heartbeat
         self._retry_s = retry_s
         # Taking the node id over from a live instance is asked at start only:
@@ -113,6 +125,15 @@ class MetadataLease:
         self.heartbeat_s = 1.0
         self.lease_s = 5.0  # until the metadata service tells its lease
         self.registered = asyncio.Event()  # set at the first registration
+        # Set while the index holds this store's whole inventory; cleared while
+        # a registration's pages are still going (removal reports wait for it,
+        # so that no page names a chunk again after its removal was reported).
+        self.settled = asyncio.Event()
+        # The pages still to send of a registration under way, and the one in
+        # flight (sent again after a failure, to any replica).
+        self._pages: Iterator[InventoryColumns] | None = None
+        self._page: metadata_pb2.RegisterInventoryRequest | None = None
+        self._sent_chunks = 0
         self._repeats = RepeatLog(logger)
         # Where this store stands now.
         self._holds = False  # registered and not told otherwise since
@@ -159,7 +180,8 @@ class MetadataLease:
             await asyncio.sleep(self.heartbeat_s)
 
     async def _renew(self) -> None:
-        """Register (when not registered) or heartbeat, once."""
+        """Register (when not registered), send the next inventory pages, or
+        heartbeat, once."""
         if self._holds:
             request = self._heartbeat()
             request.epoch = self.epoch
@@ -167,30 +189,72 @@ class MetadataLease:
             if reply.lease_ttl_ms:
                 self.lease_s = reply.lease_ttl_ms / 1000
             return
+        if self._pages is None:
+            await self._begin()
+        await self._send_pages()
+        self._holds = True
+        logger.info(
+            "registered with metadata %s (%d chunks, epoch %d)",
+            self.endpoint,
+            self._sent_chunks,
+            self.epoch,
+            extra={
+                "event": "registered",
+                "node": self.node_id,
+                "chunks": self._sent_chunks,
+                "epoch": self.epoch,
+            },
+        )
+        self.settled.set()
+        self.registered.set()
+
+    async def _begin(self) -> None:
+        self.settled.clear()
         registration = self._registration()
         registration.force = self._force
-        answer = await self.client.register_node(registration, 10)
+        registration.paged = True
+        answer = await self.client.register_node(registration, PAGE_TIMEOUT_S)
         self._force = False
-        self._holds = True
         self._held_until = None
         self.epoch = answer.epoch
         self.heartbeat_s = max(0.05, answer.heartbeat_interval_ms / 1000)
         if answer.lease_ttl_ms:
             self.lease_s = answer.lease_ttl_ms / 1000
-        chunks = len(registration.inventory)
-        logger.info(
-            "registered with metadata %s (%d chunks, epoch %d)",
-            self.endpoint,
-            chunks,
-            self.epoch,
-            extra={
-                "event": "registered",
-                "node": self.node_id,
-                "chunks": chunks,
-                "epoch": self.epoch,
-            },
-        )
-        self.registered.set()
+        # A service that predates paging answers no page size: its
+        # RegisterInventory is then refused as unimplemented.
+        self._pages = self._inventory(answer.max_page_chunks or 4096)
+        self._page = None
+        self._sent_chunks = 0
+
+    async def _send_pages(self) -> None:
+        """Send the registration's pages in turn; a failed one is sent again
+        at the next attempt (the service takes a page twice as once)."""
+        assert self._pages is not None
+        while True:
+            if self._page is None:
+                columns = next(self._pages, None)
+                keys, sizes, tiers = columns if columns is not None else (b"", [], b"")
+                self._page = metadata_pb2.RegisterInventoryRequest(
+                    node_id=self.node_id,
+                    epoch=self.epoch,
+                    keys=keys,
+                    sizes=sizes,
+                    tiers=tiers,
+                    last=columns is None,
+                )
+            reply = await self.client.register_inventory(self._page, PAGE_TIMEOUT_S)
+            if reply.lease_ttl_ms:
+                self.lease_s = reply.lease_ttl_ms / 1000
+            self._last_ok = time.monotonic()
+            self._sent_chunks = reply.chunks
+            if self._page.last:
+                self._pages = self._page = None
+                return
+            self._page = None
+
+    def _restart_registration(self) -> None:
+        self._holds = False
+        self._pages = self._page = None
 
     def _fail_over(self) -> None:
         # Replicas share the index: any of them can take our heartbeats.
@@ -212,11 +276,11 @@ class MetadataLease:
             self._repeats.failed(
                 "forgotten", logging.WARNING, "metadata forgot this node; registering again"
             )
-            self._holds = False
+            self._restart_registration()
             return 0.0
         if code == grpc.StatusCode.ALREADY_EXISTS and not self._holds:
             return self._node_id_held(exc)
-        if code == grpc.StatusCode.FAILED_PRECONDITION and self._holds:
+        if code == grpc.StatusCode.FAILED_PRECONDITION and (self._holds or self._pages):
             # Our registration was replaced (the id was taken over): this
             # instance no longer owns it. Registering again is refused while
             # the other instance lives, which stops us.
@@ -226,7 +290,7 @@ class MetadataLease:
                 exc.details(),
                 extra={"event": "heartbeat_refused", "node": self.node_id},
             )
-            self._holds = False
+            self._restart_registration()
             return 0.0
         fatal = _REFUSALS.get(code)
         if fatal is not None and not self._holds:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvdepot.errors import InvalidArgument, NodeIdTaken, StaleRegistration
 from kvdepot.keys import KEY_BYTES, ChunkKey
+from kvdepot.metadata.placement import PlacementConfig
 from kvdepot.records import TierStats, TransferRate
 from kvdepot.types import (
     TIER_BY_CODE,
@@ -34,11 +35,13 @@ class IndexConfig:
             with all its replicas.
         allocation_ttl_s: A ``PutStart`` allocation not committed within this
             long is reclaimed.
+        placement: How new chunks are spread over nodes (warm-up, backoff).
     """
 
     url: str = "memory://"
     lease_ttl_s: float = 5.0
     allocation_ttl_s: float = 30.0
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
 
     def __post_init__(self) -> None:
         if "://" not in self.url:
@@ -106,7 +109,9 @@ class InventoryPage:
 
     def items(self) -> Iterator[InventoryItem]:
         """The page's chunks as items (an object each: for small pages)."""
-        for i, (size, tier) in enumerate(zip(self.sizes.tolist(), self.tiers.tolist(), strict=True)):
+        for i, (size, tier) in enumerate(
+            zip(self.sizes.tolist(), self.tiers.tolist(), strict=True)
+        ):
             yield InventoryItem(self.key(i), size, TIER_BY_CODE[tier])
 
 
@@ -187,7 +192,7 @@ class IndexBackend(abc.ABC):
         retry) changes nothing more.
 
         Returns:
-            (keys of the page now indexed on the node, chunks the node has in
+            (replicas the page added: none for a page sent again, chunks the node has in
             the index now).
 
         Raises:
