@@ -32,10 +32,6 @@ from dataclasses import dataclass, field
 from kvdepot.errors import InvalidArgument
 from kvdepot.types import NodeId, NodeInfo
 
-_MIN_SAMPLE = 16.0
-"""Recent placements below which no share is enforced (too few to judge)."""
-
-
 @dataclass(frozen=True, slots=True)
 class PlacementConfig:
     """How new chunks are spread over nodes.
@@ -66,6 +62,9 @@ class _Recent:
 
     chunks: float = 0.0
     nbytes: float = 0.0
+    # All nodes' placements counted when it joined: placements since then are
+    # the total less this (both decay alike).
+    base: float = 0.0
     at: float = 0.0  # when last decayed
     joined: float = field(default=-math.inf)  # when it registered (monotonic)
     failed_at: float = -math.inf
@@ -99,13 +98,15 @@ class Placement:
             f = 0.5 ** ((now - r.at) / self.config.window_s)
             r.chunks *= f
             r.nbytes *= f
+            r.base *= f
             r.at = now
 
     # -- what happened ----------------------------------------------------------
     def joined(self, node_id: NodeId) -> None:
         """The node (re)registered: it warms up from now, with no history."""
         now = self._clock()
-        self._nodes[node_id] = _Recent(at=now, joined=now)
+        self._decay(self._total, now)
+        self._nodes[node_id] = _Recent(at=now, joined=now, base=self._total.chunks)
 
     def left(self, node_id: NodeId) -> None:
         self._nodes.pop(node_id, None)
@@ -159,16 +160,15 @@ class Placement:
         return r is not None and now - r.failed_at < self.config.backoff_s
 
     def _may_take(self, node_id: NodeId, node_count: int, now: float) -> bool:
-        """Whether a warming node is still under its share of recent placements."""
+        """Whether a warming node is still under its share of the placements
+        made since it joined."""
         r = self._nodes.get(node_id)
         if r is None or now - r.joined >= self.config.warmup_s:
             return True
         self._decay(r, now)
         self._decay(self._total, now)
-        if self._total.chunks < _MIN_SAMPLE:
-            return True
         share = min(1.0, self.config.warmup_share / max(1, node_count))
-        return r.chunks + 1 <= share * (self._total.chunks + 1)
+        return r.chunks < share * (self._total.chunks - r.base + 1)
 
     def share(self, node_id: NodeId) -> float:
         """The node's share of recent placements (for stats and tests)."""
