@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from kvdepot.errors import InvalidArgument
 from kvdepot.types import NodeId, NodeInfo
 
+
 @dataclass(frozen=True, slots=True)
 class PlacementConfig:
     """How new chunks are spread over nodes.

@@ -91,9 +91,8 @@ class Node:
     def pages(self, keys: bytes, page: int, *, stop_after: int | None = None) -> int:
         """Send ``keys`` in pages (the last one marked, unless stopped early)."""
         count = len(keys) // 16
-        sent = 0
         chunks = 0
-        for start in range(0, count, page):
+        for sent, start in enumerate(range(0, count, page)):
             if stop_after is not None and sent >= stop_after:
                 return chunks
             n = min(page, count - start)
@@ -107,7 +106,6 @@ class Node:
                 ),
                 timeout=30,
             )
-            sent += 1
             chunks = reply.chunks
         if count == 0:
             reply = self.stub.RegisterInventory(
@@ -145,7 +143,7 @@ class Background:
             t0 = time.monotonic()
             try:
                 self.step()
-            except BaseException as exc:  # noqa: BLE001 - reported by stop()
+            except BaseException as exc:
                 self.error = exc
                 return
             self.slowest_s = max(self.slowest_s, time.monotonic() - t0)
