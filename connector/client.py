@@ -58,7 +58,9 @@ class ClientConfig:
         io_timeout_s: Deadline for a stalled data-plane transfer.
         replicate_on_read: After pulling chunks from another node, also store
             them on ``node_id``'s store and register that replica, so the next
-            reader on this node reads locally.
+            reader on this node reads locally. Without it, only the hot chunks
+            the metadata service asks for (read from many nodes, short of
+            replicas) are copied, where the client has a ``node_id``.
         defer_index_commit: A put into ``node_id``'s store returns once the
             store committed the chunks (readable there); the store commits
             them into the index right after, batched with other writers'
@@ -585,7 +587,11 @@ class KVDepotClient:
             self._read_unindexed(local, ckeys, views, pull)
         self._remember(pull.sources)
         remote = [i for i, a in enumerate(pull.sources) if a and a != self._local_address]
-        if remote and self.config.replicate_on_read:
+        if not self.config.replicate_on_read:
+            # Only the hot chunks the service asks this node to hold a copy of.
+            hinted = set(reply.replicate) if self.config.node_id else set()
+            remote = [i for i in remote if i in hinted]
+        if remote:
             self._replicate([ckeys[i] for i in remote], [views[i][: pull.sizes[i]] for i in remote])
         return pull.result()
 

@@ -86,10 +86,15 @@ class KeyLocation:
 
 @dataclass(frozen=True, slots=True)
 class LookupResult:
-    """The number of leading hits and where each hit lives."""
+    """The number of leading hits and where each hit lives.
+
+    ``replicate``: indexes of hit keys a reader with a store of its own should
+    copy there after reading them (hot chunks short of replicas).
+    """
 
     hits: int
     locations: tuple[KeyLocation, ...] = ()
+    replicate: tuple[int, ...] = ()
 
 
 COUNT_ALL, COUNT_HITS, COUNT_NONE = 0, 1, 2

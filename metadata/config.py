@@ -27,6 +27,11 @@ class MetadataConfig:
             (1 / number of stores).
         placement_backoff_s: A store whose allocations failed (revoked, or
             expired uncommitted) is avoided this long.
+        hot_reads: Reads of a chunk from nodes without a replica (within
+            about ``hot_window_s``) that make it hot: readers with a store are
+            then asked to copy it there; 0: never.
+        hot_max_replicas: Replicas a hot chunk is copied to at most.
+        hot_window_s: Half-life of the read counts of hot chunks.
         max_page_chunks: Upper bound on chunks in one page of a store's
             inventory (``RegisterInventory``); stores are told it when they register.
         kv_events: ZeroMQ endpoint to publish KV events on (vLLM's wire
@@ -60,6 +65,9 @@ class MetadataConfig:
     placement_warmup_s: float = setting(30.0, Number(low=0))
     placement_warmup_share: float = setting(1.5, Number(low=1))
     placement_backoff_s: float = setting(10.0, Number(low=0))
+    hot_reads: int = setting(8, Number(low=0))
+    hot_max_replicas: int = setting(3, Number(low=1))
+    hot_window_s: float = setting(10.0, positive())
     max_page_chunks: int = setting(MAX_PAGE_CHUNKS, Number(low=1, high=MAX_PAGE_CHUNKS))
     kv_events: str = setting(
         "",

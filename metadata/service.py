@@ -22,6 +22,7 @@ from kvdepot.errors import (
 from kvdepot.keys import KEY_BYTES, ChunkKey, validate_keys
 from kvdepot.metadata.config import MetadataConfig
 from kvdepot.metadata.events import EventsConfig, KVEventPublisher
+from kvdepot.metadata.hot_keys import HotKeys, HotKeysConfig
 from kvdepot.metadata.index import IndexBackend, IndexConfig, create_backend
 from kvdepot.metadata.index.base import InventoryPage
 from kvdepot.metadata.placement import PlacementConfig
@@ -121,6 +122,13 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
         self._index = index
         self._events = events
         self._config = config
+        self._hot = HotKeys(
+            HotKeysConfig(
+                hot_reads=config.hot_reads,
+                max_replicas=config.hot_max_replicas,
+                window_s=config.hot_window_s,
+            )
+        )
         # (node id, address) -> when its refused registration was last logged:
         # a store waiting out a lease retries twice a second.
         self._refusals_logged: dict[tuple[str, str], float] = {}
@@ -413,13 +421,16 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
             counting = LookupCounting(
                 request.tokens_per_key, tuple(request.key_tokens), int(request.count)
             )
-            result = await self._index.lookup(keys, client, counting)
+            result = self._hot.observe(
+                keys, await self._index.lookup(keys, client, counting), client
+            )
         except KVDepotError as exc:
             await self._guard(context, exc)
         if request.packed:
             return pack_lookup(result)
         return metadata_pb2.LookupResponse(
             hits=result.hits,
+            replicate=result.replicate,
             locations=[
                 metadata_pb2.KeyLocation(
                     size=loc.size, replicas=[_replica_pb(r) for r in loc.replicas]

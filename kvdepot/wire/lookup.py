@@ -46,6 +46,7 @@ def pack_lookup(result: LookupResult) -> metadata_pb2.LookupResponse:
         sizes=sizes,
         replica_counts=counts,
         replica_refs=refs,
+        replicate=result.replicate,
     )
 
 
@@ -56,6 +57,9 @@ def unpack_lookup(reply: metadata_pb2.LookupResponse) -> LookupResult:
         Corrupt: If the packed arrays do not fit together (a broken service).
     """
     hits = reply.hits
+    replicate = tuple(reply.replicate)
+    if replicate and max(replicate) >= hits:
+        raise Corrupt(f"malformed lookup answer: a key to replicate beyond {hits} hits")
     if not reply.sizes and not reply.replica_table and len(reply.locations) == hits:
         return LookupResult(
             hits,
@@ -66,6 +70,7 @@ def unpack_lookup(reply: metadata_pb2.LookupResponse) -> LookupResult:
                 )
                 for loc in reply.locations
             ),
+            replicate,
         )
     table = [Replica(NodeId(r.node_id), r.address, r.tier) for r in reply.replica_table]
     sizes = list(reply.sizes)
@@ -83,10 +88,11 @@ def unpack_lookup(reply: metadata_pb2.LookupResponse) -> LookupResult:
         return LookupResult(
             hits,
             tuple(KeyLocation(size, singles[i]) for size, i in zip(sizes, refs, strict=True)),
+            replicate,
         )
     locations: list[KeyLocation] = []
     at = 0
     for size, count in zip(sizes, counts, strict=True):
         locations.append(KeyLocation(size, tuple(table[i] for i in refs[at : at + count])))
         at += count
-    return LookupResult(hits, tuple(locations))
+    return LookupResult(hits, tuple(locations), replicate)

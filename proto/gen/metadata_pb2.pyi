@@ -222,20 +222,22 @@ class KeyLocation(_message.Message):
     def __init__(self, size: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[_common_pb2.Replica, _Mapping]]] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("hits", "locations", "replica_table", "sizes", "replica_counts", "replica_refs")
+    __slots__ = ("hits", "locations", "replica_table", "sizes", "replica_counts", "replica_refs", "replicate")
     HITS_FIELD_NUMBER: _ClassVar[int]
     LOCATIONS_FIELD_NUMBER: _ClassVar[int]
     REPLICA_TABLE_FIELD_NUMBER: _ClassVar[int]
     SIZES_FIELD_NUMBER: _ClassVar[int]
     REPLICA_COUNTS_FIELD_NUMBER: _ClassVar[int]
     REPLICA_REFS_FIELD_NUMBER: _ClassVar[int]
+    REPLICATE_FIELD_NUMBER: _ClassVar[int]
     hits: int
     locations: _containers.RepeatedCompositeFieldContainer[KeyLocation]
     replica_table: _containers.RepeatedCompositeFieldContainer[_common_pb2.Replica]
     sizes: _containers.RepeatedScalarFieldContainer[int]
     replica_counts: _containers.RepeatedScalarFieldContainer[int]
     replica_refs: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, hits: _Optional[int] = ..., locations: _Optional[_Iterable[_Union[KeyLocation, _Mapping]]] = ..., replica_table: _Optional[_Iterable[_Union[_common_pb2.Replica, _Mapping]]] = ..., sizes: _Optional[_Iterable[int]] = ..., replica_counts: _Optional[_Iterable[int]] = ..., replica_refs: _Optional[_Iterable[int]] = ...) -> None: ...
+    replicate: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, hits: _Optional[int] = ..., locations: _Optional[_Iterable[_Union[KeyLocation, _Mapping]]] = ..., replica_table: _Optional[_Iterable[_Union[_common_pb2.Replica, _Mapping]]] = ..., sizes: _Optional[_Iterable[int]] = ..., replica_counts: _Optional[_Iterable[int]] = ..., replica_refs: _Optional[_Iterable[int]] = ..., replicate: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()
