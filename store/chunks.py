@@ -691,6 +691,22 @@ class ChunkStore(TierPlacement):
                 for key in level.policy.coldest()
             ]
 
+    def keys(self) -> list[ChunkKey]:
+        """The keys of every chunk now (committed or not), in no order: a
+        snapshot taken at C speed, for walking a large store in pages."""
+        with self._lock:
+            return list(self._entries)
+
+    def holdings_of(self, keys: Sequence[ChunkKey]) -> list[Holding]:
+        """The committed chunks among ``keys``, with their sizes and tiers now."""
+        with self._lock:
+            entries = self._entries
+            return [
+                Holding(k, e.size, e.copy.level.name)
+                for k in keys
+                if (e := entries.get(k)) is not None and e.committed
+            ]
+
     def stats(self) -> ChunkStoreStats:
         """A consistent snapshot of the DRAM tier's counters and the error counts."""
         with self._lock:

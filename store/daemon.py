@@ -400,14 +400,15 @@ class StoreDaemon:
         )
 
     def _inventory(self, page_chunks: int) -> Iterator[InventoryColumns]:
-        """This moment's chunks, in pages; each page keeps only what is still held."""
-        holdings = self.chunks.holdings()
+        """This moment's chunks, in pages; each page keeps only what is still
+        held, and looks it up under one short hold of the table's lock."""
+        keys = self.chunks.keys()
         # The inventory is authoritative: removals and moves queued before it are moot.
         self._removed.clear()
         self._moved.clear()
         self._moves_recorded = True
-        for start in range(0, len(holdings), page_chunks):
-            page = [h for h in holdings[start : start + page_chunks] if self.chunks.contains(h.key)]
+        for start in range(0, len(keys), page_chunks):
+            page = self.chunks.holdings_of(keys[start : start + page_chunks])
             yield (
                 b"".join(h.key for h in page),
                 [h.size for h in page],
