@@ -1,33 +1,53 @@
 """The embedded in-memory index: one process, nothing else to start.
 
-All methods run on the metadata service's event loop and never await while
-changing state, so each call is atomic without a lock.
+Replicas live in a :class:`~kvdepot.metadata.index.chunk_table.ChunkTable`,
+numpy columns with no Python object per chunk. Every registration of a node
+gets its own small *slot* number, written into its rows: a lookup counts a
+row only while its slot belongs to a live registration, so a node that
+expires or registers again loses its old replicas at once, and the rows are
+purged afterwards in bounded steps, interleaved with requests, before the
+slot is used again.
+
+All methods run on the metadata service's event loop. Work proportional to
+a request (a lookup, a commit) is done in one go; work proportional to a
+node's inventory (a page of it, purging a dead registration, growing the
+table) runs in slices of at most :data:`SLICE_ROWS` rows with the loop
+yielding between them, so other nodes' heartbeats and every lookup are
+served meanwhile. A method's state changes between two yields are atomic.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
+from kvdepot.errors import NotFound, Unavailable
 from kvdepot.keys import ChunkKey
 from kvdepot.metadata.admission import ABSENT, KeyState, admit
 from kvdepot.metadata.index.base import (
     IndexBackend,
     IndexConfig,
+    InventoryPage,
     next_epoch,
     node_id_taken,
     stale_registration,
 )
+from kvdepot.metadata.index.chunk_table import ChunkTable
+from kvdepot.metadata.placement import Placement
 from kvdepot.metadata.replica_tiers import ReplicaTierIndex
 from kvdepot.records import TierStats, TransferRate
 from kvdepot.types import (
+    TIER_BY_CODE,
     TIER_RANK,
     Action,
     Allocation,
     IndexStats,
-    InventoryItem,
     KeyLocation,
     LookupCounting,
     LookupResult,
@@ -39,24 +59,25 @@ from kvdepot.types import (
 
 logger = logging.getLogger(__name__)
 
+SLICE_ROWS = 4096
+"""Rows of a page indexed between two yields of the loop (about a millisecond)."""
+SWEEP_SLOTS = 1 << 16
+"""Table slots one purge or growth step goes over between two yields."""
+_SWEEP_PAUSE_S = 0.0005
+"""Pause between background steps: the loop stays free for requests most of the time."""
+_CPU = TIER_RANK["cpu"]
+_MAX_SLOT = 0xFFFE
+
 
 @dataclass(slots=True)
 class _Node:
     info: NodeInfo
     expires_at: float
-    keys: set[ChunkKey] = field(default_factory=set)
+    slot: int  # of this registration's rows in the table
     instance: str = ""  # the store instance that owns the id
     epoch: int = 0  # of its registration
-
-
-@dataclass(slots=True)
-class _Chunk:
-    size: int
-    replicas: dict[NodeId, str] = field(default_factory=dict)  # node -> tier
-    # The lookup answer for this chunk, replicas by tier speed; None when a
-    # replica changed, stale when its generation is not the index's.
-    location: KeyLocation | None = None
-    generation: int = 0
+    chunks: int = 0  # rows of this registration
+    complete: bool = False  # its last inventory page arrived
 
 
 @dataclass(slots=True)
@@ -82,32 +103,89 @@ class _Counters:
     allocations_expired: int = 0
 
 
+@dataclass(slots=True)
+class _Purge:
+    """A dead registration whose rows are being purged."""
+
+    node_id: NodeId
+    epoch: int
+    rows: int  # it had when it died
+    removed: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+
 class MemoryIndex(IndexBackend, ReplicaTierIndex):
-    """Dictionaries keyed by chunk key and node id."""
+    """Nodes in a dict, replicas in a compact table keyed by chunk key."""
 
     def __init__(self, config: IndexConfig) -> None:
         self._config = config
         self._nodes: dict[NodeId, _Node] = {}
-        self._chunks: dict[ChunkKey, _Chunk] = {}
+        self._live: dict[int, _Node] = {}  # slot -> its live registration
+        self._table = ChunkTable()
         self._pending: dict[ChunkKey, _Pending] = {}
         self._c = _Counters()
-        # One Replica per (node, tier), shared by every lookup answer: building
-        # them per key was most of a lookup's cost. Emptied when a node
-        # (re)registers or goes, since its address is in them.
-        self._replica_cache: dict[tuple[NodeId, str], Replica] = {}
-        # Bumped with every emptying of the replica cache: chunks' cached
-        # answers of an older generation may name an old address.
-        self._generation = 0
+        # One Replica per (slot, tier), shared by every lookup answer: a slot
+        # is one registration, whose address never changes.
+        self._replicas: dict[tuple[int, int], Replica] = {}
+        self._purges: dict[int, _Purge] = {}
+        self._free_slots: list[int] = []
+        self._next_slot = 1
+        self._sweeper: asyncio.Task[None] | None = None
         self._epoch = 0  # the last registration's
+        self.placement = Placement(config.placement)
 
-    def _forget_replicas(self) -> None:
-        self._replica_cache.clear()
-        self._generation += 1
+    # -- slots ----------------------------------------------------------------
+    def _new_slot(self) -> int:
+        if self._free_slots:
+            return self._free_slots.pop()
+        if self._next_slot > _MAX_SLOT:
+            raise Unavailable("too many registrations being purged at once; register again later")
+        self._next_slot += 1
+        return self._next_slot - 1
 
-    async def register_node(
+    def _retire(self, entry: _Node) -> None:
+        """The registration is over: its rows stop counting now and go later."""
+        self._live.pop(entry.slot, None)
+        for tier in range(len(TIER_BY_CODE)):
+            self._replicas.pop((entry.slot, tier), None)
+        self._purges[entry.slot] = _Purge(entry.info.node_id, entry.epoch, entry.chunks)
+        self._table.begin_purge(entry.slot)
+        self._wake_sweeper()
+
+    def _wake_sweeper(self) -> None:
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+
+    async def _sweep(self) -> None:
+        """Purge dead registrations and grow the table, a bounded step at a time."""
+        table = self._table
+        while table.purging or table.migrating:
+            if table.purging:
+                removed, finished = table.purge_step(SWEEP_SLOTS)
+                for slot, n in removed.items():
+                    self._purges[slot].removed += n
+                for slot in finished:
+                    self._purge_done(slot)
+            if table.migrating:
+                table.maintain_step(SWEEP_SLOTS)
+            await asyncio.sleep(_SWEEP_PAUSE_S)
+
+    def _purge_done(self, slot: int) -> None:
+        p = self._purges.pop(slot)
+        self._free_slots.append(slot)
+        logger.info(
+            "node %s (epoch %d): purged its %d replicas from the index in %.1f s",
+            p.node_id,
+            p.epoch,
+            p.removed,
+            time.monotonic() - p.started,
+            extra={"event": "registration_purged", "node": p.node_id, "chunks": p.removed},
+        )
+
+    # -- nodes ----------------------------------------------------------------
+    async def register_begin(
         self,
         node: NodeInfo,
-        inventory: Sequence[InventoryItem],
         now: float,
         instance: str = "",
         force: bool = False,
@@ -121,28 +199,61 @@ class MemoryIndex(IndexBackend, ReplicaTierIndex):
                 node.node_id,
                 held.info.address,
             )
+        slot = self._new_slot()
         old = self._nodes.pop(node.node_id, None)
-        self._forget_replicas()
         if old is not None:
-            self._drop_replicas(node.node_id, old.keys)
+            self._retire(old)
         self._epoch = next_epoch(self._epoch, int(time.time() * 1000))
         entry = _Node(
             info=node,
             expires_at=now + self._config.lease_ttl_s,
+            slot=slot,
             instance=instance,
             epoch=self._epoch,
         )
         self._nodes[node.node_id] = entry
-        for item in inventory:
-            self._add_replica(entry, item.key, item.size, item.tier)
+        self._live[slot] = entry
+        self.placement.joined(node.node_id)
         logger.info(
-            "node %s registered at %s with %d chunks (epoch %d)",
-            node.node_id,
-            node.address,
-            len(inventory),
-            entry.epoch,
+            "node %s registering at %s (epoch %d)", node.node_id, node.address, entry.epoch
         )
         return entry.epoch
+
+    def _registration(self, node_id: NodeId, epoch: int) -> _Node:
+        entry = self._nodes.get(node_id)
+        if entry is None:
+            raise NotFound(f"node {node_id} is not registered (register again)")
+        if epoch != entry.epoch:
+            raise stale_registration(node_id, epoch, entry.epoch)
+        return entry
+
+    async def register_page(
+        self, node_id: NodeId, epoch: int, page: InventoryPage, now: float, last: bool = False
+    ) -> tuple[int, int]:
+        started = time.monotonic()
+        entry = self._registration(node_id, epoch)
+        entry.expires_at = max(entry.expires_at, now + self._config.lease_ttl_s)
+        keys = np.frombuffer(page.keys, dtype="<u8").reshape(-1, 2)
+        added = 0
+        for start in range(0, len(keys), SLICE_ROWS):
+            if start:
+                await asyncio.sleep(0)
+                # Replaced or expired meanwhile: its slot is being purged, and
+                # a row written under it now could outlive the purge.
+                entry = self._registration(node_id, epoch)
+            end = start + SLICE_ROWS
+            n = self._table.upsert_many(
+                keys[start:end], page.sizes[start:end], page.tiers[start:end], entry.slot
+            )
+            entry.chunks += n
+            added += n
+        if self._table.migrating:
+            self._wake_sweeper()
+        # The time spent here does not count against the lease.
+        entry.expires_at = now + (time.monotonic() - started) + self._config.lease_ttl_s
+        if last:
+            entry.complete = True
+        return added, entry.chunks
 
     async def heartbeat(
         self,
@@ -165,24 +276,21 @@ class MemoryIndex(IndexBackend, ReplicaTierIndex):
         return True
 
     async def set_replica_tier(self, node_id: NodeId, keys: Sequence[ChunkKey], tier: str) -> int:
-        changed = 0
-        for key in keys:
-            chunk = self._chunks.get(key)
-            if chunk is not None and chunk.replicas.get(node_id, tier) != tier:
-                chunk.replicas[node_id] = tier
-                chunk.location = None
-                changed += 1
-        return changed
+        entry = self._nodes.get(node_id)
+        if entry is None:
+            return 0
+        code = TIER_RANK[tier]
+        return sum(1 for key in keys if self._table.set_tier(key, entry.slot, code))
 
     async def remove_replicas(self, node_id: NodeId, keys: Sequence[ChunkKey]) -> int:
         entry = self._nodes.get(node_id)
         if entry is None:
             return 0
-        held = [k for k in keys if k in entry.keys]
-        entry.keys.difference_update(held)
-        self._drop_replicas(node_id, held)
-        return len(held)
+        removed = sum(1 for key in dict.fromkeys(keys) if self._table.remove(key, entry.slot))
+        entry.chunks -= removed
+        return removed
 
+    # -- puts -----------------------------------------------------------------
     async def put_start(
         self,
         keys: Sequence[ChunkKey],
@@ -193,7 +301,7 @@ class MemoryIndex(IndexBackend, ReplicaTierIndex):
     ) -> list[Allocation]:
         nodes = {nid: n.info for nid, n in self._nodes.items()}
         states = [self._key_state(key, now, request_id) for key in keys]
-        decided = admit(keys, sizes, states, nodes, writer_node_id)
+        decided = admit(keys, sizes, states, nodes, writer_node_id, self.placement)
         # A retried put's allocation on a node that is gone is simply replaced
         # below: there is nothing of it to revoke elsewhere.
         expires_at = now + self._config.allocation_ttl_s
@@ -206,9 +314,17 @@ class MemoryIndex(IndexBackend, ReplicaTierIndex):
         self._c.bytes_saved += decided.bytes_saved
         return [a for a in decided.allocations if a is not None]
 
+    def _live_rows(self, key: ChunkKey) -> tuple[int, list[tuple[int, int]]] | None:
+        found = self._table.find(key)
+        if found is None:
+            return None
+        size, rows = found
+        live = self._live
+        rows = [r for r in rows if r[0] in live]
+        return (size, rows) if rows else None
+
     def _key_state(self, key: ChunkKey, now: float, request_id: bytes) -> KeyState:
-        chunk = self._chunks.get(key)
-        if chunk is not None and chunk.replicas:
+        if self._live_rows(key) is not None:
             return KeyState(exists=True)
         pending = self._pending.get(key)
         if pending is None or pending.expires_at <= now:
@@ -225,10 +341,13 @@ class MemoryIndex(IndexBackend, ReplicaTierIndex):
                 del self._pending[key]
             if entry is None:
                 continue  # the node died meanwhile: its bytes are gone with it
-            if self._add_replica(entry, key, size, "cpu"):
+            if self._table.upsert(key, size, entry.slot, _CPU):
+                entry.chunks += 1
                 committed += 1
                 self._c.puts_committed += 1
                 self._c.bytes_committed += size
+        if self._table.migrating:
+            self._wake_sweeper()
         return committed
 
     async def put_revoke(self, node_id: NodeId, keys: Sequence[ChunkKey]) -> int:
@@ -238,8 +357,11 @@ class MemoryIndex(IndexBackend, ReplicaTierIndex):
             if pending is not None and pending.node_id == node_id:
                 del self._pending[key]
                 revoked += 1
+        # The writer could not write there: a node failing puts is backed off.
+        self.placement.failed(node_id, revoked)
         return revoked
 
+    # -- lookup ---------------------------------------------------------------
     async def lookup(
         self,
         keys: Sequence[ChunkKey],
@@ -247,22 +369,28 @@ class MemoryIndex(IndexBackend, ReplicaTierIndex):
         counting: LookupCounting | int = 0,
     ) -> LookupResult:
         locations: list[KeyLocation] = []
-        chunks, generation = self._chunks, self._generation
+        find, live, replicas = self._table.find, self._live, self._replicas
         for key in keys:
-            chunk = chunks.get(key)
-            if chunk is None or not chunk.replicas:
+            found = find(key)
+            if found is None:
                 break
-            loc = chunk.location
-            if loc is None or chunk.generation != generation:
-                loc = self._location(chunk)
-            first = loc.replicas[0].node_id
-            if len(loc.replicas) > 1 and client_node_id and first != client_node_id:
-                # The client's own replica first, the others still by tier speed.
-                mine = tuple(r for r in loc.replicas if r.node_id == client_node_id)
-                if mine:
-                    rest = tuple(r for r in loc.replicas if r.node_id != client_node_id)
-                    loc = KeyLocation(loc.size, mine + rest)
-            locations.append(loc)
+            size, rows = found
+            out = []
+            for pair in rows:
+                r = replicas.get(pair)
+                if r is None:
+                    node = live.get(pair[0])
+                    if node is None:
+                        continue  # a dead registration's row, not purged yet
+                    r = replicas[pair] = Replica(
+                        node.info.node_id, node.info.address, TIER_BY_CODE[pair[1]]
+                    )
+                out.append(r)
+            if not out:
+                break
+            if len(out) > 1:
+                out.sort(key=lambda r: (r.node_id != client_node_id, TIER_RANK.get(r.tier, 9)))
+            locations.append(KeyLocation(size, tuple(out)))
         hits = len(locations)
         if isinstance(counting, int):
             counting = LookupCounting(counting)
@@ -271,33 +399,22 @@ class MemoryIndex(IndexBackend, ReplicaTierIndex):
             setattr(c, name, getattr(c, name) + delta)
         return LookupResult(hits, tuple(locations))
 
-    def _location(self, chunk: _Chunk) -> KeyLocation:
-        # Built once per change of the chunk's replicas and shared by every
-        # answer: building it per key was most of a lookup's cost.
-        cache = self._replica_cache
-        replicas = []
-        for pair in chunk.replicas.items():
-            r = cache.get(pair)
-            if r is None:
-                nid, tier = pair
-                r = cache[pair] = Replica(nid, self._nodes[nid].info.address, tier)
-            replicas.append(r)
-        if len(replicas) > 1:
-            replicas.sort(key=lambda r: TIER_RANK.get(r.tier, 9))
-        loc = chunk.location = KeyLocation(chunk.size, tuple(replicas))
-        chunk.generation = self._generation
-        return loc
-
+    # -- maintenance ----------------------------------------------------------
     async def expire(self, now: float) -> tuple[int, int]:
-        dead = [nid for nid, n in self._nodes.items() if n.expires_at <= now]
-        for nid in dead:
-            entry = self._nodes.pop(nid)
-            self._forget_replicas()
-            self._drop_replicas(nid, entry.keys)
-            logger.warning("node %s lease expired: dropped with %d chunks", nid, len(entry.keys))
+        dead = [n for n in self._nodes.values() if n.expires_at <= now]
+        for entry in dead:
+            del self._nodes[entry.info.node_id]
+            self._retire(entry)
+            self.placement.left(entry.info.node_id)
+            logger.warning(
+                "node %s lease expired: dropped with %d chunks",
+                entry.info.node_id,
+                entry.chunks,
+                extra={"event": "node_expired", "node": entry.info.node_id, "chunks": entry.chunks},
+            )
         stale = [k for k, p in self._pending.items() if p.expires_at <= now]
         for key in stale:
-            del self._pending[key]
+            self.placement.failed(self._pending.pop(key).node_id)
         self._c.nodes_expired += len(dead)
         self._c.allocations_expired += len(stale)
         return len(dead), len(stale)
@@ -305,12 +422,12 @@ class MemoryIndex(IndexBackend, ReplicaTierIndex):
     async def stats(self, now: float) -> IndexStats:
         c = self._c
         nodes = tuple(
-            NodeStatus(n.info, len(n.keys), max(0.0, n.expires_at - now))
+            NodeStatus(n.info, n.chunks, max(0.0, n.expires_at - now))
             for n in self._nodes.values()
         )
         return IndexStats(
             nodes=nodes,
-            chunks=len(self._chunks),
+            chunks=sum(n.chunks for n in self._nodes.values()),
             lookups=c.lookups,
             hit_keys=c.hit_keys,
             miss_keys=c.miss_keys,
@@ -324,22 +441,13 @@ class MemoryIndex(IndexBackend, ReplicaTierIndex):
             allocations_expired=c.allocations_expired,
         )
 
-    def _add_replica(self, node: _Node, key: ChunkKey, size: int, tier: str) -> bool:
-        chunk = self._chunks.get(key)
-        if chunk is None:
-            chunk = self._chunks[key] = _Chunk(size)
-        is_new = node.info.node_id not in chunk.replicas
-        chunk.replicas[node.info.node_id] = tier
-        chunk.location = None
-        node.keys.add(key)
-        return is_new
+    @property
+    def table_bytes(self) -> int:
+        """Bytes the replica table's arrays take now."""
+        return self._table.nbytes
 
-    def _drop_replicas(self, node_id: NodeId, keys: Sequence[ChunkKey] | set[ChunkKey]) -> None:
-        for key in keys:
-            chunk = self._chunks.get(key)
-            if chunk is None:
-                continue
-            chunk.replicas.pop(node_id, None)
-            chunk.location = None
-            if not chunk.replicas:
-                del self._chunks[key]
+    async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
