@@ -3,92 +3,131 @@
 Semantics are those of :class:`~kvdepot.metadata.index.memory.MemoryIndex`; what
 differs is that every replica may serve any request at any time, so the state
 lives in Redis and every change that must be atomic is one Lua script on one
-key slot (:mod:`kvdepot.metadata.index.redis_scripts`; how they reach a
-server or a cluster is :mod:`kvdepot.metadata.index.redis_client`).
+key slot (:mod:`~kvdepot.metadata.index.redis_scripts`; how they reach a server
+or a cluster: :mod:`~kvdepot.metadata.index.redis_client`; names, values and
+the sweep: :mod:`~kvdepot.metadata.index.redis_layout`).
 
 Key layout (``P`` is the key prefix, ``kvd`` by default; ``{…}`` is the Redis
 Cluster hash tag, so that what one script touches is on one slot)::
 
-    P:c:{<key hex>}       hash    chunk: "size" -> bytes, "n:<node>" -> "<tier> <epoch>"
-    P:p:{<key hex>}       string  pending allocation "<batch>:<deadline ms>:<node>"; the batch
-                                  is a uuid, with "-<request id hex>" when the put sent one
-    P:n:{<node>}          hash    the node's lease (PX lease TTL): epoch, address, grpc, tiers,
-                                  xfer (recent transfer rates), inst (the store instance
-                                  that owns the id while the lease lives)
-    P:n:{<node>}:epoch    string  the node's last registration epoch (never reused)
-    P:n:{<node>}:keys     set     chunk keys the current epoch registered or committed
-    P:n:{<node>}:gc       set     chunk keys of ended epochs, still to be cleaned up
-    P:nodes               hash    registry: node -> epoch (placement, reaping, stats)
-    P:allocs              zset    allocation batches by deadline (to count expired ones)
-    P:alloc:<batch>       set     chunk keys of one allocation batch
-    P:stats               hash    cluster-wide counters (HINCRBY)
+    P:b:{<bucket hex>}   hash    chunk bucket: the chunks whose keys start with its
+                                 ``bucket_bits`` bits. Field: the key's bytes after the
+                                 bucket's whole bytes; value: size (6 bytes), then per
+                                 replica its registration's epoch (6) and tier code (1).
+                                 36-44 bytes a chunk (at 5-1 M) in Redis's listpack encoding,
+                                 kept while a bucket has at most hash-max-listpack-entries
+    P:p:{<bucket hex>}<key hex>  string  pending allocation "<batch>:<deadline ms>:<node>";
+                                 the batch is a uuid, "-<request id hex>" added if given
+    P:n:{<node>}         hash    the node's lease (PX lease TTL): epoch, address, grpc, tiers,
+                                 xfer (transfer rates), inst (the store instance owning the id)
+    P:n:{<node>}:reg     hash    its last registration: epoch, chunks (its replica count;
+                                 deleted once a reaper counted the registration dead)
+    P:r:{P}:last         string  the last registration epoch handed out (to any node)
+    P:r:{P}:map          hash    epoch -> node, of the registrations that may hold replicas
+    P:r:{P}:dead         hash    epoch -> "<ended ms> <replicas then> <node>": ended
+                                 registrations whose replicas the sweep deletes
+    P:r:{P}:swept        hash    epoch -> replicas of it the sweep deleted so far
+    P:r:{P}:sweep        string  the sweep's lock (PX): one metadata replica sweeps at a time
+    P:cfg                hash    bucket_bits (the first replica sets it; every replica uses it)
+    P:nodes              hash    registry: node -> epoch (placement, reaping, stats)
+    P:allocs             zset    allocation batches by deadline (to count expired ones)
+    P:alloc:<batch>      set     chunk keys of one allocation batch
+    P:stats              hash    cluster-wide counters (HINCRBY)
+
+Registration epochs are unique across nodes and never reused (above the clock
+in ms, even after an index loss), and a replica counts only while its node's
+lease carries its epoch: a lookup never returns a replica of a dead or
+replaced registration, even before any reaper ran, and nothing is deleted
+when a registration ends. The reaper (:meth:`RedisIndex.expire`) records it
+as ended (O(1) a node), and a sweep deletes its replicas later, in bounded
+steps (:class:`~kvdepot.metadata.index.redis_layout.Sweeper`). As in the
+memory index, ``IndexStats.chunks`` counts the live registrations' replicas.
+An inventory arrives in pages (:meth:`RedisIndex.register_page`), each
+written in round trips of at most ``_ITEMS_PER_TRIP`` chunks.
 
 PutStart decides each key in Python with the rule both backends share
 (:func:`kvdepot.metadata.admission.admit`) on the state read in its first
-round trip; what makes it safe among racing replicas is the ALLOC script of
-its second, which lets one allocation per key win (the losers are settled by
-:func:`~kvdepot.metadata.admission.settle_lost`).
+round trip; the ALLOC script of its second lets one allocation per key win
+among racing replicas (the losers: :func:`~kvdepot.metadata.admission.settle_lost`).
+A retry of a put whose reply was lost finds its own live allocations by the
+request id in their batch name, and gets them again.
 
-A put's request id rides in its batch name, so a pending value keeps the
-format that every script (and an older replica sharing the index) parses; a
-retry of that put, whose first reply was lost, finds its own live allocations
-by it and gets them again.
+Cleanup is idempotent: every metadata replica runs :meth:`RedisIndex.expire`
+and they may overlap. An index loss (``FLUSHALL``, a restart without
+persistence) deletes the lease with everything else: the next heartbeat
+returns False, the store registers again with its inventory, and the index
+is rebuilt.
 
-A chunk and its pending allocation share a slot, so one script commits both;
-a node's lease, epoch and key sets share another. Every registration gets a
-new epoch, written into the chunk fields it creates, and a replica counts only
-while its node's lease exists *and* carries that epoch. So a lookup never
-returns a replica on a node whose lease is gone, even before any reaper ran,
-and a reaper cleaning up after a dead epoch never deletes what a new
-registration of the same node wrote meanwhile. Cleanup is idempotent: every
-metadata replica runs :meth:`RedisIndex.expire` and they may overlap.
-
-An index loss (``FLUSHALL``, a restart without persistence) deletes the lease
-with everything else: the next heartbeat returns False, the store daemon
-registers again with its inventory, and the index is rebuilt.
-
-Round trips: a lookup is one (the chunk hashes and the leases of the known
-nodes together), a put is two for ``put_start`` and two for ``put_end``. On a
-single server each batch of per-chunk work is one script call with one reply,
-because redis-py spends more time per reply than Redis spends per command; on
-a cluster the same scripts run once per chunk in a pipeline split by node.
+Round trips: a lookup is one (the chunks and the leases of the known nodes),
+a put two for ``put_start`` and two for ``put_end``. On a single server a
+batch of per-chunk work is one script call with one reply; on a cluster the
+same scripts run once per chunk in a pipeline split by node.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import json
 import logging
-import time
-import uuid
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import astuple, fields
+from dataclasses import fields
 from typing import Any
 
 from redis.asyncio import Redis, RedisCluster
 
-from kvdepot.errors import InvalidArgument
-from kvdepot.keys import ChunkKey
+from kvdepot.errors import InvalidArgument, KVDepotError
+from kvdepot.keys import KEY_BYTES, ChunkKey
 from kvdepot.metadata.admission import Admission, KeyState, admit, settle_lost
 from kvdepot.metadata.index import redis_scripts as scripts
 from kvdepot.metadata.index.base import (
     IndexBackend,
     IndexConfig,
+    InventoryPage,
     node_id_taken,
     stale_registration,
 )
-from kvdepot.metadata.index.redis_client import Connection, connect, flat, guarded, split_url
+from kvdepot.metadata.index.redis_client import (
+    Connection,
+    Counters,
+    connect,
+    flat,
+    guarded,
+    split_options,
+    split_url,
+)
+from kvdepot.metadata.index.redis_layout import (
+    DEFAULT_BUCKET_BITS,
+    EPOCH_BYTES,
+    REPLICA_BYTES,
+    SIZE_BYTES,
+    Buckets,
+    Sweeper,
+    batch_id,
+    check_bucket_bits,
+    epoch_bytes,
+    ms,
+    pending_live,
+    record,
+    records,
+    registration_reply,
+    replicas,
+    retried,
+    tag,
+    tier_code,
+    tiers_json,
+    tiers_parse,
+    transfer_json,
+    transfer_parse,
+    wall_ms,
+)
+from kvdepot.metadata.placement import Placement
 from kvdepot.metadata.replica_tiers import ReplicaTierIndex
 from kvdepot.records import TierStats, TransferRate
-from kvdepot.repeat_log import RepeatLog
 from kvdepot.types import (
+    TIER_BY_CODE,
     TIER_RANK,
     Action,
     Allocation,
     IndexStats,
-    InventoryItem,
     KeyLocation,
     LookupCounting,
     LookupResult,
@@ -100,77 +139,21 @@ from kvdepot.types import (
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["DEFAULT_PREFIX", "RedisIndex", "connect", "split_url"]
+
 DEFAULT_PREFIX = "kvd"
 # A lookup prefetches the leases of at most this many known nodes in its one
 # round trip; with more nodes it fetches those its chunks name (two round trips).
 _PREFETCH_NODES = 64
 _KNOWN_MAX = 1024
-# Counters reach Redis at most this late (other replicas' stats lag as much).
-_FLUSH_DELAY_S = 0.05
+_OWNERS_MAX = 1 << 16
 # The counters IndexStats carries, kept in the P:stats hash under these names.
 _COUNTERS = tuple(f.name for f in fields(IndexStats) if f.name not in ("nodes", "extra"))
-
-
-def _tag(node_id: NodeId) -> str:
-    # Braces in a node id would change which part of the key Redis Cluster
-    # hashes; escaping keeps a node's keys on one slot and stays injective.
-    return node_id.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
-
-
-def _tiers_json(tiers: Sequence[TierStats]) -> str:
-    return json.dumps([list(astuple(t)) for t in tiers], separators=(",", ":"))
-
-
-def _tiers_parse(raw: bytes | None) -> tuple[TierStats, ...]:
-    if not raw:
-        return ()
-    return tuple(TierStats(*row) for row in json.loads(raw))
-
-
-def _transfer_json(transfer: TransferRate) -> str:
-    return json.dumps(list(astuple(transfer)), separators=(",", ":"))
-
-
-def _transfer_parse(raw: bytes | None) -> TransferRate:
-    if not raw:
-        return TransferRate()
-    return TransferRate(*json.loads(raw))
-
-
-def _ms(seconds: float) -> int:
-    return max(1, round(seconds * 1000))
-
-
-def _now_ms() -> int:
-    return int(time.time() * 1000)
-
-
-def _field_epoch(value: bytes) -> bytes:
-    return value.rpartition(b" ")[2]
-
-
-def _pending_live(value: bytes | None, now_ms: int) -> bool:
-    if value is None:
-        return False
-    parts = value.split(b":", 2)
-    return len(parts) == 3 and int(parts[1]) > now_ms
-
-
-def _batch_id(request_id: bytes) -> str:
-    """A new allocation batch, naming the put's request id when it sent one."""
-    batch = uuid.uuid4().hex
-    return f"{batch}-{request_id.hex()}" if request_id else batch
-
-
-def _retried(value: bytes | None, request_hex: bytes, now_ms: int) -> NodeId | None:
-    """The node of ``value`` if it is a live allocation made by the put whose
-    request id is ``request_hex`` (hex, ``b""`` for none), else None."""
-    if value is None or not request_hex or not _pending_live(value, now_ms):
-        return None
-    batch, _, rest = value.partition(b":")
-    if batch.partition(b"-")[2] != request_hex:
-        return None
-    return rest.partition(b":")[2].decode()
+# Chunks of an inventory page written per round trip.
+_ITEMS_PER_TRIP = 4096
+# How long one expire() sweeps at most (a step more).
+SWEEP_BUDGET_S = 0.2
+_CPU = bytes((TIER_RANK["cpu"],))
 
 
 class RedisIndex(IndexBackend, ReplicaTierIndex):
@@ -178,7 +161,9 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
 
     Args:
         config: Index configuration; ``config.url`` names the server(s) and may
-            carry ``?prefix=…``.
+            carry ``?prefix=…`` and ``?bucket_bits=…`` (8-24, default 17: for
+            up to about 10 M chunks; the first replica to use an index sets it
+            for all).
         prefix: Key prefix; overrides the URL's (default ``kvd``), so that
             several indexes (e.g. tests) can share one server.
         client: A redis-py asyncio client to use instead of connecting to
@@ -192,95 +177,72 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
         prefix: str | None = None,
         client: Redis | RedisCluster | None = None,
     ) -> None:
-        url, url_prefix = split_url(config.url)
-        p = prefix or url_prefix or DEFAULT_PREFIX
+        url, own = split_options(config.url)
+        p = prefix or own.get("prefix") or DEFAULT_PREFIX
         if any(c in p for c in "{} \t\n"):
             raise InvalidArgument(f"index key prefix {p!r} must not contain braces or spaces")
+        bits = own.get("bucket_bits")
+        self._want_bits = check_bucket_bits(bits) if bits is not None else None
         self._p = p
         self._r = client if client is not None else connect(url)
         self._db = Connection(self._r)
-        self._lease_ms = _ms(config.lease_ttl_s)
-        self._alloc_ms = _ms(config.allocation_ttl_s)
+        self._lease_ms = ms(config.lease_ttl_s)
+        self._alloc_ms = ms(config.allocation_ttl_s)
+        self.placement = Placement(config.placement)  # this replica's view of its puts
         # Redis drops a pending key by itself only if no reaper counted it in
         # time (every metadata replica down): a safety net, not the deadline.
         self._backstop_ms = 2 * self._alloc_ms + 60_000
         self._k_nodes = f"{p}:nodes"
         self._k_stats = f"{p}:stats"
         self._k_allocs = f"{p}:allocs"
+        self._k_cfg = f"{p}:cfg"
+        regs = f"{p}:r:{{{p}}}"
+        self._k_last, self._k_map, self._k_dead = f"{regs}:last", f"{regs}:map", f"{regs}:dead"
+        self._k_swept, self._k_sweep = f"{regs}:swept", f"{regs}:sweep"
+        self._b: Buckets | None = None  # read from Redis on first use
+        self._sweeper: Sweeper | None = None
+        self.sweep_budget_s = SWEEP_BUDGET_S
         self._known: dict[NodeId, None] = {}  # nodes whose leases lookups prefetch
-        self._deltas: Counter[str] = Counter()
-        self._flusher: asyncio.Task[None] | None = None
-        self._flush_now = asyncio.Event()
-        # A flush follows every counted call: one line per failed one would
-        # flood the log while Redis is down.
-        self._flush_failures = RepeatLog(logger)
+        self._owners: dict[int, NodeId] = {}  # registration epoch -> node (never changes)
+        self._counters = Counters(
+            self._db,
+            self._k_stats,
+            lambda nid, epoch, n: scripts.PAGE.cmd(self._node_keys(nid), [epoch, 0, n]),
+            logger,
+        )
+        self._count = self._counters.add
 
     # -- keys -----------------------------------------------------------------
-    def _chunk(self, key: bytes) -> str:
-        return f"{self._p}:c:{{{key.hex()}}}"
-
-    def _pending(self, key: bytes) -> str:
-        return f"{self._p}:p:{{{key.hex()}}}"
-
     def _node(self, node_id: NodeId, part: str = "") -> str:
-        return f"{self._p}:n:{{{_tag(node_id)}}}{part}"
+        return f"{self._p}:n:{{{tag(node_id)}}}{part}"
 
     def _node_keys(self, node_id: NodeId) -> list[str]:
         n = self._node(node_id)
-        return [n, n + ":epoch", n + ":keys", n + ":gc"]
+        return [n, n + ":reg"]
+
+    def _bits_cmd(self) -> tuple[Any, ...]:
+        bits = self._b.bits if self._b is not None else self._want_bits or DEFAULT_BUCKET_BITS
+        return ("HSETNX", self._k_cfg, "bucket_bits", bits)
+
+    async def _layout(self) -> Buckets:
+        """The bucket layout every replica of this index uses (Redis keeps it)."""
+        if self._b is None:
+            _, raw = await self._db.exec([self._bits_cmd(), ("HGET", self._k_cfg, "bucket_bits")])
+            bits = check_bucket_bits(raw.decode())
+            if self._want_bits is not None and bits != self._want_bits:
+                logger.warning(
+                    "redis index %s: bucket_bits=%d in the URL, but the index has %d: using %d",
+                    self._p,
+                    self._want_bits,
+                    bits,
+                    bits,
+                )
+            self._b = Buckets(self._p, bits)
+            keys = (self._k_last, self._k_map, self._k_dead, self._k_swept, self._k_sweep)
+            self._sweeper = Sweeper(self._db, self._b, keys)
+        return self._b
 
     # -- plumbing -------------------------------------------------------------
-    def _count(self, **deltas: int) -> None:
-        """Add to the shared counters without a round trip on the caller's path.
-
-        A flush starts at most every ``_FLUSH_DELAY_S`` and takes everything
-        accumulated meanwhile, so many requests share one HINCRBY pipeline;
-        :meth:`stats` flushes first, so this replica always sees its own.
-        """
-        for name, n in deltas.items():
-            if n:
-                self._deltas[name] += n
-        if self._deltas and (self._flusher is None or self._flusher.done()):
-            self._flusher = asyncio.get_running_loop().create_task(self._flush_later())
-
-    async def _flush_later(self) -> None:
-        self._flush_now.clear()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._flush_now.wait(), _FLUSH_DELAY_S)
-        await self._flush_counts()
-
-    async def _flush_counts(self) -> None:
-        while self._deltas:
-            deltas, self._deltas = self._deltas, Counter()
-            try:
-                out = await self._db.pipeline(
-                    [("HINCRBY", self._k_stats, k, v) for k, v in deltas.items()]
-                )
-            except Exception as exc:  # kept for the next flush, never lost silently
-                out = [exc] * len(deltas)
-            failed = {
-                k: v
-                for (k, v), r in zip(deltas.items(), out, strict=True)
-                if isinstance(r, BaseException)
-            }
-            if failed:
-                self._deltas.update(failed)
-                error = next(r for r in out if isinstance(r, BaseException))
-                self._flush_failures.warn(
-                    "flush",
-                    "redis index: counters not flushed: %s; kept for the next flush",
-                    error,
-                    extra={"event": "repeated_failure"},
-                )
-                return
-        self._flush_failures.flush()
-
-    async def _sync_counts(self) -> None:
-        if self._flusher is not None and not self._flusher.done():
-            self._flush_now.set()  # rather than after the delay
-            await self._flusher
-        await self._flush_counts()
-
     async def _leases(
         self, node_ids: Sequence[NodeId], fields: Sequence[str]
     ) -> dict[NodeId, list[bytes | None] | None]:
@@ -295,81 +257,104 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
             self._known.clear()
         self._known.update(dict.fromkeys(node_ids))
 
-    async def _collect(self, node_id: NodeId, bound: int) -> int:
-        """Delete the chunk fields of ``node_id``'s ended epochs (below ``bound``).
-
-        Safe to run concurrently from several replicas: each field is deleted
-        by one script call, and the gc set loses members only after that.
-        """
-        gc = self._node(node_id, ":gc")
-        field = f"n:{node_id}"
-        cursor = 0
-        dropped = 0
-        while True:
-            cursor, members = await self._db.one(("SSCAN", gc, cursor, "COUNT", 1024))
-            cursor = int(cursor)
-            if members:
-                calls = self._db.vec(
-                    scripts.DROP, [[self._chunk(m)] for m in members], [field, bound]
-                )
-                out = await self._db.exec([*calls, ("SREM", gc, *members)])
-                results = flat(out[:-1])
-                dropped += sum(1 for r in results if r)
-                self._count(chunks=-results.count(2))
-            if cursor == 0:
-                return dropped
+    async def _resolve(self, epochs: set[int]) -> None:
+        """Learn the nodes of registration epochs not known yet (a round trip if any)."""
+        unknown = [e for e in epochs if e not in self._owners]
+        if not unknown:
+            return
+        if len(self._owners) > _OWNERS_MAX:
+            self._owners.clear()
+        out = await self._db.one(("HMGET", self._k_map, *unknown))
+        for e, nid in zip(unknown, out, strict=True):
+            if nid is not None:  # else forgotten: an ended registration
+                self._owners[e] = nid.decode()
 
     # -- nodes ----------------------------------------------------------------
     @guarded
-    async def register_node(
+    async def register_begin(
         self,
         node: NodeInfo,
-        inventory: Sequence[InventoryItem],
         now: float,
         instance: str = "",
         force: bool = False,
     ) -> int:
-        raw = [bytes(item.key) for item in inventory]
+        await self._layout()
+        nid = node.node_id
         args = [
             self._lease_ms,
             node.address,
             node.grpc_address,
-            _tiers_json(node.tiers),
+            tiers_json(node.tiers),
             instance,
             "1" if force else "0",
-            *raw,
         ]
-        reply = await self._db.one(scripts.REGISTER.cmd(self._node_keys(node.node_id), args))
-        if int(reply[0]) == 0:
-            raise node_id_taken(node.node_id, reply[1].decode(), max(0, int(reply[2])) / 1000)
-        if int(reply[0]) == 2:
-            logger.warning(
-                "node %s taken over (forced) from the instance at %s",
-                node.node_id,
-                reply[2].decode(),
+        floor = 0
+        for _ in range(3):
+            # The bucket layout is asserted again: an index rebuilt after a loss keeps it.
+            _, raw = await self._db.exec(
+                [self._bits_cmd(), scripts.REG_NEW.cmd([self._k_last, self._k_map], [nid, floor])]
             )
-        epoch = int(reply[1])
-        calls = self._db.vec(
-            scripts.ADD,
-            [[self._chunk(item.key)] for item in inventory],
-            [f"n:{node.node_id}", epoch],
-            [(item.size, item.tier) for item in inventory],
-        )
-        out = await self._db.exec(
-            [*calls, scripts.NODES_SET.cmd([self._k_nodes], [node.node_id, epoch])]
-        )
-        self._count(chunks=sum(flat(out[:-1])))
-        self._remember([node.node_id])
-        # Fields of the previous registration that the new inventory lacks.
-        await self._collect(node.node_id, epoch)
-        logger.info(
-            "node %s registered at %s with %d chunks (epoch %d)",
-            node.node_id,
-            node.address,
-            len(inventory),
-            epoch,
-        )
+            epoch = int(raw)
+            reply = await self._db.one(scripts.REGISTER.cmd(self._node_keys(nid), [*args, epoch]))
+            code = int(reply[0])
+            if code in (0, 3):  # never used: no replica can name it
+                await self._db.one(("HDEL", self._k_map, epoch))
+            if code == 0:
+                raise node_id_taken(nid, reply[1].decode(), max(0, int(reply[2])) / 1000)
+            if code != 3:
+                break
+            floor = int(reply[1])  # the node's own last epoch is ahead of the counter
+        else:
+            raise KVDepotError(f"no new registration epoch for node {nid!r}")
+        old, count, took = reply[1], int(reply[2]), reply[3]
+        if code == 2:
+            logger.warning(
+                "node %s taken over (forced) from the instance at %s", nid, took.decode()
+            )
+        if old:
+            # Recorded before the registry moves on: a reaper that finds the
+            # registry behind the lease records it too (if this call dies here).
+            await self._db.one(scripts.DEAD_ADD.cmd([self._k_dead], [old, count, nid]))
+        await self._db.one(scripts.NODES_SET.cmd([self._k_nodes], [nid, epoch]))
+        self._owners[epoch] = nid
+        self._remember([nid])
+        self.placement.joined(nid)
+        logger.debug("node %s registering at %s (epoch %d)", nid, node.address, epoch)
         return epoch
+
+    @guarded
+    async def register_page(
+        self, node_id: NodeId, epoch: int, page: InventoryPage, now: float, last: bool = False
+    ) -> tuple[int, int]:
+        b = await self._layout()
+        keys = self._node_keys(node_id)
+        # The lease is checked and renewed as the page starts, with every
+        # round trip (a slow page does not let it run out), and as it ends.
+        renew = scripts.PAGE.cmd(keys, [epoch, self._lease_ms, 0])
+        registration_reply(node_id, epoch, await self._db.one(renew))
+        reg = epoch_bytes(epoch)
+        added = 0
+        for start in range(0, len(page), _ITEMS_PER_TRIP):
+            end = min(len(page), start + _ITEMS_PER_TRIP)
+            names, fields = b.columns(page.keys[start * KEY_BYTES : end * KEY_BYTES])
+            calls = self._db.cols(
+                scripts.PAGE_ADD,
+                [[n] for n in names],
+                [reg, b.width],
+                [
+                    (fields, b.width),
+                    (records(page.sizes[start:end]), SIZE_BYTES),
+                    (page.tiers[start:end].tobytes(), 1),
+                ],
+            )
+            # One round trip of at most _ITEMS_PER_TRIP chunks, under a deadline.
+            out = await self._db.exec([renew, *calls])
+            added += sum(r & 1 for r in flat(out[1:]))
+            if int(out[0][0]) != 1:
+                break  # the lease ran out or was replaced: the PAGE below says which
+        delta = added + self._counters.take_node(node_id, epoch)
+        reply = await self._db.one(scripts.PAGE.cmd(keys, [epoch, self._lease_ms, delta]))
+        return added, registration_reply(node_id, epoch, reply)
 
     @guarded
     async def heartbeat(
@@ -380,13 +365,13 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
         transfer: TransferRate | None = None,
         epoch: int = 0,
     ) -> bool:
-        # A lease that ran out is not revived even if no reaper ran yet: one
-        # may already be deleting that epoch's chunks, so the node registers
-        # again with its inventory, exactly as after an index loss.
+        # A lease that ran out is not revived even if no reaper ran yet: its
+        # registration has ended, so the node registers again with its
+        # inventory, exactly as after an index loss.
         args = [
             self._lease_ms,
-            _tiers_json(tiers) if tiers else "",
-            _transfer_json(transfer) if transfer is not None else "",
+            tiers_json(tiers) if tiers else "",
+            transfer_json(transfer) if transfer is not None else "",
             epoch,
         ]
         current = int(await self._db.one(scripts.HEARTBEAT.cmd([self._node(node_id)], args)) or 0)
@@ -394,20 +379,34 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
             raise stale_registration(node_id, epoch, -current)
         if not current:
             return False
-        # Re-assert the registry entry: on a cluster it may sit on a shard
-        # that lost its data while this node's own shard did not.
-        await self._db.one(scripts.NODES_SET.cmd([self._k_nodes], [node_id, current]))
+        # Re-assert the registry entry and the epoch's node: on a cluster they
+        # may sit on shards that lost their data while this node's did not.
+        await self._db.exec(
+            [
+                scripts.NODES_SET.cmd([self._k_nodes], [node_id, current]),
+                ("HSETNX", self._k_map, current, node_id),
+            ]
+        )
         return True
+
+    async def _live_epoch(self, node_id: NodeId) -> int | None:
+        epoch = await self._db.one(("HGET", self._node(node_id), "epoch"))
+        return int(epoch) if epoch is not None else None
 
     @guarded
     async def set_replica_tier(self, node_id: NodeId, keys: Sequence[ChunkKey], tier: str) -> int:
+        code = tier_code(tier)
         if not keys:
             return 0
-        epoch = await self._db.one(("HGET", self._node(node_id), "epoch"))
+        b = await self._layout()
+        epoch = await self._live_epoch(node_id)
         if epoch is None:
             return 0
-        calls = self._db.vec(
-            scripts.RETIER, [[self._chunk(k)] for k in keys], [f"n:{node_id}", int(epoch), tier]
+        calls = self._db.cols(
+            scripts.RETIER,
+            [[b.bucket(k)] for k in keys],
+            [epoch_bytes(epoch), code, b.width],
+            [(b"".join(b.field(k) for k in keys), b.width)],
         )
         return sum(flat(await self._db.exec(calls)))
 
@@ -415,18 +414,22 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
     async def remove_replicas(self, node_id: NodeId, keys: Sequence[ChunkKey]) -> int:
         if not keys:
             return 0
-        n = self._node(node_id)
-        epoch = await self._db.one(("HGET", n, "epoch"))
+        b = await self._layout()
+        epoch = await self._live_epoch(node_id)
         if epoch is None:
             return 0
-        # Chunk fields go before key set entries: an entry without a field is
-        # harmless, a field without an entry would never be cleaned up.
-        calls = self._db.vec(
-            scripts.DROP, [[self._chunk(k)] for k in keys], [f"n:{node_id}", int(epoch) + 1]
+        times = Counter(bytes(k) for k in keys)
+        uniq = list(times)
+        calls = self._db.cols(
+            scripts.DROP,
+            [[b.bucket(k)] for k in uniq],
+            [epoch_bytes(epoch), b.width],
+            [(b"".join(b.field(k) for k in uniq), b.width)],
         )
-        out = await self._db.exec([*calls, scripts.FORGET.cmd([n, n + ":keys"], [epoch, *keys])])
-        self._count(chunks=-flat(out[:-1]).count(2))
-        return int(out[-1])
+        out = flat(await self._db.exec(calls))
+        self._counters.add_node(node_id, epoch, -sum(1 for r in out if r))
+        # As many as it held, a key named twice counted twice.
+        return sum(times[k] for k, r in zip(uniq, out, strict=True) if r)
 
     # -- puts -----------------------------------------------------------------
     async def _live_nodes(
@@ -444,9 +447,9 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
                     nid,
                     (address or b"").decode(),
                     (grpc_address or b"").decode(),
-                    _tiers_parse(tiers),
+                    tiers_parse(tiers),
                 )
-                live[nid] = (epoch or b"", info)
+                live[nid] = (epoch or b"0", info)
         return live
 
     @guarded
@@ -462,19 +465,22 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
             raise InvalidArgument(f"{len(keys)} keys but {len(sizes)} sizes")
         if not keys:
             return []
+        b = await self._layout()
         request_hex = request_id.hex().encode()
-        states, nodes, now_ms = await self._put_state(keys, request_hex)
-        decided = admit(keys, sizes, states, nodes, writer_node_id)
+        states, nodes, now_ms = await self._put_state(b, keys, request_hex)
+        decided = admit(keys, sizes, states, nodes, writer_node_id, self.placement)
         dedup, saved = decided.deduplicated, decided.bytes_saved
-        lost = await self._allocate(keys, decided, request_id, now_ms) if decided.placements else []
+        lost = (
+            await self._allocate(b, keys, decided, request_id, now_ms) if decided.placements else []
+        )
         values: list[bytes | None] = [None] * len(lost)
         if request_id and lost:
             # A first attempt of this put, slow rather than dead, may have
             # allocated the key between the state read and ALLOC.
-            values = await self._db.read([("GET", self._pending(keys[i])) for i in lost])
+            values = await self._db.read([("GET", b.pending(keys[i])) for i in lost])
         for i, value in zip(lost, values, strict=True):
             answer = decided.allocations[i] = settle_lost(
-                _retried(value, request_hex, now_ms), nodes
+                retried(value, request_hex, now_ms), nodes
             )
             if answer.action is Action.SKIP_PENDING:
                 dedup, saved = dedup + 1, saved + sizes[i]
@@ -482,7 +488,7 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
         return [a for a in decided.allocations if a is not None]
 
     async def _put_state(
-        self, keys: Sequence[ChunkKey], request_hex: bytes
+        self, b: Buckets, keys: Sequence[ChunkKey], request_hex: bytes
     ) -> tuple[list[KeyState], dict[NodeId, NodeInfo], int]:
         """The state of ``keys`` and the live nodes, read in one round trip, and the time."""
         uniq = list(dict.fromkeys(keys))
@@ -490,8 +496,8 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
         known = list(self._known)
         # One round trip: chunks, pending allocations, the registry, leases.
         out = await self._db.read(
-            [("HGETALL", self._chunk(k)) for k in uniq]
-            + [("GET", self._pending(k)) for k in uniq]
+            [("HGET", b.bucket(k), b.field(k)) for k in uniq]
+            + [("GET", b.pending(k)) for k in uniq]
             + [("HKEYS", self._k_nodes)]
             + [("HMGET", self._node(n), "epoch", "address", "grpc", "tiers") for n in known]
         )
@@ -500,22 +506,28 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
             for n, r in zip(known, out[2 * u + 1 :], strict=True)
         }
         live = await self._live_nodes(out[2 * u], prefetched)
-        epochs = {f"n:{nid}".encode(): epoch for nid, (epoch, _) in live.items()}
-        now_ms = _now_ms()
+        # Epochs are unique across nodes: a replica is live if its epoch is a lease's.
+        epochs = {int(epoch) for epoch, _ in live.values()}
+        now_ms = wall_ms()
         state: dict[ChunkKey, KeyState] = {}
         for key, chunk, value in zip(uniq, out[:u], out[u : 2 * u], strict=True):
-            if any(epochs.get(f) == _field_epoch(v) for f, v in chunk.items()):
+            if chunk is not None and any(e in epochs for e, _ in replicas(chunk)):
                 state[key] = KeyState(exists=True)
             else:
                 state[key] = KeyState(
-                    pending=_pending_live(value, now_ms),
-                    retried=_retried(value, request_hex, now_ms),
+                    pending=pending_live(value, now_ms),
+                    retried=retried(value, request_hex, now_ms),
                 )
         nodes = {nid: info for nid, (_, info) in live.items()}
         return [state[k] for k in keys], nodes, now_ms
 
     async def _allocate(
-        self, keys: Sequence[ChunkKey], decided: Admission, request_id: bytes, now_ms: int
+        self,
+        b: Buckets,
+        keys: Sequence[ChunkKey],
+        decided: Admission,
+        request_id: bytes,
+        now_ms: int,
     ) -> list[int]:
         """Allocate the keys ``decided`` places; return those another put won.
 
@@ -523,18 +535,18 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
         it; the others settle it with :func:`settle_lost`.
         """
         wanted = decided.placements
-        batch_id = _batch_id(request_id)
-        members = f"{self._p}:alloc:{batch_id}"
+        batch = batch_id(request_id)
+        members = f"{self._p}:alloc:{batch}"
         # Same slot as the ALLOC of the key, so it runs first, on a cluster too.
         revokes = [
             c
             for nid, ks in decided.revoked.items()
-            for c in self._db.vec(scripts.REVOKE, [[self._pending(k)] for k in ks], [nid])
+            for c in self._db.vec(scripts.REVOKE, [[b.pending(k)] for k in ks], [nid])
         ]
         calls = self._db.vec(
             scripts.ALLOC,
-            [[self._pending(keys[i])] for i, _ in wanted],
-            [batch_id, self._alloc_ms, self._backstop_ms],
+            [[b.pending(keys[i])] for i, _ in wanted],
+            [batch, self._alloc_ms, self._backstop_ms],
             [(n.node_id,) for _, n in wanted],
         )
         out = await self._db.exec(
@@ -543,7 +555,7 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
                 *calls,
                 ("SADD", members, *(bytes(keys[i]) for i, _ in wanted)),
                 ("PEXPIRE", members, self._backstop_ms),
-                ("ZADD", self._k_allocs, now_ms + self._alloc_ms, batch_id),
+                ("ZADD", self._k_allocs, now_ms + self._alloc_ms, batch),
             ]
         )
         won = flat(out[len(revokes) : len(revokes) + len(calls)])
@@ -562,33 +574,39 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
             raise InvalidArgument(f"{len(keys)} keys but {len(sizes)} sizes")
         if not keys:
             return 0
-        n = self._node(node_id)
-        epoch = await self._db.one(scripts.CLAIM.cmd([n, n + ":keys"], [bytes(k) for k in keys]))
+        b = await self._layout()
+        epoch = await self._live_epoch(node_id)
         if epoch is None:
             # The node died meanwhile: its bytes are gone with it.
             await self._db.exec(
-                self._db.vec(scripts.REVOKE, [[self._pending(k)] for k in keys], [node_id])
+                self._db.vec(scripts.REVOKE, [[b.pending(k)] for k in keys], [node_id])
             )
             return 0
-        calls = self._db.vec(
+        calls = self._db.cols(
             scripts.COMMIT,
-            [[self._chunk(k), self._pending(k)] for k in keys],
-            [node_id, f"n:{node_id}", b"cpu " + epoch, epoch],
-            [(s,) for s in sizes],
+            [[b.bucket(k), b.pending(k)] for k in keys],
+            [node_id, epoch_bytes(epoch), _CPU, b.width],
+            [
+                (b"".join(b.field(k) for k in keys), b.width),
+                (b"".join(record(s) for s in sizes), SIZE_BYTES),
+            ],
         )
-        committed = nbytes = created = 0
+        committed = nbytes = 0
         for r, size in zip(flat(await self._db.exec(calls)), sizes, strict=True):
-            created += r >> 1
             if r & 1:
                 committed += 1
                 nbytes += size
-        self._count(chunks=created, puts_committed=committed, bytes_committed=nbytes)
+        self._count(puts_committed=committed, bytes_committed=nbytes)
+        self._counters.add_node(node_id, epoch, committed)
         return committed
 
     @guarded
     async def put_revoke(self, node_id: NodeId, keys: Sequence[ChunkKey]) -> int:
-        calls = self._db.vec(scripts.REVOKE, [[self._pending(k)] for k in keys], [node_id])
-        return sum(flat(await self._db.exec(calls)))
+        b = await self._layout()
+        calls = self._db.vec(scripts.REVOKE, [[b.pending(k)] for k in keys], [node_id])
+        revoked = sum(flat(await self._db.exec(calls)))
+        self.placement.failed(node_id, revoked)  # the writer could not write there
+        return revoked
 
     # -- lookup ---------------------------------------------------------------
     @guarded
@@ -598,48 +616,40 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
         client_node_id: NodeId,
         counting: LookupCounting | int = 0,
     ) -> LookupResult:
+        b = await self._layout()
         known = list(self._known) if len(self._known) <= _PREFETCH_NODES else []
-        # One round trip: every chunk's hash and the leases of the known nodes,
+        # One round trip: every chunk's record and the leases of the known nodes,
         # read together, so that a lease gone makes its replicas vanish.
         out = await self._db.read(
-            [("HGETALL", self._chunk(k)) for k in keys]
+            [("HGET", b.bucket(k), b.field(k)) for k in keys]
             + [("HMGET", self._node(n), "epoch", "address") for n in known]
         )
-        hashes: list[dict[bytes, bytes]] = out[: len(keys)]
+        values: list[bytes] = []
+        for v in out[: len(keys)]:
+            if v is None:
+                break  # only the leading hits matter
+            values.append(v)
         leases = {
             n: (r if r[0] is not None else None)
             for n, r in zip(known, out[len(keys) :], strict=True)
         }
-        named = {f[2:].decode() for h in hashes for f in h if f != b"size"}
+        # The same few replica lists recur across all the keys: each is read once.
+        tails = {v[SIZE_BYTES:] for v in values}
+        epochs = {
+            int.from_bytes(t[i : i + EPOCH_BYTES], "big")
+            for t in tails
+            for i in range(0, len(t), REPLICA_BYTES)
+        }
+        await self._resolve(epochs)
+        named = {self._owners[e] for e in epochs if e in self._owners}
         leases.update(await self._leases(sorted(named.difference(leases)), ("epoch", "address")))
-
-        # The same few (node, tier, epoch) values recur across all the keys:
-        # each becomes one Replica (immutable), shared by every key holding it.
-        made: dict[tuple[bytes, bytes], Replica | None] = {}
+        made = {t: self._replicas(t, leases, client_node_id) for t in tails}
         locations: list[KeyLocation] = []
-        for h in hashes:
-            replicas: list[Replica] = []
-            for f, v in h.items():
-                if f == b"size":
-                    continue
-                if (f, v) not in made:
-                    nid = f[2:].decode()
-                    lease = leases.get(nid)
-                    live = lease is not None and _field_epoch(v) == lease[0]
-                    # Not live: the node is dead, or an ended registration wrote it.
-                    made[f, v] = (
-                        Replica(nid, (lease[1] or b"").decode(), v.rpartition(b" ")[0].decode())
-                        if live and lease is not None
-                        else None
-                    )
-                r = made[f, v]
-                if r is not None:
-                    replicas.append(r)
-            if not replicas:
+        for v in values:
+            found = made[v[SIZE_BYTES:]]
+            if not found:
                 break
-            if len(replicas) > 1:
-                replicas.sort(key=lambda r: (r.node_id != client_node_id, TIER_RANK.get(r.tier, 9)))
-            locations.append(KeyLocation(int(h[b"size"]), tuple(replicas)))
+            locations.append(KeyLocation(int.from_bytes(v[:SIZE_BYTES], "big"), found))
         hits = len(locations)
         if isinstance(counting, int):
             counting = LookupCounting(counting)
@@ -648,48 +658,106 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
             self._count(**deltas)
         return LookupResult(hits, tuple(locations))
 
+    def _replicas(
+        self, tail: bytes, leases: dict[NodeId, list[bytes | None] | None], client: NodeId
+    ) -> tuple[Replica, ...]:
+        """The live replicas of a record (its bytes after the size), local first."""
+        found: list[Replica] = []
+        for i in range(0, len(tail), REPLICA_BYTES):
+            epoch = int.from_bytes(tail[i : i + EPOCH_BYTES], "big")
+            nid = self._owners.get(epoch)
+            lease = leases.get(nid) if nid is not None else None
+            # Not live: the node is dead, or an ended registration wrote it.
+            if nid is not None and lease is not None and int(lease[0] or 0) == epoch:
+                tier = TIER_BY_CODE[tail[i + EPOCH_BYTES]]
+                found.append(Replica(nid, (lease[1] or b"").decode(), tier))
+        if len(found) > 1:
+            found.sort(key=lambda r: (r.node_id != client, TIER_RANK.get(r.tier, 9)))
+        return tuple(found)
+
     # -- maintenance ----------------------------------------------------------
     @guarded
     async def expire(self, now: float) -> tuple[int, int]:
+        """Reap dead nodes and expired allocations, then sweep a while.
+
+        Bounded: a dead registration is recorded as ended at once (its
+        replicas stop counting as its lease goes, and the sweep deletes them
+        later); allocations go 1024 batches a call; the sweep runs for
+        :attr:`sweep_budget_s` at most, a step of about 64 buckets more.
+        """
+        await self._layout()
         registry, due = await self._db.exec(
             [
                 ("HGETALL", self._k_nodes),
-                ("ZRANGEBYSCORE", self._k_allocs, "-inf", _now_ms(), "LIMIT", 0, 1024),
+                ("ZRANGEBYSCORE", self._k_allocs, "-inf", wall_ms(), "LIMIT", 0, 1024),
             ]
         )
-        ids = [n.decode() for n in registry]
-        self._remember(ids)
-        alive = await self._db.exec([("EXISTS", self._node(n)) for n in ids])
-        nodes_expired = 0
-        for nid in (n for n, ok in zip(ids, alive, strict=True) if not ok):
-            epoch = int(await self._db.one(scripts.REAP.cmd(self._node_keys(nid), [])))
-            if epoch < 0:
-                continue  # registered again since
-            dropped = await self._collect(nid, epoch + 1)
-            if await self._db.one(scripts.NODES_DEL.cmd([self._k_nodes], [nid, epoch])):
-                nodes_expired += 1
-                logger.warning("node %s lease expired: dropped with %d chunks", nid, dropped)
-
-        allocations_expired = 0
-        if due:
-            # ZREM decides which replica handles (and counts) each batch.
-            won = await self._db.exec([("ZREM", self._k_allocs, b) for b in due])
-            claimed = [b.decode() for b, w in zip(due, won, strict=True) if w]
-            sets = [f"{self._p}:alloc:{b}" for b in claimed]
-            members = await self._db.exec([("SMEMBERS", s) for s in sets])
-            calls = [
-                c
-                for b, ks in zip(claimed, members, strict=True)
-                for c in self._db.vec(scripts.EXPIRE_ALLOC, [[self._pending(k)] for k in ks], [b])
-            ]
-            out = await self._db.exec([*calls, *(("DEL", s) for s in sets)])
-            allocations_expired = sum(flat(out[: len(calls)]))
+        nodes_expired = await self._reap({n.decode(): int(e) for n, e in registry.items()})
+        allocations_expired = await self._expire_allocations(due) if due else 0
         self._count(nodes_expired=nodes_expired, allocations_expired=allocations_expired)
+        assert self._sweeper is not None
+        await self._sweeper.run(self.sweep_budget_s)
         return nodes_expired, allocations_expired
+
+    async def _reap(self, registry: dict[NodeId, int]) -> int:
+        """Record the ended registrations the registry names; returns the
+        nodes found dead (each counted by one replica only)."""
+        ids = list(registry)
+        self._remember(ids)
+        out = await self._db.exec(
+            [
+                c
+                for n in ids
+                for c in (
+                    ("HGET", self._node(n), "epoch"),
+                    ("HMGET", self._node(n, ":reg"), "epoch", "chunks"),
+                )
+            ]
+        )
+        expired = 0
+        for nid, lease, (rec_epoch, rec_chunks) in zip(ids, out[::2], out[1::2], strict=True):
+            epoch = registry[nid]
+            if rec_epoch is not None and int(rec_epoch) != epoch:
+                # The registry is behind (a registration cut short between its
+                # steps): the registration it names has ended.
+                await self._db.one(scripts.DEAD_ADD.cmd([self._k_dead], [epoch, -1, nid]))
+                await self._db.one(scripts.NODES_SET.cmd([self._k_nodes], [nid, rec_epoch]))
+                epoch = int(rec_epoch)
+            if lease is not None:
+                continue  # live: the lease and the record carry one epoch
+            count = int(rec_chunks) if rec_chunks is not None else -1
+            await self._db.one(scripts.DEAD_ADD.cmd([self._k_dead], [epoch, count, nid]))
+            reaped = int(await self._db.one(scripts.REAP.cmd(self._node_keys(nid), [epoch])))
+            await self._db.one(scripts.NODES_DEL.cmd([self._k_nodes], [nid, epoch]))
+            if reaped >= 0:
+                expired += 1
+                logger.warning(
+                    "node %s lease expired: dropped with %d chunks (its replicas are "
+                    "swept from the index in the background)",
+                    nid,
+                    reaped,
+                    extra={"event": "node_expired", "node": nid, "chunks": reaped},
+                )
+        return expired
+
+    async def _expire_allocations(self, due: Sequence[bytes]) -> int:
+        b = await self._layout()
+        # ZREM decides which replica handles (and counts) each batch.
+        won = await self._db.exec([("ZREM", self._k_allocs, batch) for batch in due])
+        claimed = [batch.decode() for batch, w in zip(due, won, strict=True) if w]
+        sets = [f"{self._p}:alloc:{batch}" for batch in claimed]
+        members = await self._db.exec([("SMEMBERS", s) for s in sets])
+        calls = [
+            c
+            for batch, ks in zip(claimed, members, strict=True)
+            for c in self._db.vec(scripts.EXPIRE_ALLOC, [[b.pending(k)] for k in ks], [batch])
+        ]
+        out = await self._db.exec([*calls, *(("DEL", s) for s in sets)])
+        return sum(flat(out[: len(calls)]))
 
     @guarded
     async def stats(self, now: float) -> IndexStats:
-        await self._sync_counts()
+        await self._counters.sync()
         counters, registry = await self._db.exec(
             [("HGETALL", self._k_stats), ("HKEYS", self._k_nodes)]
         )
@@ -701,30 +769,32 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
                 for c in (
                     ("HGETALL", self._node(n)),
                     ("PTTL", self._node(n)),
-                    ("SCARD", self._node(n, ":keys")),
+                    ("HMGET", self._node(n, ":reg"), "epoch", "chunks"),
                 )
             ]
         )
         nodes = []
         for i, nid in enumerate(ids):
-            lease, pttl, count = out[3 * i : 3 * i + 3]
+            lease, pttl, (epoch, count) = out[3 * i : 3 * i + 3]
             if not lease:
                 continue  # dead, not reaped yet
             info = NodeInfo(
                 nid,
                 lease.get(b"address", b"").decode(),
                 lease.get(b"grpc", b"").decode(),
-                _tiers_parse(lease.get(b"tiers")),
-                _transfer_parse(lease.get(b"xfer")),
+                tiers_parse(lease.get(b"tiers")),
+                transfer_parse(lease.get(b"xfer")),
             )
-            nodes.append(NodeStatus(info, int(count), max(0.0, int(pttl) / 1000)))
+            chunks = int(count or 0) if epoch == lease.get(b"epoch") else 0
+            nodes.append(NodeStatus(info, max(0, chunks), max(0.0, int(pttl) / 1000)))
         c: dict[str, Any] = {n: int(counters.get(n.encode(), 0)) for n in _COUNTERS}
-        c["chunks"] = max(0, c["chunks"])  # a count that drifted below 0 after a crash
+        # As the memory index: the replicas of the live registrations.
+        c["chunks"] = sum(n.chunks_indexed for n in nodes)
         return IndexStats(nodes=tuple(nodes), **c)
 
     async def close(self) -> None:
         """Flush the counters still buffered and close the connection pool."""
         try:
-            await self._sync_counts()
+            await self._counters.sync()
         finally:
             await self._r.aclose()

@@ -11,7 +11,10 @@ kvdepot's at the boundary of each index method (:func:`guarded`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import logging
+from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, ParamSpec, TypeVar
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
@@ -26,6 +29,7 @@ from kvdepot.endpoints import split_endpoint
 from kvdepot.errors import InvalidArgument, KVDepotError, Unavailable
 from kvdepot.metadata.index import redis_scripts as scripts
 from kvdepot.metadata.index.redis_scripts import Cmd
+from kvdepot.repeat_log import RepeatLog
 
 # Deadline of one round trip: a stuck server must not hang an RPC for ever.
 _ROUND_TRIP_TIMEOUT_S = 10.0
@@ -34,6 +38,8 @@ _ROUND_TRIP_TIMEOUT_S = 10.0
 # the server, while keeping round trips few.
 _PIPELINE_MAX = 4096
 _ITEMS_PER_CALL = 1024
+# Counters reach Redis at most this late (other replicas' stats lag as much).
+_FLUSH_DELAY_S = 0.05
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
@@ -78,21 +84,35 @@ def flat(replies: Sequence[Sequence[int]]) -> list[int]:
     return [int(r) for reply in replies for r in reply]
 
 
-def split_url(url: str) -> tuple[str, str | None]:
-    """Split kvdepot's own ``prefix`` query parameter off an index URL.
+OWN_OPTIONS = ("prefix", "bucket_bits")
+"""Query parameters of an index URL that are kvdepot's, not redis-py's."""
 
-    Args:
-        url: ``redis://…``, ``rediss://…`` or ``redis+cluster://…``, with
-            optional query parameters, e.g. ``?prefix=kvd-test``.
+
+def split_options(url: str) -> tuple[str, dict[str, str]]:
+    """Split kvdepot's own query parameters (:data:`OWN_OPTIONS`) off an index URL.
 
     Returns:
-        The URL without ``prefix`` (for redis-py) and the prefix, if given.
+        The URL without them (for redis-py) and those given, by name.
     """
     parts = urlsplit(url)
     query = parse_qsl(parts.query, keep_blank_values=True)
-    prefix = next((v for k, v in query if k == "prefix"), None)
-    rest = urlencode([(k, v) for k, v in query if k != "prefix"])
-    return urlunsplit(parts._replace(query=rest)), prefix
+    own = {k: v for k, v in query if k in OWN_OPTIONS}
+    rest = urlencode([(k, v) for k, v in query if k not in OWN_OPTIONS])
+    return urlunsplit(parts._replace(query=rest)), own
+
+
+def split_url(url: str) -> tuple[str, str | None]:
+    """Split kvdepot's own parameters off an index URL.
+
+    Args:
+        url: ``redis://…``, ``rediss://…`` or ``redis+cluster://…``, with
+            optional query parameters, e.g. ``?prefix=kvd-test&bucket_bits=18``.
+
+    Returns:
+        The URL without kvdepot's parameters (for redis-py) and the prefix, if given.
+    """
+    rest, own = split_options(url)
+    return rest, own.get("prefix")
 
 
 def reconnect_policy() -> Retry:
@@ -172,8 +192,9 @@ class Connection:
                 await self.client.script_load(s.source)  # on every primary of a cluster
         self._scripts_loaded = True
 
-    async def exec(self, cmds: Sequence[Cmd]) -> list[Any]:
-        """Run ``cmds`` as pipelines (one round trip each); raise the first error."""
+    async def exec(self, cmds: Sequence[Cmd], raise_errors: bool = True) -> list[Any]:
+        """Run ``cmds`` as pipelines (one round trip each); raise the first
+        error (or, ``raise_errors`` false, return errors in their places)."""
         if not self._scripts_loaded:
             await self._load_scripts()
         results: list[Any] = []
@@ -189,7 +210,7 @@ class Connection:
                     out[i] = r
             results.extend(out)
         for r in results:
-            if isinstance(r, BaseException):
+            if raise_errors and isinstance(r, BaseException):
                 raise r
         return results
 
@@ -197,29 +218,33 @@ class Connection:
         return (await self.exec([cmd]))[0]
 
     async def read(self, cmds: Sequence[Cmd]) -> list[Any]:
-        """Run single-key reads (HGETALL, GET, HMGET, HKEYS) in one round trip.
+        """Run single-key reads (GET, HGET, HMGET, HGETALL, HKEYS) in one round trip.
 
         On a single server as one script call (one reply); on a cluster, whose
         keys span slots, as a pipeline.
         """
         if self.cluster or len(cmds) < 4:
             return await self.exec(cmds)
-        argv: list[Any] = []
-        shape: tuple[Any, ...] = ()
-        keys: list[str] = []
-        for c in cmds:
-            this = (c[0], *c[2:])
-            if this != shape:
-                if keys:
-                    argv += [*shape[:1], len(shape) - 1, *shape[1:], "\n".join(keys) + "\n"]
-                shape, keys = this, []
-            keys.append(c[1])
-        argv += [*shape[:1], len(shape) - 1, *shape[1:], "\n".join(keys) + "\n"]
-        (out,) = await self.exec([scripts.READ_BATCH.cmd([], argv)])
+        keys = [c[1] for c in cmds]
+        argv = self._read_argv(cmds)
+        (out,) = await self.exec([scripts.READ_BATCH.cmd(keys, argv)])
         return [
             dict(zip(it := iter(r), it, strict=True)) if c[0] == "HGETALL" else r
             for c, r in zip(cmds, out, strict=True)
         ]
+
+    @staticmethod
+    def _read_argv(cmds: Sequence[Cmd]) -> list[Any]:
+        """READ_BATCH's arguments: runs of commands of one shape, with their arguments."""
+        argv: list[Any] = []
+        start = 0
+        for i in range(1, len(cmds) + 1):
+            if i == len(cmds) or (cmds[i][0], len(cmds[i])) != (cmds[start][0], len(cmds[start])):
+                argv += [cmds[start][0], i - start, len(cmds[start]) - 2]
+                for c in cmds[start:i]:
+                    argv.extend(c[2:])
+                start = i
+        return argv
 
     def vec(
         self,
@@ -242,3 +267,119 @@ class Connection:
             )
             for i in range(0, len(keys), size)
         ]
+
+    def cols(
+        self,
+        script: scripts.Script,
+        keys: Sequence[Sequence[str]],
+        shared: Sequence[Any],
+        columns: Sequence[tuple[bytes, int]],
+    ) -> list[Cmd]:
+        """Like :meth:`vec`, with the items' own arguments in ``columns``:
+        (the items' values concatenated, the width of one). A call gets one
+        argument per column: its items' part of it."""
+        size = 1 if self.cluster else _ITEMS_PER_CALL
+        return [
+            script.cmd(
+                [k for ks in keys[i : i + size] for k in ks],
+                [*shared, *(blob[i * w : (i + size) * w] for blob, w in columns)],
+            )
+            for i in range(0, len(keys), size)
+        ]
+
+
+class Counters:
+    """Counters shared by every metadata replica, added to without a round trip
+    on the caller's path.
+
+    A flush starts at most every ``_FLUSH_DELAY_S`` and takes everything
+    accumulated meanwhile, so many requests share one pipeline; :meth:`sync`
+    flushes at once (a replica's stats then include its own counts).
+
+    Args:
+        db: The connection.
+        key: The hash of cluster-wide counters (HINCRBY).
+        node_cmd: The command adding to a registration's replica count
+            (node id, epoch, delta).
+        log: The logger of a failed flush.
+    """
+
+    def __init__(
+        self,
+        db: Connection,
+        key: str,
+        node_cmd: Callable[[str, int, int], Cmd],
+        log: logging.Logger,
+    ) -> None:
+        self._db = db
+        self._key = key
+        self._node_cmd = node_cmd
+        self._deltas: Counter[str] = Counter()
+        self._nodes: Counter[tuple[str, int]] = Counter()  # replicas, by registration
+        self._flusher: asyncio.Task[None] | None = None
+        self._flush_now = asyncio.Event()
+        # A flush follows every counted call: one line per failed one would
+        # flood the log while Redis is down.
+        self._failures = RepeatLog(log)
+
+    def add(self, **deltas: int) -> None:
+        for name, n in deltas.items():
+            if n:
+                self._deltas[name] += n
+        self._flush_soon()
+
+    def add_node(self, node_id: str, epoch: int, n: int) -> None:
+        """Add to the replica count of the node's registration ``epoch``."""
+        if n:
+            self._nodes[node_id, epoch] += n
+            self._flush_soon()
+
+    def take_node(self, node_id: str, epoch: int) -> int:
+        """What :meth:`add_node` holds for a registration, not flushed: the
+        caller adds it itself."""
+        return self._nodes.pop((node_id, epoch), 0)
+
+    def _flush_soon(self) -> None:
+        pending = self._deltas or self._nodes
+        if pending and (self._flusher is None or self._flusher.done()):
+            self._flusher = asyncio.get_running_loop().create_task(self._flush_later())
+
+    async def _flush_later(self) -> None:
+        self._flush_now.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._flush_now.wait(), _FLUSH_DELAY_S)
+        await self._flush()
+
+    async def _flush(self) -> None:
+        while self._deltas or self._nodes:
+            deltas, self._deltas = self._deltas, Counter()
+            nodes, self._nodes = self._nodes, Counter()
+            cmds = [("HINCRBY", self._key, k, v) for k, v in deltas.items()]
+            cmds += [self._node_cmd(nid, epoch, n) for (nid, epoch), n in nodes.items()]
+            try:
+                out = await self._db.exec(cmds, raise_errors=False)
+            except Exception as exc:  # kept for the next flush, never lost silently
+                out = [exc] * len(cmds)
+            failed = [r for r in out if isinstance(r, BaseException)]
+            if failed:
+                for (k, v), r in zip(deltas.items(), out, strict=False):
+                    if isinstance(r, BaseException):
+                        self._deltas[k] += v
+                for (nk, n), r in zip(nodes.items(), out[len(deltas) :], strict=True):
+                    if isinstance(r, BaseException):
+                        self._nodes[nk] += n
+                self._failures.warn(
+                    "flush",
+                    "redis index: counters not flushed: %s; kept for the next flush",
+                    failed[0],
+                    extra={"event": "repeated_failure"},
+                )
+                return
+        self._failures.flush()
+
+    async def sync(self) -> None:
+        """Flush now, and wait for it."""
+        if self._flusher is not None and not self._flusher.done():
+            self._flush_now.set()  # rather than after the delay
+            await self._flusher
+        await self._flush()

@@ -6,8 +6,13 @@ of items and return one result per item. The index calls them once per item
 (one slot each) on a cluster and once per batch on a single server, with the
 same code and the same semantics.
 
-Chunk fields are ``"n:<node>" -> "<tier> <epoch>"``; pending allocations are
-``"<batch>:<deadline ms>:<node>"`` strings (a batch name holds no colon).
+A chunk is a field of its bucket hash: the key's bytes after the bucket's
+whole bytes -> a record of 6 bytes of size, then 7 bytes per replica: the
+registration's epoch (6 bytes) and the tier code (1 byte), all big-endian.
+Vectorised chunk scripts take their per-item fields, sizes and tiers as
+columns: one argument each, the items' values concatenated at a fixed width.
+Pending allocations are ``"<batch>:<deadline ms>:<node>"`` strings (a batch
+name holds no colon).
 """
 
 from __future__ import annotations
@@ -34,54 +39,105 @@ class Script:
 # Redis's own clock in milliseconds, so that all metadata replicas agree.
 _NOW = "local t = redis.call('TIME')\nlocal now = t[1] * 1000 + math.floor(t[2] / 1000)\n"
 
-# Moves a node's current key set into its gc set (KEYS[3] -> KEYS[4]).
-_RETIRE = """
-local function retire()
-  if redis.call('EXISTS', KEYS[3]) == 0 then return end
-  if redis.call('EXISTS', KEYS[4]) == 1 then
-    redis.call('SUNIONSTORE', KEYS[4], KEYS[4], KEYS[3])
-    redis.call('DEL', KEYS[3])
-  else
-    redis.call('RENAME', KEYS[3], KEYS[4])
+# A record's replicas: 7 bytes each after the 6 bytes of size.
+_RECORD = """
+local function find(v, reg)
+  for i = 7, #v, 7 do
+    if string.sub(v, i, i + 5) == reg then return i end
   end
+  return nil
 end
+local function col(s, i, w) return string.sub(s, (i - 1) * w + 1, i * w) end
 """
 
-# -- node scripts: KEYS are one node's lease, epoch, keys, gc (one slot) --------
+# -- registrations: KEYS on the registrations' own slot ----------------------------
 
-# ARGV: lease ms, address, grpc address, tiers json, instance, force ('1' or
-# '0'), chunk keys... A live lease of another instance refuses the
-# registration (unless forced): {0, its address, its lease's PTTL}, nothing
-# changed. Else {1, new epoch} ({2, new epoch, old address} where a live lease
-# of another instance was taken over). The new epoch is above every earlier
-# one, and above the clock in ms, so that even after a partial index loss reset
-# the counter it never repeats an old epoch. The old key set is retired (the
-# caller cleans it up), so the key set always covers every chunk field the
-# current epoch wrote.
-REGISTER = Script(
+# KEYS: last epoch handed out, epoch -> node map. ARGV: node, floor. A new
+# registration epoch: above every epoch handed out, the clock in ms and the
+# floor (the node's own last epoch), so that it never repeats, even after an
+# index loss reset the counter. Mapped to its node before it can name a replica.
+REG_NEW = Script(
     _NOW
-    + _RETIRE
     + """
+local e = tonumber(redis.call('GET', KEYS[1]) or '0') + 1
+if e < now then e = now end
+if e <= tonumber(ARGV[2]) then e = tonumber(ARGV[2]) + 1 end
+local es = string.format('%d', e)
+redis.call('SET', KEYS[1], es)
+redis.call('HSET', KEYS[2], es, ARGV[1])
+return es
+"""
+)
+
+# KEYS: ended registrations. ARGV: epoch, its replica count ('-1': unknown),
+# node. Records that the registration ended, when first told (a count told
+# later replaces an unknown one).
+DEAD_ADD = Script(
+    _NOW
+    + """
+local v = redis.call('HGET', KEYS[1], ARGV[1])
+if v and (tonumber(ARGV[2]) < 0 or not string.find(v, '^%d+ %-1 ')) then return 0 end
+local t = v and string.match(v, '^(%d+) ') or string.format('%d', now)
+redis.call('HSET', KEYS[1], ARGV[1], t .. ' ' .. ARGV[2] .. ' ' .. ARGV[3])
+return 1
+"""
+)
+
+# KEYS: last epoch, map, ended registrations. What a sweep may delete:
+# {last epoch, now ms, mapped epochs, ended registrations (flat hash)}.
+SNAPSHOT = Script(
+    _NOW
+    + """
+local last = redis.call('GET', KEYS[1]) or '0'
+return {last, string.format('%d', now), redis.call('HKEYS', KEYS[2]),
+  redis.call('HGETALL', KEYS[3])}
+"""
+)
+
+# KEYS: map, ended registrations, swept counts. ARGV: epoch. Forgets an ended
+# registration the sweep has cleared: {its ended record, replicas swept}, or
+# nil where another replica did already.
+RETIRE = Script(
+    """
+local d = redis.call('HGET', KEYS[2], ARGV[1])
+if not d then return false end
+local n = redis.call('HGET', KEYS[3], ARGV[1]) or '0'
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
+redis.call('HDEL', KEYS[3], ARGV[1])
+return {d, n}
+"""
+)
+
+# -- node scripts: KEYS are one node's lease and registration record (one slot) ----
+
+# KEYS: lease, record. ARGV: lease ms, address, grpc address, tiers json,
+# instance, force ('1' or '0'), the new epoch (from REG_NEW). A live lease of
+# another instance refuses the registration (unless forced): {0, its address,
+# its lease's PTTL}, nothing changed. An epoch not above the node's last one:
+# {3, that one} (ask REG_NEW again with it as the floor). Else {1, the ended
+# registration's epoch or '', its replica count, ''} ({2, …, old address}
+# where a live lease of another instance was taken over). The replicas of
+# the ended registration stop counting at once: their epoch is not the lease's.
+REGISTER = Script(
+    """
 local held = redis.call('HMGET', KEYS[1], 'inst', 'address')
-local took = nil
+local took = ''
 if held[2] and (held[1] or '') ~= ARGV[5] then
   if ARGV[6] ~= '1' then return {0, held[2], redis.call('PTTL', KEYS[1])} end
   took = held[2]
 end
-local e = tonumber(redis.call('GET', KEYS[2]) or '0') + 1
-if e < now then e = now end
-local es = string.format('%d', e)
-redis.call('SET', KEYS[2], es)
-retire()
-for i = 7, #ARGV, 4000 do
-  redis.call('SADD', KEYS[3], unpack(ARGV, i, math.min(i + 3999, #ARGV)))
-end
+local rec = redis.call('HMGET', KEYS[2], 'epoch', 'chunks')
+if rec[1] and tonumber(rec[1]) >= tonumber(ARGV[7]) then return {3, rec[1]} end
+local old, count = '', '0'
+if rec[1] and rec[2] then old, count = rec[1], rec[2] end
+redis.call('HSET', KEYS[2], 'epoch', ARGV[7], 'chunks', '0')
 redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], 'epoch', es, 'address', ARGV[2], 'grpc', ARGV[3], 'tiers', ARGV[4],
-  'inst', ARGV[5])
+redis.call('HSET', KEYS[1], 'epoch', ARGV[7], 'address', ARGV[2], 'grpc', ARGV[3],
+  'tiers', ARGV[4], 'inst', ARGV[5])
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
-if took then return {2, es, took} end
-return {1, es}
+if took ~= '' then return {2, old, count, took} end
+return {1, old, count, ''}
 """
 )
 
@@ -98,47 +154,35 @@ if ARGV[4] and ARGV[4] ~= '' and ARGV[4] ~= '0' and ARGV[4] ~= e then return -to
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 if ARGV[2] ~= '' then redis.call('HSET', KEYS[1], 'tiers', ARGV[2]) end
 if ARGV[3] and ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'xfer', ARGV[3]) end
-return e
+return tonumber(e)
 """
 )
 
-# KEYS: lease, keys. ARGV: chunk keys... Adds them to the live epoch's key set
-# (before their chunk fields are written); the epoch, or nil if the node is dead.
-CLAIM = Script(
+# KEYS: lease, record. ARGV: epoch, lease ms ('0': not renewed), replicas the
+# registration gained (or lost). Where the lease carries that epoch: renews
+# it, adds to its count and returns {1, count}; else {0} (lease gone) or
+# {-1, the lease's epoch}.
+PAGE = Script(
     """
 local e = redis.call('HGET', KEYS[1], 'epoch')
-if not e then return false end
-for i = 1, #ARGV, 4000 do
-  redis.call('SADD', KEYS[2], unpack(ARGV, i, math.min(i + 3999, #ARGV)))
-end
-return e
+if not e then return {0} end
+if e ~= ARGV[1] then return {-1, e} end
+if ARGV[2] ~= '0' then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+local n = redis.call('HINCRBY', KEYS[2], 'chunks', ARGV[3])
+return {1, n}
 """
 )
 
-# KEYS: lease, keys. ARGV: epoch, chunk keys... Removes them from the key set;
-# returns how many of them (duplicates counted) the epoch held.
-FORGET = Script(
-    """
-if redis.call('HGET', KEYS[1], 'epoch') ~= ARGV[1] then return 0 end
-local n = 0
-for i = 2, #ARGV do
-  if redis.call('SISMEMBER', KEYS[2], ARGV[i]) == 1 then n = n + 1 end
-end
-for i = 2, #ARGV, 4000 do
-  redis.call('SREM', KEYS[2], unpack(ARGV, i, math.min(i + 3999, #ARGV)))
-end
-return n
-"""
-)
-
-# Retires a dead node's key set; returns its last epoch, or -1 if the node
-# registered again meanwhile.
+# KEYS: lease, record. ARGV: dead epoch (from the registry). Where that
+# registration's lease is gone and it was not reaped yet: marks it reaped and
+# returns its replica count; else -1 (reaped already, or registered again).
 REAP = Script(
-    _RETIRE
-    + """
-if redis.call('EXISTS', KEYS[1]) == 1 then return -1 end
-retire()
-return redis.call('GET', KEYS[2]) or '0'
+    """
+if redis.call('HGET', KEYS[1], 'epoch') == ARGV[1] then return -1 end
+local rec = redis.call('HMGET', KEYS[2], 'epoch', 'chunks')
+if rec[1] ~= ARGV[1] or not rec[2] then return -1 end
+redis.call('HDEL', KEYS[2], 'chunks')
+return tonumber(rec[2])
 """
 )
 
@@ -153,8 +197,7 @@ return 1
 """
 )
 
-# ARGV: node, epoch. 1 if the entry (of that epoch or older) was deleted: of
-# several reapers, exactly one gets 1 and counts the node as expired.
+# ARGV: node, epoch. 1 if the entry (of that epoch or older) was deleted.
 NODES_DEL = Script(
     """
 local v = redis.call('HGET', KEYS[1], ARGV[1])
@@ -168,40 +211,169 @@ return 0
 
 # -- vectorised chunk scripts: any number of items, one result each --------------
 
-# KEYS: chunks. ARGV: field, epoch, then (size, tier) per chunk. Adds a replica
-# of each; 1 where the chunk was created.
-ADD = Script(
-    """
+# KEYS: a bucket per item. ARGV: epoch (6 bytes), field width, then columns of
+# fields, sizes (6 bytes) and tier codes (1 byte). Adds each replica of the
+# registration (a replica it had gets the tier given); per item
+# 2 * (chunk created) + (replica new to the registration).
+PAGE_ADD = Script(
+    _RECORD
+    + """
+local reg, w, fs, ss, ts = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5]
 local out = {}
 for i = 1, #KEYS do
-  out[i] = redis.call('HSETNX', KEYS[i], 'size', ARGV[1 + 2 * i])
-  redis.call('HSET', KEYS[i], ARGV[1], ARGV[2 + 2 * i] .. ' ' .. ARGV[2])
-end
-return out
-"""
-)
-
-# KEYS: chunks. ARGV: field, bound. Deletes the field where an epoch below
-# ``bound`` wrote it: 2 where that emptied (and deleted) the chunk, 1 where
-# only the field went, 0 where nothing changed.
-DROP = Script(
-    """
-local out = {}
-for i = 1, #KEYS do
-  out[i] = 0
-  local v = redis.call('HGET', KEYS[i], ARGV[1])
-  if v and tonumber(string.match(v, ' (%d+)$')) < tonumber(ARGV[2]) then
-    redis.call('HDEL', KEYS[i], ARGV[1])
-    out[i] = 1
-    if redis.call('HLEN', KEYS[i]) <= 1 then
-      redis.call('DEL', KEYS[i])
-      out[i] = 2
+  local f, t = col(fs, i, w), string.sub(ts, i, i)
+  if redis.call('HSETNX', KEYS[i], f, col(ss, i, 6) .. reg .. t) == 1 then
+    out[i] = 3
+  else
+    local v = redis.call('HGET', KEYS[i], f)
+    local p = find(v, reg)
+    out[i] = 0
+    if not p then
+      redis.call('HSET', KEYS[i], f, v .. reg .. t)
+      out[i] = 1
+    elseif string.sub(v, p + 6, p + 6) ~= t then
+      redis.call('HSET', KEYS[i], f, string.sub(v, 1, p + 5) .. t .. string.sub(v, p + 7))
     end
   end
 end
 return out
 """
 )
+
+# KEYS: (bucket, pending) per item. ARGV: node, epoch (6 bytes), tier code,
+# field width, then columns of fields and sizes. Drops the node's allocation
+# and adds the replica (on the tier given); per item 2 * (chunk created) +
+# (replica new to the registration).
+COMMIT = Script(
+    _RECORD
+    + """
+local reg, t, w, fs, ss = ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5], ARGV[6]
+local out = {}
+for i = 1, #KEYS / 2 do
+  local b, p, f = KEYS[2 * i - 1], KEYS[2 * i], col(fs, i, w)
+  local a = redis.call('GET', p)
+  if a and string.match(a, '^[^:]*:%d+:(.*)$') == ARGV[1] then redis.call('DEL', p) end
+  local v = redis.call('HGET', b, f)
+  if not v then
+    redis.call('HSET', b, f, col(ss, i, 6) .. reg .. t)
+    out[i] = 3
+  else
+    local at = find(v, reg)
+    out[i] = 0
+    if not at then
+      redis.call('HSET', b, f, v .. reg .. t)
+      out[i] = 1
+    elseif string.sub(v, at + 6, at + 6) ~= t then
+      redis.call('HSET', b, f, string.sub(v, 1, at + 5) .. t .. string.sub(v, at + 7))
+    end
+  end
+end
+return out
+"""
+)
+
+# KEYS: a bucket per item. ARGV: epoch (6 bytes), field width, fields column.
+# Deletes the registration's replica: 2 where that left the chunk without
+# replicas (and deleted it), 1 where only the replica went, 0 where none was.
+DROP = Script(
+    _RECORD
+    + """
+local reg, w, fs = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local out = {}
+for i = 1, #KEYS do
+  local f = col(fs, i, w)
+  local v = redis.call('HGET', KEYS[i], f)
+  local p = v and find(v, reg)
+  out[i] = 0
+  if p then
+    if #v == 13 then
+      redis.call('HDEL', KEYS[i], f)
+      out[i] = 2
+    else
+      redis.call('HSET', KEYS[i], f, string.sub(v, 1, p - 1) .. string.sub(v, p + 7))
+      out[i] = 1
+    end
+  end
+end
+return out
+"""
+)
+
+# KEYS: a bucket per item. ARGV: epoch (6 bytes), tier code, field width,
+# fields column. Where the registration has a replica, sets its tier; 1 where
+# that changed it.
+RETIER = Script(
+    _RECORD
+    + """
+local reg, t, w, fs = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
+local out = {}
+for i = 1, #KEYS do
+  local f = col(fs, i, w)
+  local v = redis.call('HGET', KEYS[i], f)
+  local p = v and find(v, reg)
+  out[i] = 0
+  if p and string.sub(v, p + 6, p + 6) ~= t then
+    redis.call('HSET', KEYS[i], f, string.sub(v, 1, p + 5) .. t .. string.sub(v, p + 7))
+    out[i] = 1
+  end
+end
+return out
+"""
+)
+
+# KEYS: buckets. ARGV: the last epoch handed out when the caller read the
+# registrations, the epochs (6 bytes each, concatenated) of those that may
+# still hold replicas then (live ones, and any not known to have ended).
+# Deletes every replica of an epoch up to the last that is not kept: of an
+# ended registration, or of one forgotten since. {chunks deleted (no replica
+# left), then epoch (6 bytes), replicas deleted, for each epoch that lost some}.
+SWEEP = Script(
+    """
+local last, seen = tonumber(ARGV[1]), {}
+for i = 1, #ARGV[2], 6 do seen[string.sub(ARGV[2], i, i + 5)] = false end
+local function ended(r)
+  local v = seen[r]
+  if v == nil then
+    local a, b, c, d, e, f = string.byte(r, 1, 6)
+    v = ((((a * 256 + b) * 256 + c) * 256 + d) * 256 + e) * 256 + f <= last
+    seen[r] = v
+  end
+  return v
+end
+local dropped, chunks = {}, 0
+for k = 1, #KEYS do
+  local h = redis.call('HGETALL', KEYS[k])
+  for j = 1, #h, 2 do
+    local v, gone = h[j + 1], false
+    for i = 7, #v, 7 do
+      if ended(string.sub(v, i, i + 5)) then gone = true end
+    end
+    if gone then
+      local kept = string.sub(v, 1, 6)
+      for i = 7, #v, 7 do
+        local r = string.sub(v, i, i + 5)
+        if ended(r) then dropped[r] = (dropped[r] or 0) + 1
+        else kept = kept .. string.sub(v, i, i + 6) end
+      end
+      if #kept == 6 then
+        redis.call('HDEL', KEYS[k], h[j])
+        chunks = chunks + 1
+      else
+        redis.call('HSET', KEYS[k], h[j], kept)
+      end
+    end
+  end
+end
+local out = {chunks}
+for r, n in pairs(dropped) do
+  out[#out + 1] = r
+  out[#out + 1] = n
+end
+return out
+"""
+)
+
+# -- pending allocations ----------------------------------------------------------
 
 # KEYS: pending allocations. ARGV: batch, ttl ms, backstop ms, then a node per
 # key. 1 where the key is now allocated to this batch, 0 where another live
@@ -224,26 +396,6 @@ for i = 1, #KEYS do
     end
     out[i] = 1
   end
-end
-return out
-"""
-)
-
-# KEYS: (chunk, pending) per item. ARGV: node, field, "tier epoch", epoch, then
-# a size per item. Drops the node's allocation and adds the replica; per item
-# 2 * (chunk created) + (replica new to this epoch).
-COMMIT = Script(
-    """
-local out = {}
-for i = 1, #KEYS / 2 do
-  local c, p = KEYS[2 * i - 1], KEYS[2 * i]
-  local v = redis.call('GET', p)
-  if v and string.match(v, '^[^:]*:%d+:(.*)$') == ARGV[1] then redis.call('DEL', p) end
-  local created = redis.call('HSETNX', c, 'size', ARGV[4 + i])
-  local old = redis.call('HGET', c, ARGV[2])
-  redis.call('HSET', c, ARGV[2], ARGV[3])
-  out[i] = created * 2 + 1
-  if old and string.match(old, ' (%d+)$') == ARGV[4] then out[i] = created * 2 end
 end
 return out
 """
@@ -282,42 +434,22 @@ return out
 """
 )
 
-# ARGV: groups of consecutive commands of one shape: the command, the count of
-# its further arguments, those, then the group's keys, each ended by a
-# newline (neither key prefixes nor node ids hold whitespace). A read-only
-# pipeline as one script call: one argument and one reply for hundreds of
-# commands, as redis-py spends far more per argument and per reply than Redis
-# spends per command. Single server only: the keys span slots and, passed
-# this way, are not declared (which only Redis Cluster requires).
+# KEYS: one per command. ARGV: groups of consecutive commands of one shape:
+# the command, how many commands, how many arguments each takes after its
+# key, then those arguments, command by command. A read-only pipeline as one
+# script call: one reply for hundreds of commands, as redis-py spends far
+# more per reply than Redis spends per command. Single server only: the keys
+# span slots.
 READ_BATCH = Script(
     """
 local out, k, a = {}, 0, 1
 while a <= #ARGV do
-  local cmd, n = ARGV[a], tonumber(ARGV[a + 1])
-  local keys, pos = ARGV[a + 2 + n], 1
-  while pos <= #keys do
-    local e = string.find(keys, '\\n', pos, true)
+  local cmd, n, m = ARGV[a], tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
+  a = a + 3
+  for j = 1, n do
     k = k + 1
-    out[k] = redis.call(cmd, string.sub(keys, pos, e - 1), unpack(ARGV, a + 2, a + 1 + n))
-    pos = e + 1
-  end
-  a = a + 3 + n
-end
-return out
-"""
-)
-
-# KEYS: chunks. ARGV: field, epoch, tier. Where the field is a replica of that
-# epoch, sets its tier (keeping the epoch); 1 where it changed.
-RETIER = Script(
-    """
-local out = {}
-for i = 1, #KEYS do
-  out[i] = 0
-  local v = redis.call('HGET', KEYS[i], ARGV[1])
-  if v and string.match(v, ' (%d+)$') == ARGV[2] and v ~= ARGV[3] .. ' ' .. ARGV[2] then
-    redis.call('HSET', KEYS[i], ARGV[1], ARGV[3] .. ' ' .. ARGV[2])
-    out[i] = 1
+    out[k] = redis.call(cmd, KEYS[k], unpack(ARGV, a, a + m - 1))
+    a = a + m
   end
 end
 return out
@@ -325,19 +457,23 @@ return out
 )
 
 ALL = (
+    REG_NEW,
+    DEAD_ADD,
+    SNAPSHOT,
+    RETIRE,
     REGISTER,
     HEARTBEAT,
-    CLAIM,
-    FORGET,
+    PAGE,
     REAP,
     NODES_SET,
     NODES_DEL,
-    ADD,
-    DROP,
-    ALLOC,
+    PAGE_ADD,
     COMMIT,
+    DROP,
+    RETIER,
+    SWEEP,
+    ALLOC,
     REVOKE,
     EXPIRE_ALLOC,
     READ_BATCH,
-    RETIER,
 )
