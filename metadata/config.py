@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvdepot.config import InvalidSetting, Number, Port, positive, setting, validate
-from kvdepot.metadata.index.base import MAX_PAGE_CHUNKS
+from kvdepot.metadata.index.base import DEFAULT_PAGE_CHUNKS, MAX_PAGE_CHUNKS
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +68,7 @@ class MetadataConfig:
     hot_reads: int = setting(8, Number(low=0))
     hot_max_replicas: int = setting(3, Number(low=1))
     hot_window_s: float = setting(10.0, positive())
-    max_page_chunks: int = setting(MAX_PAGE_CHUNKS, Number(low=1, high=MAX_PAGE_CHUNKS))
+    max_page_chunks: int = setting(DEFAULT_PAGE_CHUNKS, Number(low=1, high=MAX_PAGE_CHUNKS))
     kv_events: str = setting(
         "",
         flag="--kv-events",

@@ -11,9 +11,12 @@ slot is used again.
 All methods run on the metadata service's event loop. Work proportional to
 a request (a lookup, a commit) is done in one go; work proportional to a
 node's inventory (a page of it, purging a dead registration, growing the
-table) runs in slices of at most :data:`SLICE_ROWS` rows with the loop
-yielding between them, so other nodes' heartbeats and every lookup are
-served meanwhile. A method's state changes between two yields are atomic.
+table) runs in slices of at most :data:`SLICE_ROWS` rows, and after each
+slice the loop is left idle for as long as the slice took: a request needs
+several turns of the loop (its message, the index, its answer), and it gets
+them between slices, so other nodes' heartbeats and every lookup are served
+meanwhile at about their idle latency. A method's state changes between two
+yields are atomic.
 """
 
 from __future__ import annotations
@@ -59,12 +62,16 @@ from kvdepot.types import (
 
 logger = logging.getLogger(__name__)
 
-SLICE_ROWS = 4096
+SLICE_ROWS = 2048
 """Rows of a page indexed between two yields of the loop (about a millisecond)."""
-SWEEP_SLOTS = 1 << 16
+SWEEP_SLOTS = 1 << 14
 """Table slots one purge or growth step goes over between two yields."""
-_SWEEP_PAUSE_S = 0.0005
-"""Pause between background steps: the loop stays free for requests most of the time."""
+_MIN_PAUSE_S = 0.0005
+
+
+async def _pause(since: float) -> None:
+    """Leave the loop to others for as long as the work since ``since`` took."""
+    await asyncio.sleep(max(_MIN_PAUSE_S, time.monotonic() - since))
 _CPU = TIER_RANK["cpu"]
 _MAX_SLOT = 0xFFFE
 
@@ -160,6 +167,7 @@ class MemoryIndex(IndexBackend, ReplicaTierIndex):
         """Purge dead registrations and grow the table, a bounded step at a time."""
         table = self._table
         while table.purging or table.migrating:
+            started = time.monotonic()
             if table.purging:
                 removed, finished = table.purge_step(SWEEP_SLOTS)
                 for slot, n in removed.items():
@@ -168,7 +176,7 @@ class MemoryIndex(IndexBackend, ReplicaTierIndex):
                     self._purge_done(slot)
             if table.migrating:
                 table.maintain_step(SWEEP_SLOTS)
-            await asyncio.sleep(_SWEEP_PAUSE_S)
+            await _pause(started)
 
     def _purge_done(self, slot: int) -> None:
         p = self._purges.pop(slot)
@@ -235,9 +243,11 @@ class MemoryIndex(IndexBackend, ReplicaTierIndex):
         entry.expires_at = max(entry.expires_at, now + self._config.lease_ttl_s)
         keys = np.frombuffer(page.keys, dtype="<u8").reshape(-1, 2)
         added = 0
+        sliced = started
         for start in range(0, len(keys), SLICE_ROWS):
             if start:
-                await asyncio.sleep(0)
+                await _pause(sliced)
+                sliced = time.monotonic()
                 # Replaced or expired meanwhile: its slot is being purged, and
                 # a row written under it now could outlive the purge.
                 entry = self._registration(node_id, epoch)
