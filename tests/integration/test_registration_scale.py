@@ -11,6 +11,7 @@ leaves a chunk named that the node does not hold.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import signal
 import subprocess
 import sys
@@ -126,6 +127,41 @@ class Node:
         )
 
 
+class Keeper(Node):
+    """A small node that heartbeats, and registers again when the index forgot it."""
+
+    def __init__(self, stub: Any, keys: bytes) -> None:
+        super().__init__(stub, "keeper")
+        self.keys = keys
+        self.registrations = 0
+
+    def register_again(self) -> None:
+        assert self.register(self.keys) == len(self.keys) // 16
+        self.registrations += 1
+
+    def beat(self) -> None:
+        try:
+            self.heartbeat()
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+            self.register_again()  # as a store does after an index loss
+
+
+def lose_the_index(index_url: str) -> None:
+    """Delete every key of the index (a Redis flush, for this test's prefix)."""
+    import redis
+
+    url, _, prefix = index_url.partition("?prefix=")
+    r = redis.Redis.from_url(url)
+    try:
+        keys = r.scan_iter(f"{prefix}:*", count=10000)
+        while batch := list(itertools.islice(keys, 10000)):
+            r.unlink(*batch)
+    finally:
+        r.close()
+
+
 class Background:
     """A thread calling ``step`` until stopped; keeps the first error and the slowest call."""
 
@@ -194,15 +230,23 @@ def test_millions_of_chunks_register_and_reregister_while_others_live(
         grpc.insecure_channel(address) as channel,
     ):
         stub = metadata_pb2_grpc.MetadataStub(channel)
-        keeper = Node(stub, "keeper")
         keeper_keys = inventory(200, seed=2)
-        assert keeper.register(keeper_keys) == 200
+        keeper = Keeper(stub, keeper_keys)
+        keeper.register_again()
         big = Node(stub, "big")
+        # A registration, a re-registration, and (Redis) one after an index loss.
+        attempts = 3 if index_url.startswith("redis") else 2
         with (
-            Background(keeper.heartbeat, 0.5) as beats,
+            Background(keeper.beat, 0.5) as beats,
             Background(lambda: lookup(stub, keeper_keys), 0.05) as reads,
         ):
-            for attempt in range(2):  # a registration, then a re-registration
+            for attempt in range(attempts):
+                if attempt == 2:
+                    lose_the_index(index_url)
+                    deadline = time.monotonic() + 10
+                    while keeper.registrations < 2 and time.monotonic() < deadline:
+                        time.sleep(0.1)
+                    assert keeper.registrations == 2, "the small node did not register again"
                 t0 = time.monotonic()
                 assert big.register(big_keys) == BIG
                 took = time.monotonic() - t0
@@ -212,6 +256,8 @@ def test_millions_of_chunks_register_and_reregister_while_others_live(
         assert beats.error is None, f"the other node's heartbeat failed: {beats.error!r}"
         assert reads.error is None, f"a lookup failed meanwhile: {reads.error!r}"
         assert reads.calls > 10 and reads.slowest_s < LEASE_S, (reads.calls, reads.slowest_s)
+        # Registered once more only after the index loss: never expired meanwhile.
+        assert keeper.registrations == (2 if attempts == 3 else 1)
         assert node_chunks(stub) == {"keeper": 200, "big": BIG}
 
 
