@@ -66,6 +66,11 @@ def check_structure(table: ChunkTable) -> None:
         assert old.tomb == int(np.count_nonzero(rest >= DEAD))
         done = old.meta[: table._cursor]
         assert not np.any((done != 0) & (done < DEAD))
+    nxt = table._next
+    if nxt is not None:
+        # A table being prepared holds no row before its migration starts.
+        assert not table.migrating and not nxt.meta.any()
+        assert 0 <= table._touched <= nxt.rec.nbytes
 
 
 @dataclass
@@ -185,12 +190,28 @@ ops = st.one_of(
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(ops, min_size=10, max_size=120), st.sampled_from([1, 2, MIGRATE_PER_ROW]))
-def test_the_table_behaves_like_a_dict(program: list[tuple], per_row: int) -> None:
+@given(
+    st.lists(ops, min_size=10, max_size=120),
+    st.sampled_from([1, 2, MIGRATE_PER_ROW]),
+    st.sampled_from([0, 1, 16, 256]),
+)
+def test_the_table_behaves_like_a_dict(program: list[tuple], per_row: int, prepare: int) -> None:
     # Fewer slots migrated per row written make migrations last over more
     # operations of a short program (the table sizes itself for the ratio).
     with mock.patch.object(chunk_table, "MIGRATE_PER_ROW", per_row):
-        run_program(program)
+        if not prepare:  # tables this small are never prepared
+            run_program(program)
+            return
+        # Every table prepared (and mapped), in pieces of two slots: with one
+        # slot pre-touched per row written, migrations mostly start before
+        # their table is ready; with 256, once it is.
+        with (
+            mock.patch.object(chunk_table, "PREPARE_PER_ROW", prepare),
+            mock.patch.object(chunk_table, "_PREPARE_MIN_BYTES", 0),
+            mock.patch.object(chunk_table, "_PIECE", 48),
+            mock.patch.object(chunk_table, "_FREE_PIECE", 4096),
+        ):
+            run_program(program)
 
 
 def run_program(program: list[tuple]) -> None:
@@ -377,3 +398,116 @@ def test_memory_per_row_at_a_million_rows() -> None:
         pass
     assert len(table) == 1_000_000
     assert table.nbytes / len(table) < 80
+
+
+def grow_in_batches(table: ChunkTable, keys: np.ndarray, at: int, until: object) -> int:
+    """Upsert 4096-key batches of ``keys`` from ``at`` until ``until()``; where it stopped."""
+    sizes = np.full(4096, 7, np.uint64)
+    while not until():  # type: ignore[operator]
+        part = keys[at : at + 4096]
+        table.upsert_many(part, sizes[: len(part)], np.uint8(1), 1)
+        at += len(part)
+    return at
+
+
+def spy_on_starts(table: ChunkTable) -> list[tuple[object, int]]:
+    """Record (the table prepared, bytes of it touched) as each migration starts."""
+    starts: list[tuple[object, int]] = []
+    start = table._start_migration
+
+    def spy(n: int) -> None:
+        starts.append((table._next, table._touched))
+        start(n)
+
+    table._start_migration = spy  # type: ignore[method-assign]
+    return starts
+
+
+@pytest.mark.parametrize("populate", [True, False])
+def test_a_growth_migrates_into_a_table_faulted_in_beforehand(populate: bool) -> None:
+    table = ChunkTable(initial_capacity=1 << 16)
+    starts = spy_on_starts(table)
+    keys = random_keys(120_000)
+    with mock.patch.object(chunk_table, "_populate", [populate]):
+        at = grow_in_batches(table, keys, 0, lambda: table.preparing)
+        assert not table.migrating and table._t.used <= table._limit(1 << 16) - 4096
+        prepared = table._next
+        assert prepared is not None and prepared.buf is not None
+        touched = table._touched
+        assert 0 < touched < prepared.rec.nbytes
+        # Each write pre-touches what its rows owe, a bounded piece.
+        while not table.migrating:
+            part = keys[at : at + 4096]
+            before = table._touched
+            table.upsert_many(part, np.full(len(part), 7, np.uint64), np.uint8(1), 1)
+            at += len(part)
+            if not table.migrating:
+                assert table._touched - before <= chunk_table.PREPARE_PER_ROW * 24 * 4096 + (
+                    256 << 10
+                )
+    # The migration started on the prepared table, all of it touched, and not sooner.
+    assert starts == [(prepared, prepared.rec.nbytes)]
+    assert table._t is prepared and table.capacity == 1 << 17
+    assert not table.preparing
+    while table.maintain_step(65536):
+        check_structure(table)
+    # The old table is given back a piece at a time.
+    assert table._dead is not None
+    before = table.nbytes
+    table.maintain_step()
+    assert table.nbytes < before
+    while table._dead is not None:
+        table.maintain_step()
+    assert table.nbytes == prepared.rec.nbytes
+    assert len(table) == at
+    assert all(table.find(k.tobytes()) == (7, [(1, 1)]) for k in keys[:at:97])
+
+
+def test_a_write_that_overfills_the_old_table_starts_the_migration_at_once() -> None:
+    table = ChunkTable(initial_capacity=1 << 16)
+    starts = spy_on_starts(table)
+    keys = random_keys(200_000)
+    at = grow_in_batches(table, keys, 0, lambda: table.preparing)
+    prepared = table._next
+    assert prepared is not None
+    # Writes that pre-touch less than their due: the load reaches the limit first.
+    with mock.patch.object(chunk_table, "PREPARE_PER_ROW", 1):
+        at = grow_in_batches(table, keys, at, lambda: table.migrating)
+    assert starts == [(prepared, starts[0][1])] and starts[0][1] < prepared.rec.nbytes
+    assert table._t is prepared
+    check_structure(table)
+    # A batch too large for the table prepared: a table of its size is made.
+    table = ChunkTable(initial_capacity=1 << 16)
+    starts = spy_on_starts(table)
+    at = grow_in_batches(table, keys, 0, lambda: table.preparing)
+    prepared = table._next
+    big = keys[at:]
+    assert table.upsert_many(big, np.full(len(big), 7, np.uint64), np.uint8(1), 1) == len(big)
+    assert starts[0][0] is prepared and table._t is not prepared and not table.preparing
+    assert table.capacity > 1 << 17
+    while table.maintain_step(65536):
+        check_structure(table)
+    assert len(table) == len(keys)
+    assert all(table.find(k.tobytes()) == (7, [(1, 1)]) for k in keys[::97])
+
+
+def test_a_cleaning_migration_is_prepared_by_maintain_step() -> None:
+    table = ChunkTable(initial_capacity=1 << 17)
+    keys = random_keys(40_000)
+    table.upsert_many(keys, np.full(40_000, 3, np.uint64), np.uint8(0), 1)
+    for k in keys[:30_000]:
+        assert table.remove(k.tobytes(), 1)
+    assert not table.preparing
+    # The migration waits for its table (3 MiB), pre-touched by the steps.
+    assert table.maintain_step(1024)
+    assert table.preparing and not table.migrating
+    steps = 1
+    while not table.migrating:
+        assert table.maintain_step(1024)
+        check_structure(table)
+        steps += 1
+    assert not table.preparing and steps == 3 * 2**20 // (1024 * 24)
+    while table.maintain_step(1024):
+        pass
+    assert table.tombstones == 0 and len(table) == 10_000
+    assert all(table.find(k.tobytes()) == (3, [(1, 0)]) for k in keys[30_000:])
