@@ -269,7 +269,7 @@ def windows(nodes: list[Node], count: int, seed: int) -> list[list[bytes]]:
 
 
 class Heartbeater(threading.Thread):
-    """Heartbeats every node each ``interval_s`` from this process (async stubs)."""
+    """Heartbeats every node each ``interval_s``, spread over it, from this process."""
 
     def __init__(self, address: str, nodes: list[Node], interval_s: float) -> None:
         super().__init__(daemon=True)
@@ -282,20 +282,26 @@ class Heartbeater(threading.Thread):
         self._done = threading.Event()
 
     def run(self) -> None:
+        # Each node at its own phase of the interval, as independent stores
+        # are: a burst of every node at once is a load no cluster sees.
         next_at = time.monotonic()
         while not self._done.is_set():
-            futures = [
-                (n.node_id, self._stub.Heartbeat.future(n.heartbeat_request(), timeout=5))
-                for n in list(self.nodes)
-            ]
+            nodes = list(self.nodes)
+            step = self.interval_s / max(1, len(nodes))
+            futures = []
+            for n in nodes:
+                futures.append(
+                    (n.node_id, self._stub.Heartbeat.future(n.heartbeat_request(), timeout=5))
+                )
+                next_at += step
+                if self._done.wait(max(0.0, next_at - time.monotonic())):
+                    break
             for node_id, fut in futures:
                 try:
                     fut.result()
                 except grpc.RpcError as exc:
                     self.failed[node_id] = str(exc.code())
             self.sent += len(futures)
-            next_at += self.interval_s
-            self._done.wait(max(0.0, next_at - time.monotonic()))
 
     def stop(self) -> None:
         self._done.set()

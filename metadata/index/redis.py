@@ -100,10 +100,12 @@ from kvdepot.metadata.index.redis_layout import (
     REPLICA_BYTES,
     SIZE_BYTES,
     Buckets,
+    LeaseCache,
     Sweeper,
     batch_id,
     check_bucket_bits,
     epoch_bytes,
+    live_replicas,
     ms,
     pending_live,
     record,
@@ -123,7 +125,6 @@ from kvdepot.metadata.placement import Placement
 from kvdepot.metadata.replica_tiers import ReplicaTierIndex
 from kvdepot.records import TierStats, TransferRate
 from kvdepot.types import (
-    TIER_BY_CODE,
     TIER_RANK,
     Action,
     Allocation,
@@ -145,6 +146,7 @@ DEFAULT_PREFIX = "kvd"
 # A lookup prefetches the leases of at most this many known nodes in its one
 # round trip; with more nodes it fetches those its chunks name (two round trips).
 _PREFETCH_NODES = 64
+_LEASE_CACHE_S = 0.2  # a lease read this recently is not read again by a lookup
 _KNOWN_MAX = 1024
 _OWNERS_MAX = 1 << 16
 # The counters IndexStats carries, kept in the P:stats hash under these names.
@@ -203,6 +205,7 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
         self._sweeper: Sweeper | None = None
         self.sweep_budget_s = SWEEP_BUDGET_S
         self._known: dict[NodeId, None] = {}  # nodes whose leases lookups prefetch
+        self._lease_cache = LeaseCache(_LEASE_CACHE_S)
         self._owners: dict[int, NodeId] = {}  # registration epoch -> node (never changes)
         self._counters = Counters(
             self._db,
@@ -318,6 +321,7 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
         await self._db.one(scripts.NODES_SET.cmd([self._k_nodes], [nid, epoch]))
         self._owners[epoch] = nid
         self._remember([nid])
+        self._lease_cache.drop(nid)
         self.placement.joined(nid)
         logger.debug("node %s registering at %s (epoch %d)", nid, node.address, epoch)
         return epoch
@@ -617,9 +621,10 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
         counting: LookupCounting | int = 0,
     ) -> LookupResult:
         b = await self._layout()
-        known = list(self._known) if len(self._known) <= _PREFETCH_NODES else []
-        # One round trip: every chunk's record and the leases of the known nodes,
-        # read together, so that a lease gone makes its replicas vanish.
+        leases, known = self._lease_cache.split(list(self._known))
+        known = known[:_PREFETCH_NODES]
+        # One round trip: every chunk's record and the leases of the known nodes
+        # not read lately, together, so that a lease gone makes its replicas vanish.
         out = await self._db.read(
             [("HGET", b.bucket(k), b.field(k)) for k in keys]
             + [("HMGET", self._node(n), "epoch", "address") for n in known]
@@ -629,10 +634,8 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
             if v is None:
                 break  # only the leading hits matter
             values.append(v)
-        leases = {
-            n: (r if r[0] is not None else None)
-            for n, r in zip(known, out[len(keys) :], strict=True)
-        }
+        tail = out[len(keys) :]
+        read = {n: (r if r[0] is not None else None) for n, r in zip(known, tail, strict=True)}
         # The same few replica lists recur across all the keys: each is read once.
         tails = {v[SIZE_BYTES:] for v in values}
         epochs = {
@@ -642,8 +645,11 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
         }
         await self._resolve(epochs)
         named = {self._owners[e] for e in epochs if e in self._owners}
-        leases.update(await self._leases(sorted(named.difference(leases)), ("epoch", "address")))
-        made = {t: self._replicas(t, leases, client_node_id) for t in tails}
+        leases.update(read)
+        read.update(await self._leases(sorted(named.difference(leases)), ("epoch", "address")))
+        self._lease_cache.put(read)
+        leases.update(read)
+        made = {t: live_replicas(t, leases, self._owners, client_node_id) for t in tails}
         locations: list[KeyLocation] = []
         for v in values:
             found = made[v[SIZE_BYTES:]]
@@ -657,23 +663,6 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
         if deltas:
             self._count(**deltas)
         return LookupResult(hits, tuple(locations))
-
-    def _replicas(
-        self, tail: bytes, leases: dict[NodeId, list[bytes | None] | None], client: NodeId
-    ) -> tuple[Replica, ...]:
-        """The live replicas of a record (its bytes after the size), local first."""
-        found: list[Replica] = []
-        for i in range(0, len(tail), REPLICA_BYTES):
-            epoch = int.from_bytes(tail[i : i + EPOCH_BYTES], "big")
-            nid = self._owners.get(epoch)
-            lease = leases.get(nid) if nid is not None else None
-            # Not live: the node is dead, or an ended registration wrote it.
-            if nid is not None and lease is not None and int(lease[0] or 0) == epoch:
-                tier = TIER_BY_CODE[tail[i + EPOCH_BYTES]]
-                found.append(Replica(nid, (lease[1] or b"").decode(), tier))
-        if len(found) > 1:
-            found.sort(key=lambda r: (r.node_id != client, TIER_RANK.get(r.tier, 9)))
-        return tuple(found)
 
     # -- maintenance ----------------------------------------------------------
     @guarded

@@ -36,7 +36,7 @@ from kvdepot.metadata.index import redis_scripts as scripts
 from kvdepot.metadata.index.base import stale_registration
 from kvdepot.metadata.index.redis_client import Connection
 from kvdepot.records import TierStats, TransferRate
-from kvdepot.types import TIER_RANK
+from kvdepot.types import TIER_BY_CODE, TIER_RANK, Replica
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +91,68 @@ def replicas(value: bytes) -> list[tuple[int, int]]:
         (int.from_bytes(value[i : i + EPOCH_BYTES], "big"), value[i + EPOCH_BYTES])
         for i in range(SIZE_BYTES, len(value), REPLICA_BYTES)
     ]
+
+
+Lease = list[bytes | None] | None
+"""A node's lease as a lookup reads it: [epoch, address], or None if gone."""
+
+
+def live_replicas(
+    tail: bytes, leases: dict[str, Lease], owners: dict[int, str], client: str
+) -> tuple[Replica, ...]:
+    """The live replicas of a record (its bytes after the size), the client's first."""
+    found: list[Replica] = []
+    for i in range(0, len(tail), REPLICA_BYTES):
+        epoch = int.from_bytes(tail[i : i + EPOCH_BYTES], "big")
+        nid = owners.get(epoch)
+        lease = leases.get(nid) if nid is not None else None
+        # Not live: the node is dead, or an ended registration wrote it.
+        if nid is not None and lease is not None and int(lease[0] or 0) == epoch:
+            tier = TIER_BY_CODE[tail[i + EPOCH_BYTES]]
+            found.append(Replica(nid, (lease[1] or b"").decode(), tier))
+    if len(found) > 1:
+        found.sort(key=lambda r: (r.node_id != client, TIER_RANK.get(r.tier, 9)))
+    return tuple(found)
+
+
+class LeaseCache:
+    """Leases that lookups read lately, used again for ``ttl_s``.
+
+    A lookup has to know each named node's live epoch and address; with many
+    nodes, reading every lease in every lookup's round trip cost more than the
+    chunks themselves (128 nodes: p50 2.2x that of 2 nodes). A lease read less
+    than ``ttl_s`` ago is taken as it was: a registration that ended within
+    that time may still be named, and its read is a miss, as a read of a node
+    that died within its lease already is. This process's own registrations
+    and reaps drop the entries they change at once.
+    """
+
+    def __init__(self, ttl_s: float, limit: int = 4096) -> None:
+        self.ttl_s = ttl_s
+        self._limit = limit
+        self._at: dict[str, tuple[float, Lease]] = {}
+
+    def split(self, node_ids: Sequence[str]) -> tuple[dict[str, Lease], list[str]]:
+        """The fresh leases among ``node_ids``, and the ids to read again."""
+        now = time.monotonic()
+        fresh: dict[str, Lease] = {}
+        stale: list[str] = []
+        for n in node_ids:
+            hit = self._at.get(n)
+            if hit is not None and now - hit[0] < self.ttl_s:
+                fresh[n] = hit[1]
+            else:
+                stale.append(n)
+        return fresh, stale
+
+    def put(self, leases: dict[str, Lease]) -> None:
+        if len(self._at) + len(leases) > self._limit:
+            self._at.clear()
+        now = time.monotonic()
+        self._at.update((n, (now, lease)) for n, lease in leases.items())
+
+    def drop(self, node_id: str) -> None:
+        self._at.pop(node_id, None)
 
 
 def tag(node_id: str) -> str:
