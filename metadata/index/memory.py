@@ -62,8 +62,10 @@ from kvdepot.types import (
 
 logger = logging.getLogger(__name__)
 
-SLICE_ROWS = 2048
-"""Rows of a page indexed between two yields of the loop (about a millisecond)."""
+SLICE_ROWS = 512
+"""Rows of a page indexed between two yields of the loop (a quarter of a
+millisecond: with 2048, lookup p99 during a 2 M-chunk registration was 8 ms
+against 2.7 ms with 512, for 3.8 against 6.2 s of registration)."""
 SWEEP_SLOTS = 1 << 14
 """Table slots one purge or growth step goes over between two yields."""
 _MIN_PAUSE_S = 0.0005

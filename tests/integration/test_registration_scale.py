@@ -134,12 +134,15 @@ class Keeper(Node):
         super().__init__(stub, "keeper")
         self.keys = keys
         self.registrations = 0
+        self.paused = False
 
     def register_again(self) -> None:
         assert self.register(self.keys) == len(self.keys) // 16
         self.registrations += 1
 
     def beat(self) -> None:
+        if self.paused:
+            return
         try:
             self.heartbeat()
         except grpc.RpcError as exc:
@@ -242,11 +245,15 @@ def test_millions_of_chunks_register_and_reregister_while_others_live(
         ):
             for attempt in range(attempts):
                 if attempt == 2:
+                    assert keeper.registrations == 1  # never expired so far
+                    keeper.paused = True  # no beat while the keys are being deleted
                     lose_the_index(index_url)
+                    keeper.paused = False
                     deadline = time.monotonic() + 10
                     while keeper.registrations < 2 and time.monotonic() < deadline:
                         time.sleep(0.1)
                     assert keeper.registrations == 2, "the small node did not register again"
+                    assert lookup(stub, keeper_keys) == 128
                 t0 = time.monotonic()
                 assert big.register(big_keys) == BIG
                 took = time.monotonic() - t0
