@@ -30,7 +30,6 @@ import json
 import logging
 import multiprocessing as mp
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -45,6 +44,7 @@ from typing import Any
 import grpc
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from scale_nodes import redis_server  # ends with this process, as every daemon here should
 
 from kvdepot.apps.cluster import wait_ready
 from kvdepot.proto.gen import common_pb2, metadata_pb2, metadata_pb2_grpc
@@ -116,36 +116,6 @@ def timed_loop(
 
 
 # -- processes ----------------------------------------------------------------
-@contextlib.contextmanager
-def redis_server(workdir: Path) -> Iterator[int]:
-    """A throwaway redis-server (no persistence) on a free port; yields the port."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        sys.exit("redis-server not found (apt-get install redis-server)")
-    port = free_port()
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-         "--appendonly", "no", "--dir", str(workdir)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        client = redis.Redis(port=port)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise
-                time.sleep(0.05)
-        client.close()
-        yield port
-    finally:
-        stop(proc)
-
-
 @contextlib.contextmanager
 def metadata_service(index: str, log: Path) -> Iterator[str]:
     """A ``kvdepot metadata`` process over ``index``; yields its ``host:port``."""
