@@ -198,14 +198,20 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
             epoch = await self._index.register_begin(
                 info, time.monotonic(), instance, request.force
             )
-            if self._events is not None:
-                self._events.registered(node_id, ())
+            if request.paged and self._events is not None:
+                self._events.registered(node_id, ())  # its pages follow as BlockStored
             # An inventory in the message (a store that does not page) is
-            # indexed page by page like a paged one, then completed.
+            # indexed page by page like a paged one, then completed, and
+            # announced in one event batch as before.
             for page in pages:
-                await self._register_page(node_id, epoch, page, last=False)
+                await self._register_page(node_id, epoch, page, last=False, events=False)
             if not request.paged:
-                await self._register_page(node_id, epoch, InventoryPage.of(b"", ()), last=True)
+                empty = InventoryPage.of(b"", ())
+                await self._register_page(node_id, epoch, empty, last=True, events=False)
+                if self._events is not None:
+                    self._events.registered(
+                        node_id, [(i.key, i.tier) for p in pages for i in p.items()]
+                    )
         except NodeIdTaken as exc:
             self._log_refusal(request.node_id, request.address, exc)
             # Tells the refused store whether the holder is renewing its lease.
@@ -239,12 +245,12 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
         return pages
 
     async def _register_page(
-        self, node_id: str, epoch: int, page: InventoryPage, *, last: bool
+        self, node_id: str, epoch: int, page: InventoryPage, *, last: bool, events: bool = True
     ) -> tuple[int, int]:
         added, chunks = await self._index.register_page(
             node_id, epoch, page, time.monotonic(), last
         )
-        if self._events is not None and len(page):
+        if events and self._events is not None and len(page):
             for code in np.unique(page.tiers).tolist():
                 tier = TIER_BY_CODE[code]
                 rows = np.flatnonzero(page.tiers == code).tolist()
