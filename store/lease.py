@@ -27,11 +27,11 @@ from kvdepot.errors import (
     Unavailable,
 )
 from kvdepot.metadata_client import AsyncMetadataClient
-from kvdepot.proto.gen import metadata_pb2
+from kvdepot.proto.gen import common_pb2, metadata_pb2
 from kvdepot.repeat_log import RepeatLog
 from kvdepot.retry import Backoff
 from kvdepot.rpc.health import HealthState
-from kvdepot.types import LEASE_REMAINING_KEY
+from kvdepot.types import LEASE_REMAINING_KEY, TIER_BY_CODE
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,8 @@ PAGE_TIMEOUT_S = 10.0
 InventoryColumns = tuple[bytes, list[int], bytes]
 """One page of chunks as RegisterInventory carries them: keys, sizes, tiers."""
 
+_UNPAGED_STEP = 65536  # chunks taken from the inventory at a time for an unpaged registration
+
 _TOKEN_HINT = "; give it the cluster token (--auth-token-file / KVDEPOT_AUTH_TOKEN)"
 # Refusals of a registration that retrying cannot change, and what they raise.
 _REFUSALS: dict[grpc.StatusCode, tuple[type[KVDepotError], str]] = {
@@ -61,6 +63,16 @@ _REFUSALS: dict[grpc.StatusCode, tuple[type[KVDepotError], str]] = {
         " (is that address a kvdepot metadata service?)",
     ),
 }
+
+
+def _chunk_refs(columns: list[InventoryColumns]) -> list[common_pb2.ChunkRef]:
+    """Pages of columns as the ChunkRef messages of an unpaged RegisterNode."""
+    refs = []
+    for keys, sizes, tiers in columns:
+        for j, size in enumerate(sizes):
+            tier = TIER_BY_CODE[tiers[j]] if tiers else "cpu"
+            refs.append(common_pb2.ChunkRef(key=keys[16 * j : 16 * (j + 1)], size=size, tier=tier))
+    return refs
 
 
 def _lease_remaining(exc: grpc.aio.AioRpcError) -> float | None:
@@ -191,7 +203,8 @@ class MetadataLease:
             return
         if self._pages is None:
             await self._begin()
-        await self._send_pages()
+        if self._pages is not None:
+            await self._send_pages()
         self._holds = True
         logger.info(
             "registered with metadata %s (%d chunks, epoch %d)",
@@ -209,6 +222,7 @@ class MetadataLease:
         self.registered.set()
 
     async def _begin(self) -> None:
+        """RegisterNode; leaves the pages to send in ``_pages`` (None: none)."""
         self.settled.clear()
         registration = self._registration()
         registration.force = self._force
@@ -220,11 +234,20 @@ class MetadataLease:
         self.heartbeat_s = max(0.05, answer.heartbeat_interval_ms / 1000)
         if answer.lease_ttl_ms:
             self.lease_s = answer.lease_ttl_ms / 1000
-        # A service that predates paging answers no page size: its
-        # RegisterInventory is then refused as unimplemented.
-        self._pages = self._inventory(answer.max_page_chunks or 4096)
         self._page = None
         self._sent_chunks = 0
+        if answer.max_page_chunks:
+            self._pages = self._inventory(answer.max_page_chunks)
+            return
+        # A service that predates paging ignored `paged` (and knows no
+        # RegisterInventory): the inventory goes in the message, as before.
+        columns = list(self._inventory(_UNPAGED_STEP))
+        registration.paged = False
+        registration.inventory.extend(_chunk_refs(columns))
+        answer = await self.client.register_node(registration, PAGE_TIMEOUT_S)
+        self.epoch = answer.epoch
+        self._sent_chunks = len(registration.inventory)
+        self._pages = None  # nothing more to send
 
     async def _send_pages(self) -> None:
         """Send the registration's pages in turn; a failed one is sent again

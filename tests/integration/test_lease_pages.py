@@ -105,3 +105,52 @@ def test_a_registration_the_service_forgot_starts_over() -> None:
     lease, epochs, seen = asyncio.run(registered(faults))
     # A new registration (epoch), its inventory from the first page again.
     assert seen[0] == PAGE and len(seen) == 13 and lease.holds and epochs == 2
+
+
+class OldService:
+    """A metadata client whose service predates paging: it ignores ``paged``
+    and answers no page size."""
+
+    endpoint = "old:1"
+
+    def __init__(self) -> None:
+        self.registrations: list[metadata_pb2.RegisterNodeRequest] = []
+
+    async def register_node(
+        self, request: metadata_pb2.RegisterNodeRequest, timeout_s: float
+    ) -> metadata_pb2.RegisterNodeResponse:
+        self.registrations.append(
+            metadata_pb2.RegisterNodeRequest.FromString(request.SerializeToString())
+        )
+        return metadata_pb2.RegisterNodeResponse(lease_ttl_ms=5000, epoch=len(self.registrations))
+
+    async def register_inventory(self, *args: Any) -> Any:
+        raise AssertionError("an old service has no RegisterInventory")
+
+
+def test_a_service_that_predates_paging_gets_the_inventory_in_the_message() -> None:
+    keys = np.random.default_rng(2).bytes(16 * 300)
+
+    async def go() -> OldService:
+        old = OldService()
+        lease = MetadataLease(
+            node_id="n1",
+            endpoints=["old:1"],
+            channels=[],
+            health=Health(),  # type: ignore[arg-type]
+            registration=lambda: metadata_pb2.RegisterNodeRequest(node_id="n1", address="a:1"),
+            inventory=lambda n: pages(keys, n),
+            heartbeat=lambda: metadata_pb2.HeartbeatRequest(node_id="n1"),
+            retry_s=0.01,
+        )
+        lease.client = old  # type: ignore[assignment]
+        await lease._renew()
+        assert lease.holds and lease.epoch == 2
+        return old
+
+    old = asyncio.run(go())
+    first, second = old.registrations
+    assert first.paged and not first.inventory
+    assert not second.paged and len(second.inventory) == 300
+    assert b"".join(c.key for c in second.inventory) == keys
+    assert {c.tier for c in second.inventory} == {"cpu"}
