@@ -20,8 +20,9 @@ from kvdepot.types import TIER_RANK
 MAX_TEXT = 256
 """Longest address or id accepted, in characters."""
 
-MAX_SIZE = (1 << 63) - 1
-"""Largest chunk size accepted: what a signed 64-bit integer (Redis) holds."""
+MAX_SIZE = (1 << 40) - 1
+"""Largest chunk size accepted (1 TiB less a byte): what the indexes' compact
+records hold (40 bits in the memory index's, 48 in Redis's)."""
 
 MAX_REQUEST_ID = 64
 """Longest ``PutStart`` request id accepted, in bytes (clients send 16)."""

@@ -23,6 +23,7 @@ from kvdepot.types import (
     NodeId,
     NodeInfo,
 )
+from kvdepot.validation import MAX_SIZE
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +84,8 @@ class InventoryPage:
             raise InvalidArgument(f"{n} inventory keys but {len(self.tiers)} tiers")
         if n and int(self.tiers.max()) >= len(TIER_BY_CODE):
             raise InvalidArgument(f"unknown tier code {int(self.tiers.max())} in an inventory")
+        if n and not 0 < int(self.sizes.min()) <= int(self.sizes.max()) <= MAX_SIZE:
+            raise InvalidArgument(f"chunk sizes must be between 1 and {MAX_SIZE} in an inventory")
 
     def __len__(self) -> int:
         return len(self.keys) // KEY_BYTES
