@@ -170,13 +170,3 @@ class Placement:
         self._decay(self._total, now)
         share = min(1.0, self.config.warmup_share / max(1, node_count))
         return r.chunks < share * (self._total.chunks - r.base + 1)
-
-    def share(self, node_id: NodeId) -> float:
-        """The node's share of recent placements (for stats and tests)."""
-        now = self._clock()
-        self._decay(self._total, now)
-        r = self._nodes.get(node_id)
-        if r is None or self._total.chunks <= 0:
-            return 0.0
-        self._decay(r, now)
-        return r.chunks / self._total.chunks

@@ -74,6 +74,8 @@ _MIN_PAUSE_S = 0.0005
 async def _pause(since: float) -> None:
     """Leave the loop to others for as long as the work since ``since`` took."""
     await asyncio.sleep(max(_MIN_PAUSE_S, time.monotonic() - since))
+
+
 _CPU = TIER_RANK["cpu"]
 _MAX_SLOT = 0xFFFE
 
@@ -86,7 +88,6 @@ class _Node:
     instance: str = ""  # the store instance that owns the id
     epoch: int = 0  # of its registration
     chunks: int = 0  # rows of this registration
-    complete: bool = False  # its last inventory page arrived
 
 
 @dataclass(slots=True)
@@ -118,7 +119,6 @@ class _Purge:
 
     node_id: NodeId
     epoch: int
-    rows: int  # it had when it died
     removed: int = 0
     started: float = field(default_factory=time.monotonic)
 
@@ -157,7 +157,7 @@ class MemoryIndex(IndexBackend, ReplicaTierIndex):
         self._live.pop(entry.slot, None)
         for tier in range(len(TIER_BY_CODE)):
             self._replicas.pop((entry.slot, tier), None)
-        self._purges[entry.slot] = _Purge(entry.info.node_id, entry.epoch, entry.chunks)
+        self._purges[entry.slot] = _Purge(entry.info.node_id, entry.epoch)
         self._table.begin_purge(entry.slot)
         self._wake_sweeper()
 
@@ -224,9 +224,7 @@ class MemoryIndex(IndexBackend, ReplicaTierIndex):
         self._nodes[node.node_id] = entry
         self._live[slot] = entry
         self.placement.joined(node.node_id)
-        logger.info(
-            "node %s registering at %s (epoch %d)", node.node_id, node.address, entry.epoch
-        )
+        logger.info("node %s registering at %s (epoch %d)", node.node_id, node.address, entry.epoch)
         return entry.epoch
 
     def _registration(self, node_id: NodeId, epoch: int) -> _Node:
@@ -263,8 +261,6 @@ class MemoryIndex(IndexBackend, ReplicaTierIndex):
             self._wake_sweeper()
         # The time spent here does not count against the lease.
         entry.expires_at = now + (time.monotonic() - started) + self._config.lease_ttl_s
-        if last:
-            entry.complete = True
         return added, entry.chunks
 
     async def heartbeat(
@@ -434,8 +430,7 @@ class MemoryIndex(IndexBackend, ReplicaTierIndex):
     async def stats(self, now: float) -> IndexStats:
         c = self._c
         nodes = tuple(
-            NodeStatus(n.info, n.chunks, max(0.0, n.expires_at - now))
-            for n in self._nodes.values()
+            NodeStatus(n.info, n.chunks, max(0.0, n.expires_at - now)) for n in self._nodes.values()
         )
         return IndexStats(
             nodes=nodes,
@@ -452,11 +447,6 @@ class MemoryIndex(IndexBackend, ReplicaTierIndex):
             nodes_expired=c.nodes_expired,
             allocations_expired=c.allocations_expired,
         )
-
-    @property
-    def table_bytes(self) -> int:
-        """Bytes the replica table's arrays take now."""
-        return self._table.nbytes
 
     async def close(self) -> None:
         if self._sweeper is not None:
