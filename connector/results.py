@@ -3,10 +3,12 @@ returns, and the tallies that build them."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 from kvdepot.connector.transport.base import GetOutcome
 from kvdepot.types import LookupResult
+from kvdepot.wire.settled import IndexSettled
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +101,43 @@ class PutTally:
             self.pending,
             self.bytes_pending,
         )
+
+
+class DeferredCommits:
+    """Whether this client has deferred index commits its store has not
+    reported settled: the one record the client keeps of them (what became of
+    each is counted by the store, per writer, and told by ``sync_index``).
+
+    A sync that finds nothing pending settles every put made before it was
+    asked; a put made meanwhile stays open until the next one.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._made = 0  # deferring puts made
+        self._settled = 0  # of those, the ones a sync reported settled
+
+    def made(self) -> None:
+        """A put returned with chunks pending."""
+        with self._lock:
+            self._made += 1
+
+    def open(self) -> bool:
+        """Whether a put may have chunks not yet in the index."""
+        with self._lock:
+            return self._settled != self._made
+
+    def mark(self) -> int:
+        """Before asking the store: the puts the answer will cover."""
+        with self._lock:
+            return self._made
+
+    def answered(self, mark: int, settled: IndexSettled) -> None:
+        """The store's answer to the question asked at ``mark``."""
+        if settled.pending:
+            return
+        with self._lock:
+            self._settled = max(self._settled, mark)
 
 
 class Pull:
