@@ -45,7 +45,7 @@ def kvdepot_images(docker_engine: Engine, base_image: str) -> dict[str, str]:
         "REDIS_IMAGE": dockerhost.REDIS_IMAGE,
     }
     # kvdepot through the compose file's own build section (host network, BASE
-    # argument); Redis as README "Deploying" says to where no registry is.
+    # argument); Redis as docs/deployment.md says to where no registry is.
     builder = Project(docker_engine, "kvdepot-build", {**docker_engine.env, **images}, DEPLOY)
     builder.compose("build", "metadata-0", timeout=900)
     docker_engine.docker(

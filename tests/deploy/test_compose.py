@@ -85,7 +85,7 @@ def cluster(
     token = uuid.uuid4().hex + uuid.uuid4().hex
     token_file = tmp / "kvdepot-token"
     token_file.write_text(token + "\n")
-    # What README "Deploying" tells users: readable by the image's uid only.
+    # What docs/deployment.md tells users: readable by the image's uid only.
     os.chown(token_file, 10001, 10001)
     token_file.chmod(0o600)
     ports = (free_port(), free_port())
