@@ -4,8 +4,9 @@ Metadata replicas are stateless over a shared index (Redis), so any of them
 can answer any call. Both clients keep a channel per replica and send each
 call to the one in use; a call that cannot reach it moves on to the next
 (failover), the way an injected :class:`~kvdepot.retry.RetryPolicy` (the
-engine's client) or :class:`~kvdepot.retry.Backoff` (the store's lease)
-says, never by a loop written at the call site.
+synchronous client: an engine's, a store's index committer) or
+:class:`~kvdepot.retry.Backoff` (the store's lease) says, never by a loop
+written at the call site.
 
 The synchronous client raises kvdepot's errors, with the class the service
 raised (see :func:`kvdepot.rpc.errors.from_grpc`) and the replica that
@@ -28,6 +29,7 @@ from kvdepot.endpoints import parse_endpoints
 from kvdepot.errors import ClientClosed, Unavailable
 from kvdepot.proto.gen import metadata_pb2 as pb
 from kvdepot.proto.gen import metadata_pb2_grpc
+from kvdepot.repeat_log import RepeatLog
 from kvdepot.retry import Backoff, RetryPolicy
 from kvdepot.rpc.errors import error_type_name, from_grpc
 from kvdepot.rpc.security import channel as secure_channel
@@ -72,12 +74,17 @@ class Replicas:
 
 
 class MetadataClient:
-    """The engine side's metadata client: typed calls with replica failover.
+    """The synchronous metadata client: typed calls with replica failover.
+
+    Engines call through it, and so do a store's data-plane threads when
+    they commit what they stored into the index.
 
     Args:
         spec: ``host:port[,host:port…]`` of the replicas.
-        timeout_s: Deadline of each attempt.
-        security: Token and TLS settings of the channels.
+        timeout_s: Deadline of each attempt (a call's own ``timeout_s``,
+            where given, bounds all of its attempts together).
+        security: Token and TLS settings of the channels (the token the
+            calls present, the CA that verifies the replicas).
         retry: How often a call tries the replicas before it raises
             ``Unavailable``; by default each once, without waiting.
         sleep: Waits between rounds (tests give a recorder).
@@ -101,6 +108,10 @@ class MetadataClient:
         self._channels = [secure_channel(e, security, options) for e in self.endpoints]
         self._stubs = [metadata_pb2_grpc.MetadataStub(c) for c in self._channels]
         self._closed = False
+        # Callers on many threads meet one outage at once: a line per
+        # failover would bury the log.
+        self._repeats = RepeatLog(logger)
+        self._failed_over = False  # a failover was logged since the last answer
 
     @property
     def current(self) -> str:
@@ -108,8 +119,10 @@ class MetadataClient:
         return self.endpoints[self.replicas.current]
 
     # -- the calls an engine makes ----------------------------------------------
-    def put_start(self, request: pb.PutStartRequest) -> pb.PutStartResponse:
-        reply: pb.PutStartResponse = self.call("PutStart", request)
+    def put_start(
+        self, request: pb.PutStartRequest, *, timeout_s: float | None = None
+    ) -> pb.PutStartResponse:
+        reply: pb.PutStartResponse = self.call("PutStart", request, timeout_s=timeout_s)
         return reply
 
     def put_end(self, request: pb.PutEndRequest) -> pb.PutEndResponse:
@@ -129,51 +142,82 @@ class MetadataClient:
         return reply
 
     # -- failover -----------------------------------------------------------------
-    def call(self, method: str, request: Any) -> Any:
+    def call(self, method: str, request: Any, *, timeout_s: float | None = None) -> Any:
         """Call ``method``, failing over across replicas as the policy says.
 
         The same request message goes to every attempt (a PutStart's
         ``request_id`` lets the replica that answers hand back what one that
         died allocated for it).
 
+        Args:
+            method: The Metadata service's method.
+            request: Its request message.
+            timeout_s: Longest the whole call may take, every attempt and
+                wait between rounds included; each attempt's deadline is the
+                client's or what is left of this, whichever is shorter. No
+                limit beyond the policy's rounds by default.
+
         Raises:
             KVDepotError: the translated status of the last attempt.
         """
-        last: tuple[grpc.RpcError, int] | None = None
+        until = None if timeout_s is None else time.monotonic() + timeout_s
+        last: tuple[grpc.RpcError, int, float] | None = None
         for rounds in range(self.retry.rounds):
             if rounds:
-                self._sleep(self.retry.backoff.delay(rounds))
+                delay = self.retry.backoff.delay(rounds)
+                if until is not None and time.monotonic() + delay >= until:
+                    break  # no time for another round
+                self._sleep(delay)
             for idx in self.replicas.order():
+                attempt_s = self._timeout_s
+                if until is not None:
+                    attempt_s = min(attempt_s, until - time.monotonic())
+                    if attempt_s <= 0:
+                        break
                 try:
-                    reply = self._attempt(idx, method, request)
+                    reply = self._attempt(idx, method, request, attempt_s)
                 except grpc.RpcError as exc:
                     if exc.code() not in RETRYABLE:
                         raise from_grpc(exc, f"metadata {self.endpoints[idx]} {method}") from None
-                    last = (exc, idx)
-                    if len(self.endpoints) > 1:
-                        logger.warning(
-                            "metadata %s unreachable (%s); failing over",
-                            self.endpoints[idx],
-                            exc.code().name,
-                        )
+                    last = (exc, idx, attempt_s)
+                    self._failing_over(idx, exc)
                     continue
                 self.replicas.use(idx)
+                if self._failed_over:
+                    self._failed_over = False
+                    self._repeats.ended("failover")
                 return reply
-        assert last is not None
+        if last is None:
+            raise Unavailable(
+                f"metadata {', '.join(self.endpoints)}: no time left for {method} (retry later)"
+            )
         raise self._unavailable(method, *last) from None
 
-    def _attempt(self, idx: int, method: str, request: Any) -> Any:
+    def _failing_over(self, idx: int, exc: grpc.RpcError) -> None:
+        if len(self.endpoints) > 1:
+            self._failed_over = True
+            self._repeats.failed(
+                "failover",
+                logging.WARNING,
+                "metadata %s unreachable (%s); failing over",
+                self.endpoints[idx],
+                exc.code().name,
+            )
+
+    def _attempt(self, idx: int, method: str, request: Any, timeout_s: float) -> Any:
         if self._closed:
             raise ClientClosed("the client is closed")
         try:
-            return getattr(self._stubs[idx], method)(request, timeout=self._timeout_s)
+            return getattr(self._stubs[idx], method)(request, timeout=timeout_s)
         except ValueError:
             # grpc's "Cannot invoke RPC on closed channel!"
             if self._closed:
                 raise ClientClosed("the client is closed") from None
             raise
 
-    def _unavailable(self, method: str, exc: grpc.RpcError, idx: int) -> Exception:
+    def _unavailable(
+        self, method: str, exc: grpc.RpcError, idx: int, timeout_s: float
+    ) -> Exception:
         if self._closed:
             return ClientClosed("the client is closed")
         error = from_grpc(exc)
@@ -184,7 +228,7 @@ class MetadataClient:
             where = f"metadata {', '.join(self.endpoints)}"
         if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
             # gRPC says only "Deadline Exceeded".
-            return Unavailable(f"{where}: no answer within {self._timeout_s:g} s (retry later)")
+            return Unavailable(f"{where}: no answer within {timeout_s:.3g} s (retry later)")
         if isinstance(error, Unavailable):
             return Unavailable(f"{where} unavailable: {error} (retry later)")
         return from_grpc(exc, f"{where} {method}")

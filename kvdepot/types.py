@@ -14,10 +14,12 @@ LEASE_REMAINING_KEY = "kvdepot-lease-remaining-ms"
 """Trailing metadata of a RegisterNode refused for a node id another live
 instance holds: the milliseconds left of that instance's lease."""
 
-# Lower is faster; lookups order replicas by this after locality.
-TIER_RANK = {"gpu": 0, "cpu": 1, "ssd": 2}
 TIER_BY_CODE = ("gpu", "cpu", "ssd")
-"""Tiers by their one-byte code in a paged inventory (``TIER_RANK`` inverted)."""
+"""The tiers, fastest first: the one place that says their order. A tier's
+position is its rank and its one-byte code in a paged inventory."""
+TIER_RANK = {name: rank for rank, name in enumerate(TIER_BY_CODE)}
+"""Tier name -> rank, lower is faster: a store orders its tiers by it, and
+lookups order replicas by it after locality."""
 
 
 _NO_TRANSFER = TransferRate()  # frozen: one instance serves as every default

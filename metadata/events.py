@@ -179,10 +179,6 @@ class KVEventPublisher:
         self._task = asyncio.create_task(self._serve_replay())
         logger.info("KV events on %s (replay %s)", self.endpoint, self.replay_endpoint)
 
-    @property
-    def next_seq(self) -> int:
-        return self._seq
-
     def _topic(self, node_id: NodeId) -> bytes:
         return self.config.topic.replace("{node}", node_id).encode()
 

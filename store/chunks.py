@@ -27,8 +27,10 @@ meanwhile, so a put never waits for the disk. A background thread
 (:mod:`kvdepot.store.tiering`) keeps each tier under its high watermark and
 moves hot chunks up, so that the write path rarely has to make room.
 
-Every state change happens under one lock (the placement primitives are in
-:mod:`kvdepot.store.tier_placement`). Nothing under it waits for a disk: reads
+Every state change happens under one lock, that of the table's
+:class:`~kvdepot.store.tier_placement.TierPlacement` (its tiers, its chunks'
+records and the primitives that place them, which the table shares with the
+mover). Nothing under it waits for a disk: reads
 and writes of slow tiers run outside it (only a new SSD segment file is
 created under it), and copies between GPU and DRAM are device copies. The
 ``on_removed`` and ``on_moved`` callbacks run outside it, so they may call
@@ -38,7 +40,6 @@ back into the store or block on the network.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import cast
@@ -54,9 +55,18 @@ from kvdepot.store.chunk_types import (
     ReadLease,
     Reservation,
 )
-from kvdepot.store.tier_placement import MovedListener, RemovedListener, TierPlacement
-from kvdepot.store.tiering import Copy, Entry, Level, Mover, State
-from kvdepot.store.tiers.base import TIER_ORDER, Tier, TierLimits
+from kvdepot.store.tier_placement import (
+    Copy,
+    Entry,
+    Level,
+    MovedListener,
+    RemovedListener,
+    State,
+    TierPlacement,
+    check_tier_names,
+)
+from kvdepot.store.tiering import Mover
+from kvdepot.store.tiers.base import Tier, TierLimits
 from kvdepot.store.tiers.cpu import CpuTier
 from kvdepot.store.tiers.policy import TieringOptions
 from kvdepot.wire.xxh3 import checksum
@@ -87,7 +97,7 @@ class _Read:
     error: Exception | None = None
 
 
-class ChunkStore(TierPlacement):
+class ChunkStore:
     """Thread-safe table of the chunks a store node holds, across its tiers.
 
     Args:
@@ -125,33 +135,29 @@ class ChunkStore(TierPlacement):
     ) -> None:
         if max_chunk_bytes is not None and max_chunk_bytes <= 0:
             raise InvalidArgument(f"max_chunk_bytes must be positive, got {max_chunk_bytes}")
-        names = [t.name for t in tiers]
-        if "cpu" in names or len(set(names)) != len(names) or not set(names) <= set(TIER_ORDER):
-            raise InvalidArgument(f"tiers must be distinct, from gpu and ssd; got {names}")
+        check_tier_names([t.name for t in tiers])
         cpu = CpuTier(capacity, arena_path=arena_path, limits=cpu_limits, pin=pin_memory)
-        ordered = sorted([cpu, *tiers], key=lambda t: TIER_ORDER.index(t.name))
+        placement = TierPlacement([cpu, *tiers], options, on_removed, on_moved)
+        self._placement = placement
+        # The placement's own objects, never rebound: held here too because
+        # every read and write takes them.
         self._options = options
-        self._levels = [Level(t, rank, options.policy) for rank, t in enumerate(ordered)]
-        self._cpu = next(lv for lv in self._levels if lv.tier is cpu)
+        self._levels = placement.levels
+        self._cpu = placement.cpu
         self._cpu_tier = cpu
-        self._on_removed = on_removed
-        self._on_moved = on_moved
+        self._lock = placement.lock
+        self._moved_cv = placement.moved_cv
+        self._entries = placement.entries
         self._max_chunk_bytes = max_chunk_bytes or capacity
-        self._lock = threading.Lock()
-        self._moved_cv = threading.Condition(self._lock)
-        self._entries: dict[ChunkKey, Entry] = {}
         # Outstanding leases by identity; the lease object is kept so its id
         # cannot be reused while it is registered. Private copies hold no Copy.
         self._leases: dict[int, tuple[ReadLease, Copy | None]] = {}
-        self._closed = False
-        self._closing = False
         self._puts = 0
         self._rejected = 0
         self._corrupt = 0
-        self._write_errors = 0
         try:
             self._recovered = self._recover()
-            self._mover = Mover(self) if len(self._levels) > 1 else None
+            self._mover = Mover(placement) if len(self._levels) > 1 else None
         except BaseException:
             for level in self._levels:
                 level.tier.close()
@@ -168,7 +174,7 @@ class ChunkStore(TierPlacement):
                 entry = Entry(rc.key, rc.size, rc.checksum, copy)
                 entry.state = State.COMMITTED
                 self._entries[rc.key] = entry
-                self.attach(entry, copy)
+                self._placement.attach(entry, copy)
                 found += 1
             self._corrupt += getattr(level.tier, "dropped_on_open", 0)
         return found
@@ -201,27 +207,8 @@ class ChunkStore(TierPlacement):
 
     @property
     def levels(self) -> list[Level]:
-        """The tiers as the table sees them, fastest first (for the mover)."""
+        """The tiers as the table sees them, fastest first."""
         return self._levels
-
-    @property
-    def lock(self) -> threading.Lock:
-        """The table's lock (for the mover)."""
-        return self._lock
-
-    @property
-    def cpu_level(self) -> Level:
-        """The DRAM tier as the table sees it."""
-        return self._cpu
-
-    @property
-    def moved_cv(self) -> threading.Condition:
-        """Notified (under the lock) whenever a move ends."""
-        return self._moved_cv
-
-    def entry(self, key: ChunkKey) -> Entry | None:
-        """The table's record of ``key`` (under the lock)."""
-        return self._entries.get(key)
 
     # -- writes -------------------------------------------------------------------------
     def reserve(self, key: ChunkKey, size: int, checksum: int) -> Reservation | None:
@@ -263,11 +250,11 @@ class ChunkStore(TierPlacement):
         moved: list[tuple[ChunkKey, str]] = []
         try:
             with self._lock:
-                self._check_open()
+                self._placement.check_open()
                 if key in self._entries:
                     return None
                 try:
-                    handle = self.allocate(self._cpu, size, removed, moved)
+                    handle = self._placement.allocate(self._cpu, size, removed, moved)
                 except CapacityExceeded:
                     self._rejected += 1
                     raise
@@ -275,7 +262,7 @@ class ChunkStore(TierPlacement):
                 self._entries[key] = Entry(key, size, checksum, copy)
                 view = self._cpu_tier.view(handle, size)
         finally:
-            self.notify(removed, moved)
+            self._placement.notify(removed, moved)
         return Reservation(key=key, offset=handle, size=size, checksum=checksum, view=view)
 
     def commit(
@@ -302,7 +289,7 @@ class ChunkStore(TierPlacement):
         if key is not None:
             key = validate_key(key)
         with self._lock:
-            self._check_open()
+            self._placement.check_open()
             entry = self._reserved_entry(res)
             if entry is None:
                 raise InvalidArgument(
@@ -318,7 +305,7 @@ class ChunkStore(TierPlacement):
             entry.state = State.COMMITTED
             if checksum is not None:
                 entry.checksum = checksum
-            self.attach(entry, entry.copy)
+            self._placement.attach(entry, entry.copy)
             self._puts += 1
         if self._mover is not None:
             self._mover.poke_if_over(self._cpu)
@@ -386,7 +373,7 @@ class ChunkStore(TierPlacement):
             # One hold of the lock for the batch: a read of chunks in DRAM
             # is done here, and per-chunk locking cost as much as the lease.
             with self._lock:
-                self._check_open()
+                self._placement.check_open()
                 dram = self._cpu if self._cpu.rank == 0 else None
                 for key in keys:
                     if key in seen:
@@ -420,7 +407,7 @@ class ChunkStore(TierPlacement):
                     self.release(r)
             raise
         finally:
-            self.notify(removed, moved)
+            self._placement.notify(removed, moved)
 
     def _begin_read(
         self,
@@ -433,7 +420,7 @@ class ChunkStore(TierPlacement):
         # that needs I/O (its source held, its DRAM room taken if it is promoted).
         counted = False
         while True:
-            self._check_open()
+            self._placement.check_open()
             entry = self._entries.get(key)
             if entry is None or not entry.committed:
                 if not counted:
@@ -463,19 +450,19 @@ class ChunkStore(TierPlacement):
                     continue  # it moved: look again
             # Held before making room, so making room cannot take it.
             source.leases += 1
-            self.sync_held(entry)
+            self._placement.sync_held(entry)
             target: Copy | None = None
             if promote:
                 try:
-                    handle = self.allocate(self._cpu, entry.size, removed, moved)
+                    handle = self._placement.allocate(self._cpu, entry.size, removed, moved)
                 except CapacityExceeded:
                     if in_arena:
-                        self.unhold(entry, source)
+                        self._placement.unhold(entry, source)
                         return None
                 else:
                     target = Copy(self._cpu, handle, self._cpu_tier.size_of(handle))
                     entry.moving = True
-                    self.sync_held(entry)
+                    self._placement.sync_held(entry)
             return _Read(entry, source, target)
 
     def _run_reads(self, reads: list[_Read]) -> None:
@@ -519,7 +506,7 @@ class ChunkStore(TierPlacement):
             if target is not None:
                 entry.moving = False
                 self._moved_cv.notify_all()
-            self.unhold(entry, source)
+            self._placement.unhold(entry, source)
             current = self._entries.get(entry.key) is entry and entry.copy is source
             if error is not None:
                 if target is not None:
@@ -528,7 +515,7 @@ class ChunkStore(TierPlacement):
                     self._corrupt += 1
                     logger.warning("chunk %s dropped: %s", entry.key.hex(), error)
                     if current:
-                        self.drop(entry)
+                        self._placement.drop(entry)
                         removed.append(entry.key)
                 else:
                     logger.warning("cannot read chunk %s: %s", entry.key.hex(), error)
@@ -551,7 +538,7 @@ class ChunkStore(TierPlacement):
                 self._cpu_tier.free(target.handle)
                 return None
             level = source.level
-            self.switch(entry, target)
+            self._placement.switch(entry, target)
             if level.rank > self._cpu.rank:
                 level.promotions += 1
             else:
@@ -571,7 +558,7 @@ class ChunkStore(TierPlacement):
         # Under the lock: a lease on a chunk's bytes in the arena.
         copy.leases += 1
         if not entry.held:  # held already: a lease more changes nothing
-            self.sync_held(entry)
+            self._placement.sync_held(entry)
         view = self._cpu_tier.view(copy.handle, entry.size).toreadonly()
         lease = ReadLease(
             key=entry.key,
@@ -606,7 +593,7 @@ class ChunkStore(TierPlacement):
         # Under the lock.
         held = self._leases.pop(id(lease), None)
         if held is None:
-            if self._closed:
+            if self._placement.closed:
                 return
             raise InvalidArgument(f"release of a lease that is not outstanding: {lease.key.hex()}")
         copy = held[1]
@@ -614,11 +601,11 @@ class ChunkStore(TierPlacement):
             return
         copy.leases -= 1
         if copy.orphan:
-            self.release_copy(copy)
+            self._placement.release_copy(copy)
             return
         entry = self._entries.get(lease.key)
         if entry is not None and entry.copy is copy:
-            self.sync_held(entry)
+            self._placement.sync_held(entry)
 
     # -- other operations -------------------------------------------------------------------
     def delete(self, key: ChunkKey) -> bool:
@@ -632,13 +619,13 @@ class ChunkStore(TierPlacement):
             Whether a committed chunk was removed.
         """
         with self._lock:
-            if self._closed:
+            if self._placement.closed:
                 return False
             entry = self._entries.get(key)
             if entry is None or not entry.committed:
                 return False
-            self.drop(entry)
-        self.notify([key], [])
+            self._placement.drop(entry)
+        self._placement.notify([key], [])
         return True
 
     def pin(self, key: ChunkKey) -> bool:
@@ -652,7 +639,7 @@ class ChunkStore(TierPlacement):
             if entry is None or not entry.committed:
                 return False
             entry.pins += 1
-            self.sync_held(entry)
+            self._placement.sync_held(entry)
             return True
 
     def unpin(self, key: ChunkKey) -> bool:
@@ -662,7 +649,7 @@ class ChunkStore(TierPlacement):
             if entry is None or not entry.pins:
                 return False
             entry.pins -= 1
-            self.sync_held(entry)
+            self._placement.sync_held(entry)
             return True
 
     def contains(self, key: ChunkKey) -> bool:
@@ -721,7 +708,7 @@ class ChunkStore(TierPlacement):
                 puts=self._puts,
                 rejected=self._rejected,
                 corrupt=self._corrupt,
-                write_errors=self._write_errors,
+                write_errors=self._placement.write_errors,
                 recovered=self._recovered,
             )
 
@@ -737,9 +724,9 @@ class ChunkStore(TierPlacement):
         Chunks of persistent tiers stay on disk for the next store.
         """
         with self._lock:
-            if self._closed or self._closing:
+            if self._placement.closed or self._placement.closing:
                 return
-            self._closing = True  # no new writes to slow tiers
+            self._placement.closing = True  # no new writes to slow tiers
         if self._mover is not None:
             self._mover.stop()
         for level in self._levels:
@@ -747,7 +734,7 @@ class ChunkStore(TierPlacement):
             if executor is not None:
                 executor.shutdown(wait=True)
         with self._lock:
-            self._closed = True
+            self._placement.closed = True
             self._entries.clear()
             self._leases.clear()
         for level in self._levels:
@@ -758,13 +745,5 @@ class ChunkStore(TierPlacement):
 
     @property
     def closed(self) -> bool:
-        """Whether :meth:`close` began (the mover stops then)."""
-        return self._closed or self._closing
-
-    def check_open(self) -> None:
-        """Raise ``Unavailable`` if the store is closed."""
-        self._check_open()
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise Unavailable("chunk store is closed")
+        """Whether :meth:`close` began."""
+        return self._placement.closed or self._placement.closing

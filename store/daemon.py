@@ -21,22 +21,22 @@ import grpc
 from kvdepot.endpoints import parse_endpoints
 from kvdepot.errors import InvalidArgument, Unavailable
 from kvdepot.keys import ChunkKey
+from kvdepot.metadata_client import MetadataClient
 from kvdepot.metrics import MetricsServer, StoreCollector, on_loop
-from kvdepot.proto.gen import common_pb2, metadata_pb2, metadata_pb2_grpc, store_pb2, store_pb2_grpc
+from kvdepot.proto.gen import common_pb2, metadata_pb2, store_pb2, store_pb2_grpc
 from kvdepot.rpc.health import HealthState
 from kvdepot.rpc.security import add_port, aio_channel, aio_server
-from kvdepot.rpc.security import channel as sync_channel
 from kvdepot.rpc.security_config import NO_SECURITY, SecurityConfig
 from kvdepot.shutdown import finish, uninterrupted
 from kvdepot.store.chunks import ChunkStore
 from kvdepot.store.config import StoreConfig
 from kvdepot.store.dataplane import DataPlaneServer
 from kvdepot.store.identity import instance_identity
-from kvdepot.store.indexer import IndexCommitter, Indexer, WriterId
+from kvdepot.store.indexer import INDEX_RETRY, IndexCommitter, Indexer, WriterId
 from kvdepot.store.lease import InventoryColumns, MetadataLease
 from kvdepot.store.nixl_agent import StoreNixlAgent
+from kvdepot.store.table_factory import build_chunk_store
 from kvdepot.store.throughput import ThroughputMeter
-from kvdepot.store.tiers.factory import build_chunk_store
 from kvdepot.types import TIER_RANK
 from kvdepot.wire.host import default_arena_path, rdma_devices, reap_stale_arenas
 from kvdepot.wire.nixl import nixl_available
@@ -148,10 +148,10 @@ class StoreDaemon:
             index=self._index,
         )
         # Commits what own-node writers asked the data plane to index (from
-        # start()), from the data-plane threads, over channels of their own.
+        # start()), from the data-plane threads: blocking calls, so a client
+        # of its own beside the lease's asyncio one.
         self._indexer: IndexCommitter | None = None
-        self._index_channels: list[grpc.Channel] = []
-        self._index_stubs: list[metadata_pb2_grpc.MetadataStub] = []
+        self._index_client: MetadataClient | None = None
         self.node_id = config.node_id
         self.address = ""
         self.grpc_address = ""
@@ -189,16 +189,9 @@ class StoreDaemon:
         with contextlib.suppress(RuntimeError):  # loop shutting down
             loop.call_soon_threadsafe(self._queue_removed, keys)
 
-    def _index_put_start(
-        self, request: metadata_pb2.PutStartRequest, timeout_s: float
-    ) -> metadata_pb2.PutStartResponse | None:
-        # From a data-plane thread: to the replica the lease uses now.
-        lease = self.lease
-        if lease is None or not lease.holds:
-            return None
-        stub = self._index_stubs[lease.client.replicas.current]
-        reply: metadata_pb2.PutStartResponse = stub.PutStart(request, timeout=timeout_s)
-        return reply
+    def _registered(self) -> bool:
+        """Whether this store holds its lease now (from a data-plane thread)."""
+        return self.lease is not None and self.lease.holds
 
     def _on_moved(self, moves: list[tuple[ChunkKey, str]]) -> None:
         loop = self._loop
@@ -277,15 +270,7 @@ class StoreDaemon:
             retry_s=self.config.register_retry_s,
             force=self.config.force_node_id,
         )
-        self._index_channels = [sync_channel(e, self.security) for e in self._endpoints]
-        self._index_stubs = [metadata_pb2_grpc.MetadataStub(ch) for ch in self._index_channels]
-        self._indexer = IndexCommitter(
-            self.node_id,
-            self._index_put_start,
-            self.config.index_commit_timeout_s,
-            holds=self.chunks.contains,
-        )
-        self._index.target = self._indexer
+        self._start_indexer()
         self._tasks = [
             asyncio.create_task(self.lease.run()),
             asyncio.create_task(self._report_forever()),
@@ -299,6 +284,22 @@ class StoreDaemon:
             self.config.capacity_bytes,
             ",".join(self.chunks.tiers),
         )
+
+    def _start_indexer(self) -> None:
+        """The committer of own-node writers' index commits, now that the
+        node id is known; the data plane hands them to it from then on."""
+        timeout_s = self.config.index_commit_timeout_s
+        self._index_client = MetadataClient(
+            self.config.metadata, timeout_s, self.security, retry=INDEX_RETRY
+        )
+        self._indexer = IndexCommitter(
+            self.node_id,
+            self._index_client,
+            timeout_s,
+            registered=self._registered,
+            holds=self.chunks.contains,
+        )
+        self._index.target = self._indexer
 
     def ready_line(self) -> str:
         """One machine-readable line announcing where this daemon listens."""
@@ -359,8 +360,8 @@ class StoreDaemon:
         finally:
             try:
                 self.dataplane.stop()
-                for ch in self._index_channels:
-                    ch.close()
+                if self._index_client is not None:
+                    self._index_client.close()
                 if self.nixl is not None:
                     self.nixl.close()
             finally:

@@ -8,13 +8,15 @@ which goes back in the data-plane reply. The writer then makes no metadata
 call of its own.
 
 The data-plane threads call the metadata service themselves, synchronously
-(gRPC's blocking calls release the GIL), batched across writers: the thread
-that finds no call in flight sends, as one ``PutStart`` with ``written``
-flags (writer: this node), every commit queued at that moment, its own
-included; the threads that queue while that call is in flight wait for it to
-end, and the first of them to wake sends all of theirs in the next call. A
-single writer pays one round trip and no hand-off to another thread;
-concurrent writers share round trips without any added wait.
+(gRPC's blocking calls release the GIL), through the store's
+:class:`~kvdepot.metadata_client.MetadataClient` (its token, its failover
+across replicas, its injected retry: :data:`INDEX_RETRY`), batched across
+writers: the thread that finds no call in flight sends, as one ``PutStart``
+with ``written`` flags (writer: this node), every commit queued at that
+moment, its own included; the threads that queue while that call is in
+flight wait for it to end, and the first of them to wake sends all of theirs
+in the next call. A single writer pays one round trip and no hand-off to
+another thread; concurrent writers share round trips without any added wait.
 
 Every wait is bounded (``timeout_s``, which also bounds each call's
 deadline): a stalled or unreachable metadata service costs a put that long
@@ -48,10 +50,11 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvdepot.keys import ChunkKey
 from kvdepot.proto.gen import metadata_pb2
-from kvdepot.retry import Backoff
+from kvdepot.retry import Backoff, RetryPolicy
 from kvdepot.wire.protocol import IndexCode, IndexSettled
 
 logger = logging.getLogger(__name__)
@@ -75,9 +78,25 @@ class Indexer(abc.ABC):
         """The writer's deferred outcomes, once settled or after ``wait_s``."""
         return IndexSettled()
 
-PutStartFn = Callable[[metadata_pb2.PutStartRequest, float], "metadata_pb2.PutStartResponse | None"]
-"""Makes one PutStart (request, deadline in s); ``None`` when this store is not
-registered now (nothing is indexed then). Raises what gRPC raises."""
+
+class IndexClient(Protocol):
+    """What the committer calls: :meth:`kvdepot.metadata_client.MetadataClient.put_start`."""
+
+    def put_start(
+        self, request: metadata_pb2.PutStartRequest, *, timeout_s: float | None = None
+    ) -> metadata_pb2.PutStartResponse:
+        """One PutStart, its attempts and failovers all within ``timeout_s``.
+
+        Raises:
+            KVDepotError: No replica answered, or the one that did refused.
+        """
+        ...
+
+
+INDEX_RETRY = RetryPolicy(rounds=3, backoff=Backoff(base_s=0.02, cap_s=0.5))
+"""How the store's metadata client for index commits tries the replicas: a
+call's deadline (the commit's ``timeout_s``) ends it sooner. A deferred
+commit whose call failed is queued again after this backoff."""
 
 MAX_KEYS_PER_CALL = 4096
 """Most keys one coalesced PutStart carries (the rest go in the next)."""
@@ -140,10 +159,13 @@ class IndexCommitter(Indexer):
 
     Args:
         node_id: This store's node id (the writer of the commits).
-        put_start: Makes one call (see :data:`PutStartFn`).
+        client: The metadata client the calls go through.
         timeout_s: Longest a data-plane thread waits for the index; also
             the longest deadline of a call, and how long a deferred commit
             is tried.
+        registered: Whether this store is registered now; while it is not,
+            nothing is sent (the index would not take it) and every commit
+            is NOT_INDEXED. By default, always.
         holds: Whether the store still holds a chunk (a deferred commit
             skips what left it meanwhile); by default, everything.
         backoff: The wait before a failed deferred call is tried again.
@@ -152,16 +174,19 @@ class IndexCommitter(Indexer):
     def __init__(
         self,
         node_id: str,
-        put_start: PutStartFn,
+        client: IndexClient,
         timeout_s: float,
+        *,
+        registered: Callable[[], bool] | None = None,
         holds: Callable[[ChunkKey], bool] | None = None,
-        backoff: Backoff | None = None,
+        backoff: Backoff = INDEX_RETRY.backoff,
     ) -> None:
         self._node_id = node_id
-        self._put_start = put_start
+        self._client = client
         self._timeout_s = timeout_s
+        self._registered = registered
         self._holds = holds
-        self._backoff = backoff or Backoff(base_s=0.02, cap_s=0.5)
+        self._backoff = backoff
         self._cond = threading.Condition()
         self._queue: list[_Request] = []
         self._sending = False
@@ -234,6 +259,8 @@ class IndexCommitter(Indexer):
                 self._cond.notify_all()
 
     def _call(self, batch: list[_Request], deadline_s: float) -> list[list[IndexCode]] | None:
+        if self._registered is not None and not self._registered():
+            return None
         # One entry per distinct key: a key's bytes are in one reservation at
         # a time, but a duplicate must not confuse the answer.
         order: dict[ChunkKey, int] = {}
@@ -246,7 +273,7 @@ class IndexCommitter(Indexer):
         self.stats.calls += 1
         self.stats.requests += len(batch)
         try:
-            reply = self._put_start(
+            reply = self._client.put_start(
                 metadata_pb2.PutStartRequest(
                     keys=list(order),
                     sizes=sizes,
@@ -254,19 +281,13 @@ class IndexCommitter(Indexer):
                     request_id=os.urandom(16),
                     written=[True] * len(sizes),
                 ),
-                deadline_s,
+                timeout_s=deadline_s,
             )
-        except Exception as exc:  # gRPC's errors, a closed channel: the writers commit
+        except Exception as exc:  # no replica answered, a closed client: the writers commit
             self.stats.failures += 1
-            code = getattr(exc, "code", None)
-            logger.debug(
-                "index commit of %d chunks failed: %s",
-                len(sizes),
-                code().name if callable(code) else repr(exc),
-            )
+            # The lease reports an outage (rate-limited), and the writers see NOT_INDEXED.
+            logger.debug("index commit of %d chunks failed: %s", len(sizes), exc)
             return None
-        if reply is None:
-            return None  # not registered now
         if not reply.written_committed or len(reply.allocations) != len(sizes):
             # This node is no live node of the index (or the service predates
             # written flags): the writers place the chunks themselves.

@@ -1,14 +1,17 @@
-"""How the chunk table places chunks in its tiers: room, demotion, shadows.
+"""Where a store's chunks are: its tiers, its chunks' records, and moving them.
 
-:class:`TierPlacement` holds the table's primitives that the write path, the
-read path and the background :class:`~kvdepot.store.tiering.Mover` share:
-making room in a tier (the coldest chunks no one holds move one tier down,
-or leave the store from the lowest), moving a chunk's bytes between copies,
-and the bookkeeping of each tier's committed, held and shadow bytes. Every
-method is called with the table's lock held, except where it says otherwise,
-and none of them waits for a disk: a chunk leaving DRAM for SSD on the write
-path is copied aside and written by the SSD tier's threads
-(:meth:`TierPlacement._write_back`).
+:class:`TierPlacement` owns the chunk table's state: a :class:`Level` per
+tier (fastest first), an :class:`Entry` per chunk (with a :class:`Copy` of
+its bytes in one tier), and the one lock that guards them. The table
+(:class:`~kvdepot.store.chunks.ChunkStore`: writes, reads, leases) and the
+background :class:`~kvdepot.store.tiering.Mover` are each given it and share
+its primitives: making room in a tier (the coldest chunks no one holds move
+one tier down, or leave the store from the lowest), moving a chunk's bytes
+between copies, and the bookkeeping of each tier's committed, held and
+shadow bytes. Every method is called with :attr:`TierPlacement.lock` held,
+except where it says otherwise, and none of them waits for a disk: a chunk
+leaving DRAM for SSD on the write path is copied aside and written by the
+SSD tier's threads (:meth:`TierPlacement._write_back`).
 
 A *shadow* is the copy a chunk leaves in a persistent tier when it is
 promoted out of it: chunks never change, so it stays valid, and demoting the
@@ -19,15 +22,17 @@ chunks across a restart.
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-from kvdepot.errors import CapacityExceeded, KVDepotError, Unavailable
+from kvdepot.errors import CapacityExceeded, InvalidArgument, KVDepotError, Unavailable
 from kvdepot.keys import ChunkKey
-from kvdepot.store.tiering import Copy, Entry, Level
-from kvdepot.store.tiers.cpu import CpuTier
-from kvdepot.store.tiers.policy import TieringOptions
+from kvdepot.records import TierStats
+from kvdepot.store.tiers.base import Tier
+from kvdepot.store.tiers.policy import TieringOptions, create_policy
+from kvdepot.types import TIER_RANK
 
 logger = logging.getLogger(__name__)
 
@@ -38,20 +43,184 @@ MovedListener = Callable[[list[tuple[ChunkKey, str]]], None]
 """Told the chunks that changed tier, each with the tier it is in now."""
 
 
-class TierPlacement:
-    """The chunk table's placement primitives (the table derives from it)."""
+class State(enum.Enum):
+    """Where a chunk is in its two-phase write."""
 
-    _entries: dict[ChunkKey, Entry]
-    _levels: list[Level]
-    _cpu: Level
-    _cpu_tier: CpuTier
-    _options: TieringOptions
-    _lock: threading.Lock
-    _moved_cv: threading.Condition
-    _on_removed: RemovedListener | None
-    _on_moved: MovedListener | None
-    _write_errors: int
-    _closing: bool
+    WRITING = "writing"
+    COMMITTED = "committed"
+
+
+class Level:
+    """One tier as the table sees it: its policy, accounting and counters."""
+
+    __slots__ = (
+        "committed_bytes",
+        "demotions",
+        "draining",
+        "evictions",
+        "held_bytes",
+        "hits",
+        "misses",
+        "name",
+        "pending_bytes",
+        "policy",
+        "promotions",
+        "rank",
+        "shadow_bytes",
+        "shadows",
+        "tier",
+    )
+
+    def __init__(self, tier: Tier, rank: int, policy: str) -> None:
+        self.tier = tier
+        self.name = tier.name
+        self.rank = rank  # position, fastest first
+        self.policy = create_policy(policy)
+        self.committed_bytes = 0  # allocated bytes of committed chunks
+        self.held_bytes = 0  # of those, leased, pinned, moving or pending
+        self.pending_bytes = 0  # chunk bytes waiting to be written to this tier
+        # Copies of chunks promoted out of this (persistent) tier, oldest first:
+        # still valid (chunks never change), so demoting the chunk again costs
+        # no write. The first thing given up when the tier needs room.
+        self.shadows: dict[ChunkKey, Copy] = {}
+        self.shadow_bytes = 0
+        self.draining = False  # between the high and the low watermark
+        self.hits = 0
+        self.misses = 0
+        self.evictions = 0
+        self.promotions = 0
+        self.demotions = 0
+
+    def snapshot(self) -> TierStats:
+        """The tier's usage and counters."""
+        return TierStats(
+            name=self.name,
+            capacity_bytes=self.tier.capacity,
+            used_bytes=self.tier.used_bytes,
+            chunks=len(self.policy),
+            hits=self.hits,
+            misses=self.misses,
+            evictions=self.evictions,
+            promotions=self.promotions,
+            demotions=self.demotions,
+        )
+
+    def over(self, fraction: float) -> bool:
+        """Whether the tier uses more than ``fraction`` of its capacity."""
+        return self.tier.used_bytes > fraction * self.tier.capacity
+
+
+class Copy:
+    """The bytes of a chunk in one tier.
+
+    A copy outlives its chunk's stay in the tier while leases or a pending
+    write hold it (``orphan``): it is freed when the last of them ends.
+    """
+
+    __slots__ = ("alloc_size", "freed", "handle", "leases", "level", "orphan", "pending")
+
+    def __init__(self, level: Level, handle: int, alloc_size: int) -> None:
+        self.level = level
+        self.handle = handle
+        self.alloc_size = alloc_size
+        self.leases = 0
+        self.orphan = False
+        self.freed = False
+        # Bytes on their way to a slow tier: served from here until written.
+        self.pending: bytes | None = None
+
+
+class Entry:
+    """The table's record of one chunk."""
+
+    __slots__ = (
+        "checksum",
+        "copy",
+        "held",
+        "hits",
+        "key",
+        "moving",
+        "pins",
+        "shadow",
+        "size",
+        "state",
+    )
+
+    def __init__(self, key: ChunkKey, size: int, checksum: int, copy: Copy) -> None:
+        self.key = key
+        self.size = size
+        self.checksum = checksum
+        self.copy = copy
+        self.state = State.WRITING
+        self.hits = 0  # reads since it entered its tier
+        self.pins = 0
+        self.moving = False
+        # Whether its bytes count in its tier's held_bytes.
+        self.held = False
+        # A still valid copy in a slower, persistent tier (see Level.shadows).
+        self.shadow: Copy | None = None
+
+    @property
+    def committed(self) -> bool:
+        return self.state is State.COMMITTED
+
+
+def check_tier_names(names: Sequence[str]) -> None:
+    """Refuse tiers besides DRAM that are not distinct tiers of :data:`TIER_RANK`.
+
+    Raises:
+        InvalidArgument: If a name is ``cpu``, unknown or given twice.
+    """
+    if "cpu" in names or len(set(names)) != len(names) or not set(names) <= set(TIER_RANK):
+        raise InvalidArgument(f"tiers must be distinct, from gpu and ssd; got {list(names)}")
+
+
+class TierPlacement:
+    """The chunk table's tiers, records and lock, and the primitives that place chunks.
+
+    Args:
+        tiers: Every tier, DRAM (``cpu``) included, in any order: they are
+            ranked by :data:`TIER_RANK`. Closed by the table, not here.
+        options: How chunks move between tiers.
+        on_removed: Told the keys of committed chunks that left the store.
+        on_moved: Told the chunks that changed tier.
+
+    Attributes:
+        levels: The tiers as the table sees them, fastest first.
+        cpu: The DRAM tier's level.
+        entries: Every chunk's record, committed or being written.
+        lock: Guards all of the above and every record in it.
+        moved_cv: Notified (under the lock) whenever a move ends.
+        options: How chunks move between tiers.
+        write_errors: Chunks lost because a tier could not write them.
+        closing: Set when the table began closing: no new writes to slow tiers.
+        closed: Set once the table closed: every operation is refused.
+    """
+
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        options: TieringOptions,
+        on_removed: RemovedListener | None = None,
+        on_moved: MovedListener | None = None,
+    ) -> None:
+        ordered = sorted(tiers, key=lambda t: TIER_RANK[t.name])
+        self.options = options
+        self.levels = [Level(t, rank, options.policy) for rank, t in enumerate(ordered)]
+        self.cpu = next(lv for lv in self.levels if lv.name == "cpu")
+        self.entries: dict[ChunkKey, Entry] = {}
+        self.lock = threading.Lock()
+        self.moved_cv = threading.Condition(self.lock)
+        self.write_errors = 0
+        self.closing = False
+        self.closed = False
+        self._on_removed = on_removed
+        self._on_moved = on_moved
+
+    def check_open(self) -> None:
+        """Raise ``Unavailable`` once the table is closed."""
+        if self.closed:
+            raise Unavailable("chunk store is closed")
 
     def allocate(
         self,
@@ -98,7 +267,7 @@ class TierPlacement:
     def coldest(self, level: Level) -> Entry | None:
         """The first chunk of ``level`` by its policy that no one holds (under the lock)."""
         for key in level.policy.coldest():
-            entry = self._entries[key]
+            entry = self.entries[key]
             if not entry.held:
                 return entry
         return None
@@ -134,8 +303,7 @@ class TierPlacement:
             return True
         slow = below.tier.executor is not None
         if slow and (
-            self._closing
-            or self._pending_bytes() + entry.size > self._options.demotion_buffer_bytes
+            self.closing or self._pending_bytes() + entry.size > self.options.demotion_buffer_bytes
         ):
             return False
         try:
@@ -163,7 +331,7 @@ class TierPlacement:
         return True
 
     def _pending_bytes(self) -> int:
-        return sum(lv.pending_bytes for lv in self._levels)
+        return sum(lv.pending_bytes for lv in self.levels)
 
     def host_bytes(self, copy: Copy, size: int) -> memoryview:
         """The bytes of a copy in host memory: DRAM, or a pending write's."""
@@ -191,12 +359,12 @@ class TierPlacement:
         except OSError as exc:
             error = Unavailable(str(exc))
         removed: list[ChunkKey] = []
-        with self._lock:
+        with self.lock:
             copy.pending = None
             copy.level.pending_bytes -= len(data)
             if error is not None:
                 logger.warning("chunk %s lost: %s", entry.key.hex(), error)
-                self._write_errors += 1
+                self.write_errors += 1
                 if entry.shadow is copy:
                     self._forget_shadow(entry)  # the chunk itself is in DRAM
                 elif not copy.orphan:
@@ -206,13 +374,13 @@ class TierPlacement:
                 self.release_copy(copy)
             else:
                 self.sync_held(entry)
-            self._moved_cv.notify_all()
+            self.moved_cv.notify_all()
         self.notify(removed, [])
 
     def below(self, level: Level) -> Level | None:
         """The next slower tier, if any."""
         i = level.rank + 1
-        return self._levels[i] if i < len(self._levels) else None
+        return self.levels[i] if i < len(self.levels) else None
 
     def attach(self, entry: Entry, copy: Copy) -> None:
         """Make ``copy`` the committed chunk's bytes, most recent in its tier."""
@@ -255,7 +423,7 @@ class TierPlacement:
     def drop(self, entry: Entry) -> None:
         """Remove a committed chunk from the table; its copies go when unheld."""
         copy = self.detach(entry)
-        del self._entries[entry.key]
+        del self.entries[entry.key]
         copy.orphan = True
         self.release_copy(copy)
         if entry.shadow is not None:
@@ -276,7 +444,7 @@ class TierPlacement:
         """Free the oldest shadow copy in ``level``; whether there was one (under the lock)."""
         if not level.shadows:
             return False
-        shadow = self._forget_shadow(self._entries[next(iter(level.shadows))])
+        shadow = self._forget_shadow(self.entries[next(iter(level.shadows))])
         shadow.orphan = True
         self.release_copy(shadow)
         return True

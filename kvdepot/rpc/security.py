@@ -174,12 +174,6 @@ class _AioTokenInterceptor(
         return await continuation(self._details(client_call_details), request_iterator)
 
 
-def call_metadata(security: SecurityConfig | None) -> tuple[tuple[str, str], ...]:
-    """The metadata that authenticates one call (for callers that build their own)."""
-    token = (security or NO_SECURITY).tokens().token
-    return ((AUTH_METADATA_KEY, _BEARER + token),) if token else ()
-
-
 def channel(
     target: str, security: SecurityConfig | None = None, options: ChannelOptions = ()
 ) -> grpc.Channel:

@@ -213,25 +213,6 @@ class Opcode(enum.IntEnum):
     SYNC_REPLY = 26
 
 
-REQUEST_OPCODES = frozenset(
-    {
-        Opcode.PUT,
-        Opcode.GET,
-        Opcode.DELETE,
-        Opcode.PING,
-        Opcode.ATTACH,
-        Opcode.RESERVE,
-        Opcode.COMMIT,
-        Opcode.ABORT,
-        Opcode.LEASE,
-        Opcode.RELEASE,
-        Opcode.PUT_TRAILED,
-        Opcode.AUTH,
-        Opcode.SYNC,
-    }
-)
-
-
 class HeaderFlags(enum.IntFlag):
     """Bits of a header's ``flags``."""
 

@@ -2,7 +2,6 @@
 
 from kvdepot.records import TierStats
 from kvdepot.store.tiers.base import (
-    TIER_ORDER,
     RecoveredChunk,
     Tier,
     TierLimits,
@@ -18,7 +17,6 @@ from kvdepot.store.tiers.policy import (
 )
 
 __all__ = [
-    "TIER_ORDER",
     "EvictionPolicy",
     "LruPolicy",
     "RecoveredChunk",

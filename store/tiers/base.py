@@ -1,7 +1,7 @@
 """The interface of a storage tier, and the registry of tier kinds.
 
 A store node keeps chunks in up to three tiers, fastest first (the order of
-:data:`TIER_ORDER`, the same as the metadata service's ``TIER_RANK``):
+:data:`kvdepot.types.TIER_RANK`, which the metadata service ranks replicas by):
 
 * ``gpu``: a device tensor arena (only where the ``gpu`` tier is configured);
 * ``cpu``: the DRAM arena every chunk is written into and that same-host
@@ -26,9 +26,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from kvdepot.errors import InvalidArgument
 from kvdepot.keys import ChunkKey
 from kvdepot.registry import Registry
-
-TIER_ORDER = ("gpu", "cpu", "ssd")
-"""Tier names, fastest first."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +106,7 @@ class Tier(abc.ABC):
     """
 
     name: str = ""
-    """The tier's kind, one of :data:`TIER_ORDER`."""
+    """The tier's kind, one of :data:`kvdepot.types.TIER_RANK`'s."""
 
     host_memory: bool = False
     """Whether :meth:`view` gives host memory that transports may send from

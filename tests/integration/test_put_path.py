@@ -41,9 +41,9 @@ class CallLog:
         self.methods: list[str] = []
         real = client._metadata.call
 
-        def call(method: str, request: Any) -> Any:
+        def call(method: str, request: Any, **kw: Any) -> Any:
             self.methods.append(method)
-            return real(method, request)
+            return real(method, request, **kw)
 
         client._metadata.call = call  # type: ignore[method-assign]
 

@@ -9,7 +9,9 @@ connector, nor of the applications (kvdepot.apps: the command, local cluster,
 demo, certs, stats; kvdepot.proxy: the proxy and its router); store, metadata,
 connector and proto import no application; the store, the connector and the
 metadata service import nothing of each other; kvdepot.errors and
-kvdepot.rpc.security_config import no gRPC.
+kvdepot.rpc.security_config import no gRPC; the store is layered, bottom up:
+its tiers, the tier placement, the mover, the chunk table, the data plane's
+sessions and handlers, its server and the table's factory, the daemon.
 A vLLM worker that loads the connector loads no kvdepot.store module (checked
 by importing it). Nothing is ignored to make these pass.
 """

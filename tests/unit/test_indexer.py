@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import grpc
 import pytest
 
+from kvdepot.errors import Unavailable
 from kvdepot.keys import ChunkKey
+from kvdepot.metadata_client import MetadataClient
 from kvdepot.proto.gen import metadata_pb2
-from kvdepot.store.indexer import IndexCommitter
+from kvdepot.store.indexer import INDEX_RETRY, IndexCommitter
 from kvdepot.wire.protocol import IndexCode
 
 WRITE = metadata_pb2.Allocation.WRITE
@@ -21,15 +24,11 @@ def key(i: int) -> ChunkKey:
     return ChunkKey(i.to_bytes(16, "little"))
 
 
-class Unreachable(grpc.RpcError):
-    def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.UNAVAILABLE
-
-
 class FakeMetadata:
-    """Answers PutStart as the service would; keys in ``elsewhere`` were stored
-    by another node. While ``gate`` is clear a call waits for it (at most
-    ``hold_s``, else its deadline), as a stalled service would."""
+    """A metadata client that answers PutStart as the service would; keys in
+    ``elsewhere`` were stored by another node. While ``gate`` is clear a call
+    waits for it (at most ``hold_s``, else its deadline), as a stalled service
+    would. A call that finds no answer raises as the client does."""
 
     def __init__(self) -> None:
         self.requests: list[metadata_pb2.PutStartRequest] = []
@@ -42,17 +41,16 @@ class FakeMetadata:
         self.fail = False
         self.registered = True
 
-    def __call__(
-        self, request: metadata_pb2.PutStartRequest, timeout_s: float
-    ) -> metadata_pb2.PutStartResponse | None:
-        if not self.registered:
-            return None
+    def put_start(
+        self, request: metadata_pb2.PutStartRequest, *, timeout_s: float | None = None
+    ) -> metadata_pb2.PutStartResponse:
+        assert timeout_s is not None, "every commit's call has a deadline"
         self.requests.append(request)
         self.deadlines.append(timeout_s)
         if not self.gate.wait(self.hold_s or timeout_s):
-            raise Unreachable()
+            raise Unavailable("metadata: no answer within the deadline")
         if self.fail:
-            raise Unreachable()
+            raise Unavailable("metadata unavailable")
         actions = [SKIP if k in self.elsewhere else WRITE for k in request.keys]
         return metadata_pb2.PutStartResponse(
             allocations=[metadata_pb2.Allocation(action=a) for a in actions],
@@ -129,7 +127,7 @@ def test_a_stalled_index_costs_the_bounded_wait_then_not_indexed() -> None:
 @pytest.mark.parametrize("how", ["refused", "not committed", "not registered", "closed"])
 def test_what_the_index_did_not_commit_is_not_indexed(how: str) -> None:
     fake = FakeMetadata()
-    ix = IndexCommitter("node-a", fake, 5.0)
+    ix = IndexCommitter("node-a", fake, 5.0, registered=lambda: fake.registered)
     if how == "refused":
         fake.fail = True
     elif how == "not committed":
@@ -140,6 +138,8 @@ def test_what_the_index_did_not_commit_is_not_indexed(how: str) -> None:
         ix.close()
     assert ix.commit([key(1), key(2)], [1, 1]) == [IndexCode.NOT_INDEXED] * 2
     assert ix.commit([], []) == []
+    if how in ("not registered", "closed"):
+        assert fake.requests == []  # nothing is sent that the index would not take
 
 
 def test_a_key_twice_in_a_batch_is_sent_once() -> None:
@@ -262,3 +262,79 @@ def test_the_writers_kept_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(ix._writers) <= 4
     # The newest writers' outcomes are kept.
     assert ix.sync(("", 10), 5.0).new == 1
+
+
+# --- over the store's metadata client -------------------------------------------
+
+
+class _Status(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode) -> None:
+        self._code = code
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._code.name
+
+    def trailing_metadata(self) -> tuple[()]:
+        return ()
+
+
+class _Replica:
+    """A replica's stub: PutStart fails with ``down`` while set, else answers WRITE."""
+
+    def __init__(self, down: grpc.StatusCode | None = None, stall: bool = False) -> None:
+        self.down, self.stall = down, stall
+        self.timeouts: list[float] = []
+
+    def PutStart(
+        self, request: metadata_pb2.PutStartRequest, timeout: float
+    ) -> metadata_pb2.PutStartResponse:
+        self.timeouts.append(timeout)
+        if self.stall:
+            time.sleep(timeout)  # as a stalled replica: the deadline ends the attempt
+        if self.down is not None:
+            raise _Status(self.down)
+        return metadata_pb2.PutStartResponse(
+            allocations=[metadata_pb2.Allocation(action=WRITE) for _ in request.keys],
+            written_committed=True,
+        )
+
+
+def _client(*replicas: _Replica) -> MetadataClient:
+    spec = ",".join(f"127.0.0.1:{7700 + i}" for i in range(len(replicas)))
+    client = MetadataClient(spec, 5.0, retry=INDEX_RETRY)
+    stubs: list[Any] = list(replicas)
+    client._stubs = stubs
+    return client
+
+
+def test_a_commit_fails_over_to_a_replica_that_answers() -> None:
+    a, b = _Replica(grpc.StatusCode.UNAVAILABLE), _Replica()
+    client = _client(a, b)
+    try:
+        ix = IndexCommitter("node-a", client, 1.0)
+        assert ix.commit([key(1), key(2)], [1, 1]) == [IndexCode.NEW] * 2
+        # The next commits go to the replica that answered.
+        assert ix.commit([key(3)], [1]) == [IndexCode.NEW]
+        assert (len(a.timeouts), len(b.timeouts)) == (1, 2)
+        assert ix.stats.failures == 0
+    finally:
+        client.close()
+
+
+def test_the_commit_deadline_bounds_every_attempt_of_the_client() -> None:
+    a = _Replica(grpc.StatusCode.DEADLINE_EXCEEDED, stall=True)
+    b = _Replica(grpc.StatusCode.DEADLINE_EXCEEDED, stall=True)
+    client = _client(a, b)
+    try:
+        ix = IndexCommitter("node-a", client, 0.3)
+        t0 = time.monotonic()
+        assert ix.commit([key(1)], [1]) == [IndexCode.NOT_INDEXED]
+        # Not the client's 5 s per attempt, nor its rounds: the commit's 0.3 s in all.
+        assert time.monotonic() - t0 < 0.9
+        assert all(t <= 0.3 for t in a.timeouts + b.timeouts)
+        assert ix.stats.failures == 1
+    finally:
+        client.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import grpc
@@ -85,6 +86,60 @@ def test_a_policy_of_rounds_backs_off_between_them() -> None:
         assert client.get_stats().chunks == 3
         assert slept == pytest.approx([0.1, 0.2])
         assert (a.calls, b.calls) == (3, 3)
+    finally:
+        client.close()
+
+
+def test_a_call_timeout_bounds_its_attempts_and_rounds_together() -> None:
+    down = grpc.StatusCode.DEADLINE_EXCEEDED
+    a, b = _Replica("a", [down] * 9), _Replica("b", [down] * 9)
+    timeouts: list[float] = []
+    for r in (a, b):
+        r.GetStats = _recording(r.GetStats, timeouts)  # type: ignore[method-assign]
+    # Rounds back off by 10 s: a call of 0.5 s has time for no second round.
+    client, slept = _client([a, b], RetryPolicy(rounds=9, backoff=Backoff(10.0, 10.0)))
+    try:
+        with pytest.raises(Unavailable, match="no answer within"):
+            client.call("GetStats", pb.GetStatsRequest(), timeout_s=0.5)
+        assert (a.calls, b.calls, slept) == (1, 1, [])
+        # Each attempt's deadline is what is left of the call's, under the client's 1 s.
+        assert all(0 < t <= 0.5 for t in timeouts), timeouts
+        with pytest.raises(Unavailable, match="no time left"):
+            client.call("GetStats", pb.GetStatsRequest(), timeout_s=0.0)
+        assert a.calls + b.calls == 2  # nothing sent without time for it
+        # Without one, every attempt has the client's own deadline.
+        a.outcomes.clear()
+        assert client.get_stats().chunks == 1 and timeouts[-1] == 1.0
+        assert slept == []
+    finally:
+        client.close()
+
+
+def _recording(method: Any, timeouts: list[float]) -> Any:
+    def call(request: Any, timeout: float) -> Any:
+        timeouts.append(timeout)
+        return method(request, timeout)
+
+    return call
+
+
+def test_failovers_are_logged_once_per_outage_not_per_call(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    down = grpc.StatusCode.UNAVAILABLE
+    a, b = _Replica("a", [down] * 20), _Replica("b", [down] * 20)
+    client, _ = _client([a, b])
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvdepot.metadata_client"):
+            for _ in range(20):  # threads of a store meeting one outage
+                with pytest.raises(Unavailable):
+                    client.get_stats()
+            assert len([r for r in caplog.records if "failing over" in r.message]) == 1
+            b.outcomes.clear()
+            a.outcomes[:] = [None, down]
+            assert client.get_stats().chunks == 1  # back: the outage ended
+            assert client.get_stats().chunks == 1  # a fails, b answers: a new one, said at once
+        assert len([r for r in caplog.records if "failing over" in r.message]) == 2
     finally:
         client.close()
 

@@ -92,7 +92,7 @@ NO_TORCH = r"""
 import sys, tempfile
 from kvdepot.store.config import StoreConfig
 from kvdepot.store.daemon import StoreDaemon
-from kvdepot.store.tiers.factory import build_chunk_store
+from kvdepot.store.table_factory import build_chunk_store
 from kvdepot.store.tiers import gpu  # the module itself does not import torch
 d = tempfile.mkdtemp()
 cs = build_chunk_store(StoreConfig(ssd_dir=d, ssd_capacity_bytes=1 << 20, capacity_bytes=1 << 20),
