@@ -494,6 +494,39 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
         )
 
 
+class LeaseGrace:
+    """No lease expires right after this process itself did not run.
+
+    A store's heartbeats reach only a running service: one that was paused
+    (SIGSTOP, a stalled host, a long stop-the-world pause) would, on waking,
+    find every lease run out and drop every store at once, though none of them
+    failed. When the reaper wakes later than it could have by more than half a
+    lease, no node expires for one more lease: the live stores heartbeat within
+    it, the dead ones expire after it. (With the Redis index, leases expire in
+    Redis, which other replicas keep renewing; this covers the embedded index,
+    whose leases only this process keeps.)
+    """
+
+    def __init__(self, interval_s: float, lease_ttl_s: float) -> None:
+        self._late_s = interval_s + lease_ttl_s / 2
+        self._lease_ttl_s = lease_ttl_s
+        self._last = time.monotonic()
+        self._until = 0.0
+
+    def holds(self, now: float) -> bool:
+        """Whether expiry waits at ``now`` (one reaper pass)."""
+        if now - self._last > self._late_s:
+            self._until = now + self._lease_ttl_s
+            logger.warning(
+                "the metadata service did not run for %.1f s: no store expires for %.1f s",
+                now - self._last,
+                self._lease_ttl_s,
+                extra={"event": "lease_grace", "paused_s": round(now - self._last, 3)},
+            )
+        self._last = now
+        return now < self._until
+
+
 class MetadataServer:
     """A running metadata service: gRPC server, index, lease reaper.
 
@@ -565,13 +598,17 @@ class MetadataServer:
     async def _reap_forever(self) -> None:
         health = self.health
         assert health is not None
+        grace = LeaseGrace(self.config.reap_interval_s, self.config.lease_ttl_s)
         while True:
             await asyncio.sleep(self.config.reap_interval_s)
             if self.servicer is not None:
                 self.servicer.failures.flush()
+            now = time.monotonic()
+            if grace.holds(now):
+                continue
             try:
                 dead, reclaimed = await asyncio.wait_for(
-                    self.index.expire(time.monotonic()), max(2.0, self.config.lease_ttl_s)
+                    self.index.expire(now), max(2.0, self.config.lease_ttl_s)
                 )
                 if dead and self.events is not None:
                     live = await self.index.stats(time.monotonic())

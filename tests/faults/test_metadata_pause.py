@@ -1,0 +1,68 @@
+"""A metadata service paused for longer than a lease (SIGSTOP, a stalled host)
+must not expire every store when it resumes: none of them failed, their
+heartbeats could not be processed. Real daemons, the embedded index, whose
+leases only that process keeps."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvdepot.connector.client import ClientConfig, KVDepotClient
+from kvdepot.keys import Namespace, chunk_keys
+from tests.faults.test_metadata_faults import daemon, metadata, payload, wait_for
+
+pytestmark = [pytest.mark.faults, pytest.mark.integration]
+
+NS = Namespace("test/metadata-pause", chunk_tokens=16)
+LEASE_S = 1.5
+
+
+def test_a_paused_metadata_service_keeps_its_stores_when_it_resumes(tmp_path: Path) -> None:
+    with (
+        metadata("memory://", tmp_path / "metadata.log", lease_ttl_s=LEASE_S) as meta,
+        daemon(
+            [
+                "store",
+                "--metadata", f"127.0.0.1:{meta['port']}",
+                "--host", "127.0.0.1",
+                "--port", "0",
+                "--grpc-port", "0",
+                "--capacity", "32MiB",
+                "--node-id", "s0",
+            ],
+            tmp_path / "store.log",
+        ),  # fmt: skip
+        KVDepotClient(
+            ClientConfig(metadata=f"127.0.0.1:{meta['port']}", rpc_timeout_s=2.0)
+        ) as client,
+    ):
+        assert wait_for(lambda: len(client.stats().nodes) == 1), "store not registered"
+        keys = chunk_keys(NS, list(range(16 * 6)))
+        assert client.put(keys, [payload(k) for k in keys]).stored == len(keys)
+        before = client.stats().nodes_expired
+
+        from psutil import Process
+
+        proc = Process(meta["pid"])
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(3 * LEASE_S)
+        finally:
+            proc.send_signal(signal.SIGCONT)
+
+        # Right after it resumes, and for two leases more: every chunk is
+        # still named, and nobody expired or had to register again.
+        deadline = time.monotonic() + 2 * LEASE_S
+        while time.monotonic() < deadline:
+            assert client.lookup(keys, count="none") == len(keys)
+            time.sleep(0.1)
+        assert client.stats().nodes_expired == before
+        assert "registering again" not in (tmp_path / "store.log").read_text()
+        assert "did not run" in (tmp_path / "metadata.log").read_text()
+        bufs = [np.zeros(len(payload(k)), dtype=np.uint8) for k in keys]
+        assert client.get_into(keys, bufs, count="none").leading == len(keys)
