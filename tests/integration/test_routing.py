@@ -60,8 +60,8 @@ def test_route_local_remote_none(cluster: LocalCluster) -> None:
     cfg = ClientConfig(metadata=cluster.metadata_address, node_id="store-1", replicate_on_read=True)
     with KVDepotClient(cfg) as c:
         assert c.get_into(keys[:2], [np.zeros(SIZE, dtype=np.uint8) for _ in range(2)]).leading == 2
-    split = [(s.local_tokens, s.remote_tokens) for s in route(cluster, keys).scores]
-    assert split[:2] == [(96, 0), (32, 64)]
+    after = [(s.local_tokens, s.remote_tokens) for s in route(cluster, keys).scores]
+    assert after[:2] == [(96, 0), (32, 64)]
 
 
 def test_route_rejects_bad_requests(cluster: LocalCluster) -> None:

@@ -23,7 +23,7 @@ from kvdepot.config import (
 from kvdepot.connector.client import ClientConfig
 from kvdepot.errors import InvalidArgument
 from kvdepot.metadata.config import MetadataConfig
-from kvdepot.proxy.server import ProxyConfig
+from kvdepot.proxy.config import ENV_PREFIX, ProxyConfig, UpstreamConfig
 from kvdepot.rpc.security_config import SecurityConfig
 from kvdepot.store.config import StoreConfig
 
@@ -36,7 +36,7 @@ SCOPES = {
 }
 
 
-@pytest.mark.parametrize("cls", [*CONFIGS, ProxyConfig], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", [*CONFIGS, ProxyConfig, UpstreamConfig], ids=lambda c: c.__name__)
 def test_every_number_declares_what_it_accepts(cls: type) -> None:
     # A new numeric setting without a rule would take NaN, -1 or 70000 silently.
     hints = typing.get_type_hints(cls)
@@ -48,7 +48,7 @@ def test_every_number_declares_what_it_accepts(cls: type) -> None:
 
 
 @pytest.mark.parametrize(
-    "cls", [MetadataConfig, StoreConfig, ClientConfig], ids=lambda c: c.__name__
+    "cls", [MetadataConfig, StoreConfig, ClientConfig, UpstreamConfig], ids=lambda c: c.__name__
 )
 def test_non_finite_and_negative_numbers_are_refused_by_name(cls: type) -> None:
     for name, (typ, _) in settings_of(cls).items():
@@ -197,3 +197,14 @@ def test_the_ssd_tier_knows_the_configs_fsync_policies() -> None:
     from kvdepot.store.tiers import ssd
 
     assert ssd.FSYNC_POLICIES == ("always", "segment", "never")
+
+
+def test_the_proxys_engine_timeouts() -> None:
+    env = {ENV_PREFIX + "TOTAL_TIMEOUT_S": "30", ENV_PREFIX + "CONNECT_TIMEOUT_S": "2"}
+    loaded = load_config(UpstreamConfig, prefix=ENV_PREFIX, env=env)
+    assert (loaded.total_timeout_s, loaded.connect_timeout_s) == (30.0, 2.0)
+    with pytest.raises(InvalidSetting, match="KVDEPOT_PROXY_TOTAL_TIMEOUT_S=0"):
+        load_config(UpstreamConfig, prefix=ENV_PREFIX, env={ENV_PREFIX + "TOTAL_TIMEOUT_S": "0"})
+    engines = {"prefill": ("http://p:1",), "decode": ("http://d:2",)}
+    with pytest.raises(InvalidSetting, match="upstream"):
+        ProxyConfig(**engines, upstream=30.0)  # type: ignore[arg-type]
