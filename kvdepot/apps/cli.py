@@ -17,14 +17,20 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvdepot.apps.cli_settings import (
+    EXIT_BROKEN_PIPE,
     OneLineParser,
     add_setting_flags,
     check_environment,
     check_flag,
+    check_store_room,
+    check_up_room,
+    discard_stdout,
     explained,
     flag_names,
     native_stderr_muted,
+    setting_origin,
     setting_overrides,
+    stdout_reader_gone,
     watermark_overrides,
 )
 from kvdepot.config import load_config
@@ -33,7 +39,6 @@ from kvdepot.errors import KVDepotError
 logger = logging.getLogger("kvdepot")
 
 EXIT_ERROR = 1
-EXIT_USAGE = 2  # argparse's; see OneLineParser
 
 if TYPE_CHECKING:
     # Only the type stubs make argparse's subparsers action generic.
@@ -116,6 +121,12 @@ def cmd_store(args: argparse.Namespace) -> int:
     )
     security = _security(args)
     if args.check:
+
+        def origin(name: str) -> str:
+            value = getattr(config, name)
+            return setting_origin(args, StoreConfig, "KVDEPOT_STORE_", name, value)
+
+        check_store_room(config, origin)
         print(json.dumps({"store": _asdict(config), "security": security.describe()}))
         return 0
     return _run_until_signal(
@@ -135,35 +146,65 @@ def _add_watermark_flag(s: argparse.ArgumentParser) -> None:
 
 
 # -- up -----------------------------------------------------------------------
-def _check_up_settings(args: argparse.Namespace) -> None:
+def _check_up_settings(args: argparse.Namespace) -> dict[str, Any]:
     """Validate what ``up``'s daemons will run with (its flags, and the
-    ``KVDEPOT_*`` environment they inherit) before starting any: one bad
-    value is one line here, not a daemon dying during startup."""
+    ``KVDEPOT_*`` environment they inherit) and that their arenas fit,
+    before starting any: one bad value is one line here, not a daemon dying
+    during startup. Returns the daemons' settings, as ``--check`` shows them."""
     from kvdepot.metadata.config import MetadataConfig
     from kvdepot.store.config import StoreConfig
 
-    load_config(
+    if args.nodes < 1:
+        raise KVDepotError(f"--nodes {args.nodes}: must be at least 1")
+    if args.max_restarts < 0:
+        raise KVDepotError(f"--max-restarts {args.max_restarts}: must be 0 or more")
+    check_flag(args.restart_window, "--restart-window")
+    metadata = load_config(
         MetadataConfig,
         prefix="KVDEPOT_METADATA_",
         env=os.environ,
         overrides={"host": args.host, "port": args.metadata_port, "index": args.index},
         flags={"host": "--host", "port": "--metadata-port", "index": "--index"},
     )
-    load_config(
+    store = load_config(
         StoreConfig,
         prefix="KVDEPOT_STORE_",
         env=os.environ,
         overrides={"host": args.host, "capacity_bytes": args.capacity, "port": 0},
         flags={"host": "--host", "capacity_bytes": "--capacity"},
     )
+    check_up_room(args.nodes, store, args.capacity)
+    return {"nodes": args.nodes, "metadata": _asdict(metadata), "store": _asdict(store)}
+
+
+def _print_up(cluster: Any, host: str) -> None:
+    """What ``up`` started: addresses and pids (a supervisor or a test
+    signals them by pid), and the metrics endpoints."""
+    meta = cluster.metadata
+    print(f"kvdepot cluster up: metadata {cluster.metadata_address}, pid {meta.pid}", flush=True)
+    for s in cluster.stores:
+        print(
+            f"  store {s.info['node_id']}: data {s.info['address']}, "
+            f"gRPC {s.info['grpc_address']}, pid {s.pid}",
+            flush=True,
+        )
+    for d in cluster.daemons():
+        if d.info.get("metrics_port") is not None:
+            url = f"http://{host}:{d.info['metrics_port']}/metrics"
+            print(f"  {d.name} metrics: {url}", flush=True)
+    print("Ctrl-C stops all.", flush=True)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from kvdepot.apps.cluster import LocalCluster
+    """A local cluster, supervised: a daemon that dies is restarted (see
+    :class:`~kvdepot.apps.cluster.Supervisor`); one that keeps dying ends
+    ``up`` with an error. Only a signal to ``up`` itself is a clean stop."""
+    from kvdepot.apps.cluster import LocalCluster, RestartPolicy, Supervisor
 
-    if args.nodes < 1:
-        raise KVDepotError("--nodes must be at least 1")
-    _check_up_settings(args)
+    settings = _check_up_settings(args)
+    if args.check:
+        print(json.dumps({"up": settings, "security": _security(args).describe()}))
+        return 0
     cluster = LocalCluster(
         nodes=args.nodes,
         metadata_port=args.metadata_port,
@@ -174,7 +215,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         log_format=args.log_format,
         security=_security(args),
     )
-    # Children get SIGINT from the terminal too; we only wait and clean up.
+    # Children get SIGINT from the terminal too: once it came, their exits
+    # are the stop, not crashes to restart.
     stop = False
 
     def on_signal(signum: int, frame: object) -> None:
@@ -189,24 +231,14 @@ def cmd_up(args: argparse.Namespace) -> int:
         if stop:  # interrupted: a daemon stopped by the signal is no error
             return 130
         raise
+    policy = RestartPolicy(
+        max_restarts=args.max_restarts, window_s=check_flag(args.restart_window, "--restart-window")
+    )
+    supervisor = Supervisor(cluster, policy, stopping=lambda: stop)
     try:
-        print(f"kvdepot cluster up: metadata {cluster.metadata_address}", flush=True)
-        for s in cluster.stores:
-            print(
-                f"  store {s.info['node_id']}: data {s.info['address']}, "
-                f"gRPC {s.info['grpc_address']}, pid {s.pid}",
-                flush=True,
-            )
-        for d in [cluster.metadata, *cluster.stores]:
-            if d is not None and d.info.get("metrics_port") is not None:
-                url = f"http://{args.host}:{d.info['metrics_port']}/metrics"
-                print(f"  {d.name} metrics: {url}", flush=True)
-        print("Ctrl-C stops all.", flush=True)
+        _print_up(cluster, args.host)
         while not stop:
-            for d in [cluster.metadata, *cluster.stores]:
-                if d is not None and d.proc.poll() is not None:
-                    print(f"kvdepot: {d.name} exited ({d.proc.returncode})", file=sys.stderr)
-                    stop = True
+            supervisor.poll()  # raises once a daemon ran out of restarts
             time.sleep(0.2)
     finally:
         cluster.stop()
@@ -440,6 +472,17 @@ def _add_up_command(sub: Subcommands) -> None:
         "--metrics", action="store_true", help="serve /metrics on each daemon (free ports)"
     )
     u.add_argument("--index", default="memory://", help="index backend (e.g. redis://host:6379)")
+    u.add_argument(
+        "--max-restarts",
+        type=int,
+        default=5,
+        help="restarts of a daemon that dies within --restart-window before up gives up "
+        "(default 5; 0: never restart)",
+    )
+    u.add_argument(
+        "--restart-window", default="60", help="seconds restarts are counted over (default 60)"
+    )
+    u.add_argument("--check", action="store_true", help="validate the settings, print them, exit")
     _add_security_flags(u)
     u.set_defaults(func=cmd_up)
 
@@ -544,8 +587,22 @@ def _add_certs_command(sub: Subcommands) -> None:
     ce.set_defaults(func=cmd_certs)
 
 
+def _version() -> str:
+    """The installed distribution's version (a source tree run in place has
+    none installed: the package's own then)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvdepot")
+    except PackageNotFoundError:
+        from kvdepot import __version__
+
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="kvdepot", description="KV cache store for LLM inference")
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     p.add_argument("--log-level", default="INFO", help="daemon log level (default INFO)")
     p.add_argument(
         "--log-format",
@@ -587,6 +644,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             _setup_logging(args.log_level, args.log_format)
             code: int = args.func(args)
         return code
+    except BrokenPipeError:
+        if not stdout_reader_gone():
+            raise
+        # `kvdepot stats --watch | head -1`: the reader has what it wanted.
+        discard_stdout()
+        return EXIT_BROKEN_PIPE
     except KVDepotError as exc:
         print(f"kvdepot: error: {explained(exc, args, lambda: _security(args))}", file=sys.stderr)
         return EXIT_ERROR

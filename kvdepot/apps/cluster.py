@@ -5,6 +5,11 @@ prints one ``KVDEPOT READY {json}`` line on stdout once it can do its job (a
 metadata service once it listens, a store once it is registered with one);
 its logs go to stderr. A store that cannot register retries for as long as it
 runs: the wait for its READY line is what bounds it (``ready_timeout_s``).
+
+A :class:`Supervisor` keeps the cluster running (``kvdepot up``): a daemon that
+dies is started again as it was, the metadata service on its own port, so the
+stores keep their chunks and register with it again, as they would with a
+standalone metadata service restarted by its service manager.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from typing import IO, Any
 
 import grpc
 
-from kvdepot.errors import Unavailable
+from kvdepot.errors import KVDepotError, Unavailable
 from kvdepot.proto.gen import metadata_pb2, metadata_pb2_grpc
 from kvdepot.rpc.security import channel as secure_channel
 from kvdepot.rpc.security_config import NO_SECURITY, SecurityConfig, child_args
@@ -44,14 +49,22 @@ class DaemonProcess:
     name: str
     proc: subprocess.Popen[bytes]
     info: dict[str, Any] = field(default_factory=dict)
+    # Its command line after ``kvdepot``, to start it again the same way.
+    args: list[str] = field(default_factory=list)
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
 
-def wait_ready(proc: subprocess.Popen[bytes], name: str, timeout_s: float) -> dict[str, Any]:
-    """Read ``proc``'s stdout until its READY line; raise if it dies or stalls."""
+def wait_ready(
+    proc: subprocess.Popen[bytes],
+    name: str,
+    timeout_s: float,
+    abort: Callable[[], bool] | None = None,
+) -> dict[str, Any]:
+    """Read ``proc``'s stdout until its READY line; raise if it dies or stalls,
+    or once ``abort()`` is true (checked a few times a second)."""
     assert proc.stdout is not None
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
@@ -62,6 +75,8 @@ def wait_ready(proc: subprocess.Popen[bytes], name: str, timeout_s: float) -> di
             left = deadline - time.monotonic()
             if left <= 0:
                 raise Unavailable(f"{name} did not become ready within {timeout_s:.0f} s")
+            if abort is not None and abort():
+                raise Unavailable(f"{name}: the wait for it was interrupted")
             if not sel.select(min(left, 0.2)):
                 if proc.poll() is not None:
                     raise Unavailable(f"{name} exited with status {proc.returncode}")
@@ -73,7 +88,7 @@ def wait_ready(proc: subprocess.Popen[bytes], name: str, timeout_s: float) -> di
             buf += chunk
             for line in buf.decode(errors="replace").splitlines():
                 if line.startswith(READY_PREFIX):
-                    info: dict[str, Any] = json.loads(line[len(READY_PREFIX):])
+                    info: dict[str, Any] = json.loads(line[len(READY_PREFIX) :])
                     return info
     finally:
         sel.close()
@@ -211,28 +226,34 @@ class LocalCluster:
             )
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        return DaemonProcess(name, proc)
+        return DaemonProcess(name, proc, args=args)
 
     def _security_args(self) -> list[str]:
         if self._secrets is None and self.security.auth_token:
             self._secrets = Path(tempfile.mkdtemp(prefix="kvdepot-cluster-"))
         return child_args(self.security, self._secrets or Path())
 
+    def _metadata_args(self, port: int, metrics_port: int | None) -> list[str]:
+        metrics = [] if metrics_port is None else ["--metrics-port", str(metrics_port)]
+        return [
+            "metadata",
+            "--host", self.host,
+            "--port", str(port),
+            "--lease-ttl", str(self.lease_ttl_s),
+            "--heartbeat-interval", str(self.heartbeat_interval_s),
+            "--index", self.index,
+            *metrics,
+        ]  # fmt: skip
+
     def start(self) -> LocalCluster:
         try:
-            self.metadata = self._spawn(
-                "metadata",
-                [
-                    "metadata",
-                    "--host", self.host,
-                    "--port", str(self.metadata_port),
-                    "--lease-ttl", str(self.lease_ttl_s),
-                    "--heartbeat-interval", str(self.heartbeat_interval_s),
-                    "--index", self.index,
-                    *self._metrics_args(),
-                ],
-            )
+            metrics_port = 0 if self.metrics else None
+            args = self._metadata_args(self.metadata_port, metrics_port)
+            self.metadata = self._spawn("metadata", args)
             self.metadata.info = wait_ready(self.metadata.proc, "metadata", self.ready_timeout_s)
+            # A restart binds the ports it got (a store keeps the address it knows).
+            info = self.metadata.info
+            self.metadata.args = self._metadata_args(info["port"], info.get("metrics_port"))
             for i in range(self.nodes):
                 self.add_store(f"store-{i}")
             wait_nodes(self.metadata_address, self.nodes, self.ready_timeout_s, self.security)
@@ -264,10 +285,47 @@ class LocalCluster:
                 *self.extra_store_args,
                 *extra,
             ],
-        )
+        )  # fmt: skip
         self.stores.append(store)
         store.info = wait_ready(store.proc, name, self.ready_timeout_s)
         return store
+
+    def daemons(self) -> list[DaemonProcess]:
+        """The metadata service (once started) and the stores."""
+        return [*([self.metadata] if self.metadata is not None else []), *self.stores]
+
+    def restart(
+        self, daemon: DaemonProcess, abort: Callable[[], bool] | None = None
+    ) -> DaemonProcess:
+        """Start ``daemon``, which exited, again with its arguments, in its
+        place; return once it is ready (a store: registered).
+
+        A store takes its node id over at once: its previous process is gone,
+        so waiting for that one's lease to run out would only delay it.
+
+        Raises:
+            Unavailable: It exited again or was not ready within
+                ``ready_timeout_s`` (it is stopped then), or ``abort()`` came
+                true meanwhile (it is left to :meth:`stop`).
+        """
+        if daemon.proc.poll() is None:
+            raise KVDepotError(f"{daemon.name} is still running (pid {daemon.pid})")
+        if daemon.proc.stdout is not None:
+            daemon.proc.stdout.close()
+        forced = ["--force-node-id"] if daemon is not self.metadata else []
+        fresh = self._spawn(daemon.name, [*daemon.args, *forced])
+        fresh.args = daemon.args
+        if daemon is self.metadata:
+            self.metadata = fresh
+        else:
+            self.stores[self.stores.index(daemon)] = fresh
+        try:
+            fresh.info = wait_ready(fresh.proc, fresh.name, self.ready_timeout_s, abort)
+        except Unavailable:
+            if abort is None or not abort():
+                _end(fresh.proc, timeout_s=5.0)
+            raise
+        return fresh
 
     def _metrics_args(self) -> list[str]:
         return ["--metrics-port", "0"] if self.metrics else []
@@ -282,13 +340,7 @@ class LocalCluster:
                     p.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
         for p in procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-            if p.stdout is not None:
-                p.stdout.close()
+            _end(p, max(0.1, deadline - time.monotonic()), signalled=True)
         for log in self._logs:
             log.close()
         self._logs.clear()
@@ -301,3 +353,151 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def exit_reason(returncode: int) -> str:
+    """How a process ended, e.g. ``status 1`` or ``killed by SIGKILL``."""
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"status {returncode}"
+
+
+class DaemonFailed(KVDepotError):
+    """A daemon of a supervised cluster kept dying: its restarts ran out."""
+
+
+@dataclass(frozen=True, slots=True)
+class RestartPolicy:
+    """How often a daemon that dies is started again before the supervisor
+    gives up.
+
+    Attributes:
+        max_restarts: Restarts of one daemon within ``window_s``; one more
+            death in that window is final (0: the first one is).
+        window_s: The span restarts are counted over.
+        backoff_s: The wait before the second restart within the window,
+            doubling for each further one (the first one is at once: a
+            one-off crash costs no more than the start).
+        max_backoff_s: The longest such wait.
+    """
+
+    max_restarts: int = 5
+    window_s: float = 60.0
+    backoff_s: float = 0.5
+    max_backoff_s: float = 8.0
+
+    def delay(self, recent: int) -> float:
+        """The wait before a restart that ``recent`` restarts in the window preceded."""
+        if recent <= 0:
+            return 0.0
+        return float(min(self.max_backoff_s, self.backoff_s * 2 ** (recent - 1)))
+
+
+class Supervisor:
+    """Restarts the daemons of a running :class:`LocalCluster` that exit.
+
+    Call :meth:`poll` a few times a second. Each restart is reported in one
+    line (which daemon, how it ended, its new pid); a daemon that dies more
+    than ``policy.max_restarts`` times within ``policy.window_s`` is given
+    up on (:class:`DaemonFailed`), and the caller stops the cluster. Nothing
+    is restarted once ``stopping()`` is true: daemons exiting because the
+    cluster is being stopped (Ctrl-C reaches them too) did not crash.
+    """
+
+    def __init__(
+        self,
+        cluster: LocalCluster,
+        policy: RestartPolicy | None = None,
+        *,
+        report: Callable[[str], None] | None = None,
+        stopping: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self.cluster = cluster
+        self.policy = policy or RestartPolicy()
+        self._report = report or logger.warning
+        self._stopping = stopping
+        self._restarts: dict[str, list[float]] = {}
+        self.restarts = 0
+        """Restarts made so far, of all daemons."""
+
+    def poll(self) -> None:
+        """Restart each daemon that exited (returns once each one runs again).
+
+        Raises:
+            DaemonFailed: One ran out of restarts.
+        """
+        for daemon in self.cluster.daemons():
+            if daemon.proc.poll() is not None and not self._stopping():
+                self._recover(daemon)
+
+    def _recent(self, name: str) -> list[float]:
+        since = time.monotonic() - self.policy.window_s
+        recent = [t for t in self._restarts.get(name, []) if t >= since]
+        self._restarts[name] = recent
+        return recent
+
+    def _pause(self, delay_s: float) -> bool:
+        """Sleep ``delay_s``, unless the cluster is stopped meanwhile (then False)."""
+        deadline = time.monotonic() + delay_s
+        while not self._stopping():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return True
+            time.sleep(min(left, 0.1))
+        return False
+
+    def _recover(self, daemon: DaemonProcess) -> None:
+        name, pid = daemon.name, daemon.pid
+        why = exit_reason(daemon.proc.returncode)
+        while True:
+            recent = self._recent(name)
+            if len(recent) >= self.policy.max_restarts:
+                times = f"{len(recent)} restart{'' if len(recent) == 1 else 's'}"
+                raise DaemonFailed(
+                    f"{name} (pid {pid}) exited ({why}) after {times} within "
+                    f"{self.policy.window_s:g} s: giving up"
+                )
+            if not self._pause(self.policy.delay(len(recent))):
+                return
+            recent.append(time.monotonic())
+            self.restarts += 1
+            try:
+                fresh = self.cluster.restart(daemon, abort=self._stopping)
+            except Unavailable:
+                if self._stopping():
+                    return
+                self._report(f"{name} (pid {pid}) exited ({why}); its restart failed")
+                daemon = next(d for d in self.cluster.daemons() if d.name == name)
+                pid = daemon.pid
+                why = exit_reason(daemon.proc.returncode) + " while starting"
+                continue
+            # A store listens on new ports (the metadata service on its own).
+            moved = "".join(
+                f", {label} {fresh.info[key]}"
+                for label, key in (("data", "address"), ("gRPC", "grpc_address"))
+                if key in fresh.info
+            )
+            self._report(
+                f"{name} (pid {pid}) exited ({why}); restarted it as pid {fresh.pid}{moved} "
+                f"(restart {len(recent)} of at most {self.policy.max_restarts} "
+                f"within {self.policy.window_s:g} s)"
+            )
+            return
+
+
+def _end(proc: subprocess.Popen[bytes], timeout_s: float, signalled: bool = False) -> None:
+    """Stop ``proc`` (SIGTERM unless ``signalled``, SIGKILL past ``timeout_s``)
+    and reap it."""
+    if not signalled and proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()
