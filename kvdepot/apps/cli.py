@@ -305,8 +305,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # -- proxy --------------------------------------------------------------------
 def cmd_proxy(args: argparse.Namespace) -> int:
     from kvdepot.keys import Namespace
+    from kvdepot.proxy.config import ENV_PREFIX, ProxyConfig, UpstreamConfig
     from kvdepot.proxy.router import parse_node_map
-    from kvdepot.proxy.server import ProxyConfig, serve
 
     namespace = None
     if args.routing == "kv-aware":
@@ -330,10 +330,19 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         decode_nodes=parse_node_map(args.decode_node),
         metadata=args.metadata or "",
         namespace=namespace,
+        upstream=load_config(
+            UpstreamConfig,
+            prefix=ENV_PREFIX,
+            env=os.environ,
+            overrides=setting_overrides(args, UpstreamConfig),
+            flags=flag_names(UpstreamConfig),
+        ),
     )
     if args.check:
         print(json.dumps({"proxy": _asdict(config)}))
         return 0
+    from kvdepot.proxy.server import serve  # aiohttp: not needed to check the settings
+
     security = _security(args)
     return _run_until_signal(lambda: serve(config, announce=_announce, security=security))
 
@@ -549,6 +558,9 @@ def _add_proxy_command(sub: Subcommands) -> None:
     px.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk (256)")
     px.add_argument("--cache-salt", default="", help="namespace cache salt, if any")
     px.add_argument("--check", action="store_true", help="validate the config, print it, exit")
+    from kvdepot.proxy.config import UpstreamConfig
+
+    add_setting_flags(px, UpstreamConfig)
     _add_security_flags(px)
     px.set_defaults(func=cmd_proxy)
 

@@ -254,6 +254,7 @@ def check_environment() -> None:
     from kvdepot.config import check_environment as check
     from kvdepot.connector.client import ClientConfig
     from kvdepot.metadata.config import MetadataConfig
+    from kvdepot.proxy import config as proxy_config
     from kvdepot.rpc.security_config import ENV_PREFIX, SecurityConfig
     from kvdepot.store.config import StoreConfig
 
@@ -263,6 +264,7 @@ def check_environment() -> None:
             "KVDEPOT_METADATA_": MetadataConfig,
             "KVDEPOT_STORE_": StoreConfig,
             "KVDEPOT_CLIENT_": ClientConfig,
+            proxy_config.ENV_PREFIX: proxy_config.UpstreamConfig,
             ENV_PREFIX: SecurityConfig,
         },
     )
