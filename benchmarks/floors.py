@@ -10,10 +10,12 @@ nothing else in it, in the same rounds as the rest:
   :func:`kvdepot.wire.sockets.recv_hashed_into`), and whose put hashes each
   block of the source right after ``sendall`` handed it to the kernel (as a
   PUT_TRAILED writer does). The server is raw-tcp's: it does not hash what
-  it receives (a store checks a put's checksum as it receives it);
+  it receives (a store checks a put's checksum as it receives it); a
+  visible put is raw-tcp's with these sends;
 * ``raw-shm-xxh3``: ``raw-shm`` whose put copies with the writer's checksums
   (``copy_hashed(dst, src, hash_dst=False)``) and whose get copies and hashes
-  what it copied (``hash_dst=True``), on one thread, as raw-shm copies.
+  what it copied (``hash_dst=True``), on one thread, as raw-shm copies; a
+  visible put is raw-shm's with this copy.
 
 Every digest is compared with one computed in ``prepare``, so the hashing
 cannot be skipped; a mismatch raises.
@@ -27,8 +29,8 @@ from __future__ import annotations
 import socket
 
 import numpy as np
-from dataplane import RawShm, RawTcp
 
+from benchmarks.systems import RawShm, RawTcp
 from kvdepot.connector.transport.shm import copy_hashed
 from kvdepot.wire.protocol import HASH_BLOCK
 from kvdepot.wire.sockets import recv_hashed_into
@@ -57,11 +59,9 @@ class RawTcpXxh3(RawTcp):
         # raw-tcp's server answers a get with its own buffers of ones.
         self._get_sum = xxh3_64(memoryview(np.ones(size, dtype=np.uint8)))
 
-    def put(self) -> None:
-        self._sock.sendall(b"p")
-        sums = [_send_hashed(self._sock, b) for b in self._src]
-        self._sock.recv(1)
-        if sums != self._put_sums:
+    def _send(self, k: int) -> None:
+        sums = [_send_hashed(self._sock, b) for b in self._src[:k]]
+        if sums != self._put_sums[:k]:
             raise RuntimeError(f"{self.name}: put checksums differ from the source's")
 
     def get(self) -> None:
@@ -83,15 +83,14 @@ class RawShmXxh3(RawShm):
         self._slot_views = [[memoryview(d) for d in slot] for slot in self._slots]
         self._sums = [xxh3_64(v) for v in self._src_views]  # slot 0 holds the source
 
-    def put(self) -> None:
+    def _copy_in(self, k: int) -> None:
         self._next = self._next % (len(self._slot_views) - 1) + 1  # slot 0 is what gets read
         dst = self._slot_views[self._next]
         sums = [
-            copy_hashed(d, s, hash_dst=False) for s, d in zip(self._src_views, dst, strict=True)
+            copy_hashed(d, s, hash_dst=False)
+            for s, d in zip(self._src_views[:k], dst[:k], strict=True)
         ]
-        self._sock.sendall(b"p")
-        self._sock.recv(1)
-        if sums != self._sums:
+        if sums != self._sums[:k]:
             raise RuntimeError(f"{self.name}: put checksums differ from the source's")
 
     def get(self) -> None:

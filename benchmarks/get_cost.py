@@ -25,15 +25,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from dataplane import KiB, KVDepot, _cluster
-from floors import RawTcpXxh3
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the repo root
 
+from benchmarks import procs
+from benchmarks.floors import RawTcpXxh3
+from benchmarks.kvsystems import KVDepot, cluster
+from benchmarks.systems import KiB
 from kvdepot.keys import ChunkKey
 from kvdepot.wire.protocol import (
     GET_ENTRY,
@@ -152,11 +156,12 @@ def main(argv: list[str] | None = None) -> int:
     trials = args.trials or (300 if args.quick else 2000)
     sizes = [int(k) * KiB for k in args.sizes.split(",")]
     rows: list[Row] = []
-    with _cluster("1GiB", None) as cluster:
+    procs.stop_on_sigterm()
+    with cluster("1GiB", None) as kv_cluster:
         for size in sizes:
             # Fewer gets of larger chunks: about the same time per size.
             n = max(50, trials * 256 * KiB // max(size, 256 * KiB))
-            rows += _measure(cluster, size, n, 0.5 if args.quick else 2.0)
+            rows += _measure(kv_cluster, size, n, 0.5 if args.quick else 2.0)
     if args.json:
         print(json.dumps([asdict(r) for r in rows], indent=1))
         return 0

@@ -51,7 +51,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("CUDA is not available", file=sys.stderr)
         return 2
-    from kvdepot.apps.cluster import LocalCluster
+    from benchmarks.procs import Cluster
     from tests.integration.vllm.engine import build_tiny_gemma3, build_tiny_llama
     from tests.integration.vllm.test_connector import kv, run_engine
 
@@ -64,7 +64,7 @@ def main() -> int:
         model = str(build_tiny_llama(tmp / "model"))
         base = {"model": model, "max_tokens": 64, "logprobs": 1, "ignore_eos": True}
         plain = run_engine(tmp, {**base, "prompts": prompts, "kv": None}, "plain")["outputs"]
-        with LocalCluster(nodes=2, capacity="1GiB", log_dir=tmp / "logs", lease_ttl_s=60) as c:
+        with Cluster(nodes=2, capacity="1GiB", log_dir=tmp / "logs", lease_ttl_s=60) as c:
             meta = c.metadata_address
             for name, extra in (
                 ("none", {}),

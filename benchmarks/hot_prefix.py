@@ -32,8 +32,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import json
 import multiprocessing as mp
 import os
@@ -51,6 +49,9 @@ from typing import Any
 import grpc
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the repo root
+
+from benchmarks import procs
 from kvdepot.apps.cluster import LocalCluster
 from kvdepot.connector.client import ClientConfig, KVDepotClient
 from kvdepot.proto.gen import store_pb2, store_pb2_grpc
@@ -59,7 +60,6 @@ NODES = 4
 READERS_PER_NODE = 4
 WRITER_NODE = "store-0"
 SAMPLE_STRIDE = 4093  # bytes of each chunk checked per read: one every this many
-PR_SET_PDEATHSIG = 1
 READY_TIMEOUT_S = 180.0
 MODES = ("replicated", "single")
 
@@ -94,15 +94,9 @@ def percentile(sorted_ms: list[float], q: float) -> float:
 
 
 # -- reader processes -----------------------------------------------------------
-def die_with_parent() -> None:
-    """In a child: have the kernel SIGKILL it when the benchmark dies."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-
-
 def reader(job: Job, idx: int, go: Any, start_at: Any, ready: Any, results: Any) -> None:
-    """One reader: connect, wait for the common start, warm up, measure, report."""
-    die_with_parent()
+    """One reader: connect, wait for the common start, warm up, measure, report
+    (started by :func:`benchmarks.procs.process`: it dies with the benchmark)."""
     try:
         results.put(_read_loop(job, idx, go, start_at, ready))
     except BaseException:
@@ -188,7 +182,7 @@ def bytes_out(cluster: LocalCluster) -> dict[str, int]:
     return out
 
 
-def collect(procs: list[Any], q: Any, count: int, timeout_s: float, what: str) -> list[Any]:
+def collect(readers: list[Any], q: Any, count: int, timeout_s: float, what: str) -> list[Any]:
     """``count`` items from ``q``; fail if a process dies first or it takes too long."""
     got: list[Any] = []
     deadline = time.monotonic() + timeout_s
@@ -198,7 +192,7 @@ def collect(procs: list[Any], q: Any, count: int, timeout_s: float, what: str) -
         try:
             item = q.get(timeout=0.5)
         except queue.Empty:
-            dead = [p.name for p in procs if p.exitcode not in (None, 0)]
+            dead = [p.name for p in readers if p.exitcode not in (None, 0)]
             if dead:
                 raise RuntimeError(f"{what}: reader processes died: {dead}") from None
             continue
@@ -221,9 +215,9 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     go, start_at = ctx.Event(), ctx.Value("d", 0.0)
     ready, results = ctx.Queue(), ctx.Queue()
-    procs: list[Any] = []
+    readers: list[Any] = []
     with tempfile.TemporaryDirectory(prefix="kvdepot-hot-") as tmp:
-        cluster = LocalCluster(
+        cluster = procs.Cluster(
             nodes=NODES, capacity=args.capacity, log_dir=Path(tmp) / "logs", env=env
         )
         try:
@@ -234,24 +228,24 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
                 node = f"store-{n // READERS_PER_NODE}"
                 job = Job(address, node, args.transport, args.chunks, chunk_bytes, args.seed,
                           args.seconds)  # fmt: skip
-                p = ctx.Process(target=reader, args=(job, n, go, start_at, ready, results),
-                                name=f"reader-{n}@{node}", daemon=True)  # fmt: skip
+                p = procs.process(ctx, reader, (job, n, go, start_at, ready, results),
+                                  name=f"reader-{n}@{node}", daemon=True)  # fmt: skip
                 p.start()
-                procs.append(p)
-            collect(procs, ready, len(procs), READY_TIMEOUT_S, f"{mode}: readers ready")
+                readers.append(p)
+            collect(readers, ready, len(readers), READY_TIMEOUT_S, f"{mode}: readers ready")
             start_at.value = time.time() + args.warmup
             go.set()
             with KVDepotClient(ClientConfig(metadata=address, transport=args.transport)) as c:
                 time.sleep(max(0.0, start_at.value - time.time()))
                 at_start, sent0 = replica_nodes(c, keys), bytes_out(cluster)
                 limit = args.warmup + args.seconds + 120
-                outs = collect(procs, results, len(procs), limit, f"{mode}: reader results")
+                outs = collect(readers, results, len(readers), limit, f"{mode}: reader results")
                 at_end, sent1 = replica_nodes(c, keys), bytes_out(cluster)
         finally:
-            for p in procs:
+            for p in readers:
                 if p.is_alive():
                     p.terminate()
-            for p in procs:
+            for p in readers:
                 p.join(10)
             cluster.stop()
     return {

@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 # stdout, which --json keeps for the result. Engines set their own level.
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
-from kvdepot.apps.cluster import LocalCluster  # noqa: E402
+from benchmarks.procs import Cluster  # noqa: E402
 from tests.integration.vllm.engine import build_tiny_llama  # noqa: E402
 from tests.integration.vllm.test_connector import run_engine  # noqa: E402
 
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         "chunk_tokens": CHUNK,
         "fp8_block": args.block,
     }
-    with LocalCluster(nodes=2, capacity="256MiB", log_dir=work / "logs", lease_ttl_s=600) as c:
+    with Cluster(nodes=2, capacity="256MiB", log_dir=work / "logs", lease_ttl_s=600) as c:
         meta = c.metadata_address
         runs = {}
         for codec in ("none", "fp8_e4m3"):

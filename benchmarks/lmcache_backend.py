@@ -61,7 +61,9 @@ from lmcache.v1.metadata import LMCacheMetadata
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 from lmcache.v1.storage_backend.remote_backend import RemoteBackend
 
-from kvdepot.apps.cluster import LocalCluster
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the repo root
+
+from benchmarks import procs
 
 CHUNK_TOKENS = 256
 DTYPE = torch.bfloat16
@@ -224,7 +226,7 @@ def lm_server(log: Path) -> Iterator[int]:
     """LMCache's own remote server (``lmcache_server 127.0.0.1 PORT cpu``)."""
     port = _free_port()
     with open(log, "wb") as err:
-        proc = subprocess.Popen(
+        proc = procs.popen(
             [sys.executable, "-m", "lmcache.v1.server", "127.0.0.1", str(port), "cpu"],
             stdout=subprocess.DEVNULL,
             stderr=err,
@@ -242,12 +244,7 @@ def lm_server(log: Path) -> Iterator[int]:
                 time.sleep(0.1)
         yield port
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        procs.terminate(proc)
 
 
 def bench_shape(shape: Shape, sides: list[Side], trials: int, batch: int) -> list[Row]:
@@ -311,6 +308,7 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=0, help="trials per backend (default 5/15)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    procs.stop_on_sigterm()
     trials = args.trials or (5 if args.quick else 15)
     shapes = SHAPES[:2] if args.quick else SHAPES
     started = time.monotonic()
@@ -320,7 +318,7 @@ def main() -> None:
         biggest = max(s.chunk_bytes for s in shapes)
         capacity = max(256 << 20, 4 * (trials + 2) * args.batch * biggest)
         with (
-            LocalCluster(nodes=1, capacity=f"{capacity >> 20}MiB", log_dir=logs) as cluster,
+            procs.Cluster(nodes=1, capacity=f"{capacity >> 20}MiB", log_dir=logs) as cluster,
             lm_server(logs / "lm-server.log") as port,
         ):
             node = cluster.stores[0].info["node_id"]

@@ -44,8 +44,11 @@ from typing import Any
 import grpc
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from scale_nodes import redis_server  # ends with this process, as every daemon here should
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the repo root
+
+from benchmarks import procs
+from benchmarks.scale_nodes import redis_server
 from kvdepot.apps.cluster import wait_ready
 from kvdepot.proto.gen import common_pb2, metadata_pb2, metadata_pb2_grpc
 from kvdepot.wire.lookup import unpack_lookup
@@ -120,13 +123,14 @@ def timed_loop(
 def metadata_service(index: str, log: Path) -> Iterator[str]:
     """A ``kvdepot metadata`` process over ``index``; yields its ``host:port``."""
     with open(log, "wb") as err:
-        proc = subprocess.Popen(
+        proc = procs.popen(
             [sys.executable, "-m", "kvdepot.apps.cli", "--log-level", "WARNING", "metadata",
              "--host", "127.0.0.1", "--port", "0", "--index", index,
              "--lease-ttl", "10", "--heartbeat-interval", "1"],
             stdout=subprocess.PIPE,
             stderr=err,
             stdin=subprocess.DEVNULL,
+            death_signal=signal.SIGTERM,
         )  # fmt: skip
     try:
         info = wait_ready(proc, f"metadata ({index})", 60)
@@ -319,7 +323,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             beats = Heartbeats([memory, replica1])
             beats.start()
             stack.callback(beats.stop)
-            pool = stack.enter_context(mp.get_context("spawn").Pool(2))
+            pool = stack.enter_context(procs.pool(mp.get_context("spawn"), 2))
 
             plan = [
                 ("memory", [memory]),
@@ -345,9 +349,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         return next(r for r in rows if r["backend"] == backend and r["op"] == op)
 
     floor = get("grpc-floor", "health")
-    summary: dict[str, Any] = {
-        "grpc_floor": {"p50_ms": floor["p50_ms"], "p99_ms": floor["p99_ms"]}
-    }
+    summary: dict[str, Any] = {"grpc_floor": {"p50_ms": floor["p50_ms"], "p99_ms": floor["p99_ms"]}}
     for op in ("lookup", "put"):
         redis_row, raw, mem = get("redis", op), get("raw-redis", op), get("memory", op)
         two = get("redis-2-replicas", op)
@@ -421,6 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.warmup is None:
         args.warmup = 0.3 if args.quick else 1.0
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    procs.stop_on_sigterm()
     result = measure(args)
     print(json.dumps(result) if args.json else render(result))
     return 0

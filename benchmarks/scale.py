@@ -44,7 +44,11 @@ from typing import Any
 
 import grpc
 import redis
-from scale_nodes import (
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the repo root
+
+from benchmarks import procs
+from benchmarks.scale_nodes import (
     LOOKUP_KEYS,
     Daemon,
     Heartbeater,
@@ -60,7 +64,6 @@ from scale_nodes import (
     register_child,
     windows,
 )
-
 from kvdepot.errors import Unavailable
 from kvdepot.proto.gen import metadata_pb2
 
@@ -366,7 +369,7 @@ def during_register(
     """Lookups while another process registers the big node; (window, its result)."""
     ctx = mp.get_context("spawn")
     results: Any = ctx.Queue()
-    child = ctx.Process(target=register_child, args=(address, "big", chunks, 7, results))
+    child = procs.process(ctx, register_child, (address, "big", chunks, 7, results))
     child.start()
     try:
         done = threading.Event()

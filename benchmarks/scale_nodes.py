@@ -1,16 +1,16 @@
 """The pieces of ``benchmarks/scale.py``: its processes, its synthetic store nodes, its plot.
 
-Every process started here dies with the benchmark: each gets a parent-death
-signal (``PR_SET_PDEATHSIG``) and is stopped in a ``finally``. Synthetic nodes
-speak the real gRPC API of the metadata service (paged ``RegisterNode`` +
-``RegisterInventory``, ``Heartbeat``, packed ``Lookup``) with inventories of
-random 16-byte keys that are never turned into one Python object per chunk.
+Every process started here dies with the benchmark: each comes from
+``benchmarks/procs.py`` (a parent-death signal) and is stopped in a
+``finally``. Synthetic nodes speak the real gRPC API of the metadata service
+(paged ``RegisterNode`` + ``RegisterInventory``, ``Heartbeat``, packed
+``Lookup``) with inventories of random 16-byte keys that are never turned
+into one Python object per chunk.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import shutil
 import signal
@@ -29,6 +29,7 @@ import numpy as np
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from benchmarks import procs
 from kvdepot.apps.cluster import wait_ready
 from kvdepot.errors import Unavailable
 from kvdepot.proto.gen import common_pb2, metadata_pb2, metadata_pb2_grpc
@@ -36,7 +37,6 @@ from kvdepot.wire.lookup import unpack_lookup
 
 CHUNK_BYTES = 2 << 20
 LOOKUP_KEYS = 128
-PR_SET_PDEATHSIG = 1
 SERVING = health_pb2.HealthCheckResponse.SERVING
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
@@ -45,12 +45,6 @@ CHANNEL_OPTIONS = [
 
 
 # -- processes ----------------------------------------------------------------
-def die_with_parent() -> None:
-    """In a child: have the kernel SIGKILL it when the benchmark dies."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -77,11 +71,10 @@ def redis_server(workdir: Path) -> Iterator[int]:
     if binary is None:
         sys.exit("scale: redis-server not found (apt-get install redis-server)")
     port = free_port()
-    proc = subprocess.Popen(
+    proc = procs.popen(
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
          "--appendonly", "no", "--dir", str(workdir)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
-        preexec_fn=die_with_parent,
     )  # fmt: skip
     try:
         client = redis.Redis(port=port)
@@ -141,12 +134,12 @@ class Daemon:
 def metadata_daemon(index: str, log: Path, lease_s: float, heartbeat_s: float) -> Iterator[Daemon]:
     """A ``kvdepot metadata`` process over ``index``; yields it once READY."""
     with open(log, "ab") as err:
-        proc = subprocess.Popen(
+        proc = procs.popen(
             [sys.executable, "-m", "kvdepot.apps.cli", "--log-level", "WARNING", "metadata",
              "--host", "127.0.0.1", "--port", "0", "--index", index,
              "--lease-ttl", str(lease_s), "--heartbeat-interval", str(heartbeat_s)],
             stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL,
-            preexec_fn=die_with_parent,
+            death_signal=signal.SIGTERM,
         )  # fmt: skip
     try:
         try:
@@ -394,8 +387,8 @@ def percentile(ms: list[float], q: float) -> float:
 
 # -- a registration in a child process (so it does not share this one's GIL) ------
 def register_child(address: str, node_id: str, chunks: int, seed: int, queue: Any) -> None:
-    """Register ``chunks`` keys of ``seed`` as ``node_id``; put the result on ``queue``."""
-    die_with_parent()
+    """Register ``chunks`` keys of ``seed`` as ``node_id``; put the result on ``queue``
+    (run by :func:`benchmarks.procs.process`: it dies with the benchmark)."""
     keys = inventory(chunks, seed)
     with channel(address) as ch:
         node = Node(metadata_pb2_grpc.MetadataStub(ch), node_id, keys)

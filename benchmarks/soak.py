@@ -46,6 +46,10 @@ from typing import Any
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the repo root
+
+from benchmarks import procs
+
 KiB = 1 << 10
 MiB = 1 << 20
 CHUNK_TOKENS = 256
@@ -351,9 +355,9 @@ class _Daemons:
 
 def _start_cluster(args: argparse.Namespace, log_dir: Path) -> tuple[Any, str]:
     """The metadata service and ``STORES`` stores, each with its own SSD directory."""
-    from kvdepot.apps.cluster import LocalCluster, wait_nodes
+    from kvdepot.apps.cluster import wait_nodes
 
-    cluster = LocalCluster(
+    cluster = procs.Cluster(
         nodes=0, capacity=args.capacity, log_dir=log_dir, lease_ttl_s=5.0, heartbeat_interval_s=1.0
     )
     cluster.start()
@@ -387,14 +391,14 @@ def _watch(args: argparse.Namespace, watched: _Daemons, window: Any) -> None:
             watched.say(f"soak: {time.time() - window[0]:.0f} s, RSS MiB {rss}")
 
 
-def _collect(args: argparse.Namespace, procs: list[Any], results: Any) -> list[dict[str, Any]]:
+def _collect(args: argparse.Namespace, clients: list[Any], results: Any) -> list[dict[str, Any]]:
     """The clients' reports, waiting a bounded time for the slow ones."""
     reports: list[dict[str, Any]] = []
     deadline = time.time() + 120 + 2 * args.seconds / 60
-    while len(reports) < len(procs) and time.time() < deadline:
+    while len(reports) < len(clients) and time.time() < deadline:
         with contextlib.suppress(Exception):
             reports.append(results.get(timeout=1.0))
-        if all(not p.is_alive() for p in procs) and results.empty():
+        if all(not p.is_alive() for p in clients) and results.empty():
             break
     return reports
 
@@ -429,32 +433,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     go, results = ctx.Event(), ctx.Queue()
     window = ctx.Array("d", 2)
-    procs = []
+    clients = []
     reports: list[dict[str, Any]] = []
     moves = {"evictions": 0, "demotions": 0, "promotions": 0}  # summed over stores and tiers
     try:
         for i in range(args.clients):
             store = cluster.stores[i % len(cluster.stores)]
-            p = ctx.Process(
-                target=client_main,
-                args=(i, cluster.metadata_address, store.info["node_id"],
-                      transports[i % len(transports)], work, window, go, results),
+            p = procs.process(
+                ctx, client_main,
+                (i, cluster.metadata_address, store.info["node_id"],
+                 transports[i % len(transports)], work, window, go, results),
                 daemon=True,
             )  # fmt: skip
             p.start()
-            procs.append(p)
+            clients.append(p)
         say(f"soak: {args.clients} clients, {args.seconds:.0f} s after {args.warmup:.0f} s "
             f"warm-up, arenas {args.capacity} x {STORES}, logs in {log_dir}")  # fmt: skip
         start = time.time() + 2.0  # clients finish importing meanwhile
         window[0], window[1] = start + args.warmup, start + args.warmup + args.seconds
         go.set()
         _watch(args, watched, window)
-        reports = _collect(args, procs, results)
+        reports = _collect(args, clients, results)
         watched.check()
         watched.rss_end = watched.sample(time.time() - window[0])
         moves = _tier_moves(cluster.metadata_address, moves)
     finally:
-        for p in procs:
+        for p in clients:
             p.join(5)
             if p.is_alive():
                 p.kill()
@@ -462,7 +466,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         watched.check()
         cluster.stop()
         shutil.rmtree(ssd_root, ignore_errors=True)
-    result = _report(args, work, transports, reports, len(procs), watched, moves, log_dir)
+    result = _report(args, work, transports, reports, len(clients), watched, moves, log_dir)
     clean = not (watched.crashed or result["wrong_bytes"] or result["daemon_log_errors"])
     if not args.log_dir and clean:
         shutil.rmtree(log_dir, ignore_errors=True)
@@ -644,6 +648,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--seconds must be positive and --clients at least 1")
     if args.warmup is None:
         args.warmup = min(30.0, max(2.0, args.seconds / 10))
+    procs.stop_on_sigterm()
     result = run(args)
     print(json.dumps(result) if args.json else render(result))
     return 1 if result["wrong_bytes"] or result["crashes"] else 0

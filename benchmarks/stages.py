@@ -316,10 +316,10 @@ def _metadata_round_trips(address: str, node_id: str, size: int, batch: int) -> 
     two, timed as ``PutStart`` and a ``PutRevoke`` (of the same shape as
     ``PutEnd``, leaving nothing behind).
     """
-    from kvdepot.connector.client import LOCAL_FIRST_STREAM_BYTES
+    stream_bytes = _local_first_stream_bytes()
     from kvdepot.proto.gen import metadata_pb2, metadata_pb2_grpc
 
-    both = size * batch > LOCAL_FIRST_STREAM_BYTES
+    both = size * batch > stream_bytes
     times: list[float] = []
     with grpc.insecure_channel(address) as channel:
         stub = metadata_pb2_grpc.MetadataStub(channel)
@@ -340,6 +340,15 @@ def _metadata_round_trips(address: str, node_id: str, size: int, batch: int) -> 
     return statistics.median(times[1:]) * 1e3
 
 
+def _local_first_stream_bytes() -> int:
+    """The largest put over tcp that goes to the writer's own store first."""
+    try:
+        from kvdepot.connector.put_plan import LOCAL_FIRST_STREAM_BYTES
+    except ImportError:  # before the put's plan had a module of its own
+        from kvdepot.connector.client import LOCAL_FIRST_STREAM_BYTES
+    return int(LOCAL_FIRST_STREAM_BYTES)
+
+
 def put_ceilings(
     raw: dict[int, float], address: str, node_id: str, batch_of: Callable[[int], int]
 ) -> list[str]:
@@ -350,12 +359,12 @@ def put_ceilings(
     the transfer, ``PutEnd``. The round trips add to raw-tcp's batch time
     (``raw``: its put p50 ms per chunk size).
     """
-    from kvdepot.connector.client import LOCAL_FIRST_STREAM_BYTES
+    stream_bytes = _local_first_stream_bytes()
 
     lines = []
     for size in sorted(raw):
         batch = batch_of(size)
-        calls = "PutStart + PutEnd" if size * batch > LOCAL_FIRST_STREAM_BYTES else "PutStart"
+        calls = "PutStart + PutEnd" if size * batch > stream_bytes else "PutStart"
         try:
             md = _metadata_round_trips(address, node_id, size, batch)
         except grpc.RpcError as exc:

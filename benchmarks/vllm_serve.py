@@ -49,13 +49,17 @@ import argparse
 import json
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from vllm_servers import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the repo root
+
+from benchmarks.procs import Cluster, stop_on_sigterm
+from benchmarks.vllm_servers import (
     VOCAB,
     Processes,
     Server,
@@ -448,8 +452,6 @@ def targets(result: dict[str, Any], block: int) -> dict[str, bool]:
 
 
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    from kvdepot.apps.cluster import LocalCluster
-
     plan = QUICK if args.quick else FULL
     chunk = args.chunk_tokens
     block = 128  # the CPU backend's default block size
@@ -476,7 +478,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     }
     procs = Processes()
     try:
-        with LocalCluster(
+        with Cluster(
             nodes=2, capacity="3GiB", log_dir=work / "cluster", lease_ttl_s=120
         ) as cluster:
             meta = cluster.metadata_address
@@ -596,6 +598,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error("--replot needs --plot")
         return 0 if plot(json.loads(args.replot.read_text()), args.plot) else 1
     work = Path(tempfile.mkdtemp(prefix="kvdepot-vllm-serve-"))
+    stop_on_sigterm()
     try:
         result = run(args, work)
     except BaseException:

@@ -2,7 +2,9 @@
 
 Real ``vllm serve`` processes (each in its own process group on 127.0.0.1),
 ``kvdepot proxy``, ``vllm bench serve`` through the venv's ``vllm``, their
-HTTP and ``/metrics``, and the kvdepot cluster's counters.
+HTTP and ``/metrics``, and the kvdepot cluster's counters. Every process
+started here ends with the benchmark (``benchmarks/procs.py``; the engines
+and the proxy get SIGTERM, so that vLLM stops its own engine processes).
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.procs import popen  # noqa: E402
+from benchmarks.procs import run as run_child  # noqa: E402
 
 log = sys.stderr
 VOCAB = 1024
@@ -189,13 +194,14 @@ def start_engine(
     if kv is not None:
         cmd += ["--kv-transfer-config", json.dumps(kv)]
     with open(log_path, "wb") as out:
-        proc = subprocess.Popen(
+        proc = popen(
             cmd,
             env=engine_env(work, cores),
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
+            death_signal=signal.SIGTERM,
         )
     server = procs.add(Server(name, proc, port, log_path))
     wait_http(server, 900)
@@ -223,7 +229,7 @@ def start_proxy(procs: Processes, work: Path, prefill: Server, decode: Server) -
 
     log_path = work / "proxy.log"
     with open(log_path, "wb") as err:
-        proc = subprocess.Popen(
+        proc = popen(
             [
                 sys.executable,
                 "-m",
@@ -242,6 +248,7 @@ def start_proxy(procs: Processes, work: Path, prefill: Server, decode: Server) -
             stderr=err,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
+            death_signal=signal.SIGTERM,
         )
     server = procs.add(Server("proxy", proc, 0, log_path))
     server.port = int(wait_ready(proc, "proxy", 60)["port"])
@@ -380,7 +387,7 @@ def bench(
     env = engine_env(work, "0-1")
     t0 = time.monotonic()
     with open(work / f"bench-{name}.log", "wb") as out:
-        rc = subprocess.run(
+        rc = run_child(
             cmd, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=1800, check=False
         ).returncode
     text = (work / f"bench-{name}.log").read_text(errors="replace")

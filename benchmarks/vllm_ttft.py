@@ -29,7 +29,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvdepot.apps.cluster import LocalCluster  # noqa: E402
+from benchmarks.procs import Cluster  # noqa: E402
 from tests.integration.vllm.engine import build_tiny_llama  # noqa: E402
 from tests.integration.vllm.test_connector import run_engine  # noqa: E402
 
@@ -82,7 +82,7 @@ def _run_engines(work: Path, setup: _Setup) -> dict[str, dict[str, Any]]:
     # prefill does, and greedy decoding of a random model can flip on that).
     cold = run_engine(work, {**setup.spec(None), "prefix_caching": True}, "cold")
     print(f"cold TTFT {_ttft(cold):.3f} s", file=log)
-    with LocalCluster(nodes=2, capacity="2GiB", log_dir=work / "logs", lease_ttl_s=120) as c:
+    with Cluster(nodes=2, capacity="2GiB", log_dir=work / "logs", lease_ttl_s=120) as c:
         meta = c.metadata_address
         prod = run_engine(work, setup.spec(setup.kv("kv_producer", meta, "store-0")), "producer")
         remote = run_engine(work, setup.spec(setup.kv("kv_consumer", meta, "store-1")), "remote")
