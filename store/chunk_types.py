@@ -84,6 +84,10 @@ class ChunkStoreStats:
             when read back from a tier (and on opening the SSD tier).
         write_errors: Chunks lost because a tier could not write them.
         recovered: Chunks found in persistent tiers when the store opened.
+        read_errors: Chunks lost because a tier could not read them back
+            (an I/O error, or their tier failed and was taken out).
+        degraded: Why the store runs on fewer tiers than it was opened with
+            (``"ssd tier failed: ..."``); empty while every tier works.
     """
 
     capacity_bytes: int
@@ -97,6 +101,8 @@ class ChunkStoreStats:
     corrupt: int = 0
     write_errors: int = 0
     recovered: int = 0
+    read_errors: int = 0
+    degraded: str = ""
 
 
 @dataclass(frozen=True, slots=True)

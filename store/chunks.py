@@ -154,7 +154,6 @@ class ChunkStore:
         self._leases: dict[int, tuple[ReadLease, Copy | None]] = {}
         self._puts = 0
         self._rejected = 0
-        self._corrupt = 0
         try:
             self._recovered = self._recover()
             self._mover = Mover(placement) if len(self._levels) > 1 else None
@@ -176,7 +175,7 @@ class ChunkStore:
                 self._entries[rc.key] = entry
                 self._placement.attach(entry, copy)
                 found += 1
-            self._corrupt += getattr(level.tier, "dropped_on_open", 0)
+            self._placement.corrupt += getattr(level.tier, "dropped_on_open", 0)
         return found
 
     # -- properties -------------------------------------------------------------------
@@ -340,8 +339,9 @@ class ChunkStore:
         into DRAM first when ``in_arena`` (the reader maps the arena) or when
         it reached the promotion threshold; otherwise its bytes are copied
         out for this reader. Bytes from SSD are checked against the chunk's
-        checksum first: a chunk that fails is dropped from the store
-        (reported to ``on_removed``) and this read is a miss.
+        checksum first: a chunk that fails, or that its tier cannot read
+        (an I/O error), is dropped from the store (reported to
+        ``on_removed``) and this read is a miss.
 
         Returns:
             The lease, or ``None`` on a miss (absent, still being written,
@@ -511,14 +511,7 @@ class ChunkStore:
             if error is not None:
                 if target is not None:
                     self._cpu_tier.free(target.handle)
-                if isinstance(error, Corrupt):
-                    self._corrupt += 1
-                    logger.warning("chunk %s dropped: %s", entry.key.hex(), error)
-                    if current:
-                        self._placement.drop(entry)
-                        removed.append(entry.key)
-                else:
-                    logger.warning("cannot read chunk %s: %s", entry.key.hex(), error)
+                self._placement.lost_on_read(entry, source.level, error, current, removed)
                 return None
             if target is None:
                 # Copied out; valid even if the chunk moved or went meanwhile.
@@ -707,9 +700,11 @@ class ChunkStore:
                 evictions=cpu.evictions,
                 puts=self._puts,
                 rejected=self._rejected,
-                corrupt=self._corrupt,
+                corrupt=self._placement.corrupt,
                 write_errors=self._placement.write_errors,
+                read_errors=self._placement.read_errors,
                 recovered=self._recovered,
+                degraded=self._placement.degraded(),
             )
 
     def tier_stats(self) -> list[TierStats]:

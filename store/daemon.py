@@ -560,6 +560,9 @@ class StoreDaemon:
             chunks_corrupt=c.corrupt,
             chunks_recovered=c.recovered,
             tier_write_errors=c.write_errors,
+            tier_read_errors=c.read_errors,
+            # Still SERVING: the tiers left serve. This says what it lost.
+            degraded=c.degraded,
         )
 
 

@@ -18,19 +18,29 @@ promoted out of it: chunks never change, so it stays valid, and demoting the
 chunk again costs no write (nor a new hole in a segment). Shadows are the
 first thing a tier gives up when it needs room, and they keep promoted
 chunks across a restart.
+
+A tier whose device failed (:mod:`kvdepot.store.tiers.faults`) is taken out
+(:meth:`TierPlacement.take_out`): its chunks leave the store, reported like
+evictions, and chunks leaving the tier above it are dropped rather than moved
+to it. A chunk a tier could not write or read back is lost the same way. Each
+such loss is counted, and logged once per kind per interval with a count: a
+failing disk costs a few lines, not one per chunk.
 """
 
 from __future__ import annotations
 
 import enum
+import itertools
 import logging
 import threading
 from collections.abc import Callable, Sequence
 
-from kvdepot.errors import CapacityExceeded, InvalidArgument, KVDepotError, Unavailable
+from kvdepot.errors import CapacityExceeded, Corrupt, InvalidArgument, KVDepotError, Unavailable
 from kvdepot.keys import ChunkKey
 from kvdepot.records import TierStats
+from kvdepot.repeat_log import RepeatLog
 from kvdepot.store.tiers.base import Tier
+from kvdepot.store.tiers.faults import TierIOError
 from kvdepot.store.tiers.policy import TieringOptions, create_policy
 from kvdepot.types import TIER_RANK
 
@@ -58,6 +68,7 @@ class Level:
         "demotions",
         "draining",
         "evictions",
+        "failed",
         "held_bytes",
         "hits",
         "misses",
@@ -85,6 +96,7 @@ class Level:
         self.shadows: dict[ChunkKey, Copy] = {}
         self.shadow_bytes = 0
         self.draining = False  # between the high and the low watermark
+        self.failed: str | None = None  # why the tier was taken out (see take_out)
         self.hits = 0
         self.misses = 0
         self.evictions = 0
@@ -193,6 +205,11 @@ class TierPlacement:
         moved_cv: Notified (under the lock) whenever a move ends.
         options: How chunks move between tiers.
         write_errors: Chunks lost because a tier could not write them.
+        read_errors: Chunks lost because a tier could not read them back
+            (an I/O error, or the tier failed and was taken out).
+        corrupt: Chunks dropped because their bytes failed their checksum
+            off a tier (or when a persistent tier was opened).
+        losses: Lines about lost chunks, one per kind per interval.
         closing: Set when the table began closing: no new writes to slow tiers.
         closed: Set once the table closed: every operation is refused.
     """
@@ -212,6 +229,9 @@ class TierPlacement:
         self.lock = threading.Lock()
         self.moved_cv = threading.Condition(self.lock)
         self.write_errors = 0
+        self.read_errors = 0
+        self.corrupt = 0
+        self.losses = RepeatLog(logger)
         self.closing = False
         self.closed = False
         self._on_removed = on_removed
@@ -311,7 +331,13 @@ class TierPlacement:
         except CapacityExceeded:
             return False
         except KVDepotError as exc:  # a failing device: drop rather than fail the put
-            logger.warning("cannot demote chunk %s to %s: %s", entry.key.hex(), below.name, exc)
+            self.losses.warn(
+                f"demote {below.name}",
+                "chunk %s dropped, not moved to the %s tier: %s",
+                entry.key.hex(),
+                below.name,
+                exc,
+            )
             return False
         target = Copy(below, handle, below.tier.size_of(handle))
         if slow:
@@ -362,12 +388,14 @@ class TierPlacement:
         with self.lock:
             copy.pending = None
             copy.level.pending_bytes -= len(data)
-            if error is not None:
-                logger.warning("chunk %s lost: %s", entry.key.hex(), error)
+            # An orphan's chunk left meanwhile (moved up, or dropped): nothing lost.
+            if error is not None and not copy.orphan:
                 self.write_errors += 1
                 if entry.shadow is copy:
                     self._forget_shadow(entry)  # the chunk itself is in DRAM
-                elif not copy.orphan:
+                    copy.orphan = True  # freed below
+                else:
+                    self.lost(entry, copy.level, "write", error)
                     self.drop(entry)
                     removed.append(entry.key)
             if copy.orphan:
@@ -378,9 +406,61 @@ class TierPlacement:
         self.notify(removed, [])
 
     def below(self, level: Level) -> Level | None:
-        """The next slower tier, if any."""
-        i = level.rank + 1
-        return self.levels[i] if i < len(self.levels) else None
+        """The next slower tier in service, if any."""
+        return next((lv for lv in self.levels[level.rank + 1 :] if lv.failed is None), None)
+
+    def lost(self, entry: Entry, level: Level, what: str, error: BaseException) -> None:
+        """Log a chunk ``level`` could not ``what`` (write, read): once per
+        kind per interval, with a count (any thread)."""
+        kind = "full" if isinstance(error, CapacityExceeded) else what
+        self.losses.warn(
+            f"{kind} {level.name}",
+            "chunk %s lost: the %s tier could not %s it: %s",
+            entry.key.hex(),
+            level.name,
+            what,
+            error,
+        )
+
+    def lost_on_read(
+        self, entry: Entry, level: Level, error: Exception, current: bool, removed: list[ChunkKey]
+    ) -> None:
+        """A read of the chunk from ``level`` failed (under the lock): a chunk
+        whose bytes are bad or whose device failed them leaves the store,
+        lest lookups go on naming it; other failures are a miss only."""
+        if isinstance(error, Corrupt):
+            self.corrupt += 1
+            self.losses.warn("corrupt", "chunk %s dropped: %s", entry.key.hex(), error)
+        elif isinstance(error, TierIOError):
+            self.read_errors += 1
+            self.lost(entry, level, "read", error)
+        else:
+            self.losses.warn("read", "cannot read chunk %s: %s", entry.key.hex(), error)
+            return
+        if current:
+            self.drop(entry)
+            removed.append(entry.key)
+
+    def take_out(self, level: Level, removed: list[ChunkKey], limit: int) -> int:
+        """Mark ``level`` failed (its tier's failure says why) and drop up to
+        ``limit`` of its chunks and shadows from the store (under the lock);
+        returns how many went. Called again until none are left, so that
+        the lock is never held for a whole tier's chunks."""
+        if level.failed is None:
+            level.failed = level.tier.failure or f"{level.name} tier failed"
+        keys = list(itertools.islice(level.policy.coldest(), limit))
+        for key in keys:
+            self.drop(self.entries[key])
+            removed.append(key)
+        shadows = 0
+        while shadows < limit - len(keys) and self.shed_shadow(level):
+            shadows += 1
+        self.read_errors += len(keys)
+        return len(keys) + shadows
+
+    def degraded(self) -> str:
+        """Why the store runs on fewer tiers than it was opened with, or ``""``."""
+        return "; ".join(lv.failed for lv in self.levels if lv.failed is not None)
 
     def attach(self, entry: Entry, copy: Copy) -> None:
         """Make ``copy`` the committed chunk's bytes, most recent in its tier."""

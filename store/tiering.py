@@ -9,6 +9,11 @@ and under its lock, and knows nothing of the table itself. Its copies run
 without the lock: the chunk is marked moving (not evictable, not moved by
 anyone else) and its bytes held by a lease meanwhile, and the move is
 abandoned if the chunk was deleted or moved when the copy ends.
+
+It also takes a tier whose device failed out of service (its chunks leave
+the store, in batches), and it outlives whatever a pass hits: a failing
+device's errors are counted and logged per kind per interval, never a
+traceback per pass.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import time
 
 from kvdepot.errors import CapacityExceeded, KVDepotError, Unavailable
 from kvdepot.keys import ChunkKey
+from kvdepot.repeat_log import RepeatLog
 from kvdepot.store.tier_placement import Copy, Entry, Level, TierPlacement
 
 logger = logging.getLogger(__name__)
@@ -26,8 +32,8 @@ logger = logging.getLogger(__name__)
 FULL_BACKOFF_S = 1.0
 """How long the mover leaves a tier alone after it refused a chunk as full."""
 
-LOG_EVERY_S = 10.0
-"""How often at most the mover logs a failing maintenance pass."""
+TAKE_OUT_BATCH = 1024
+"""Chunks of a failed tier dropped under one hold of the table's lock."""
 
 
 class Mover:
@@ -45,6 +51,8 @@ class Mover:
         self._promote: set[ChunkKey] = set()  # under the table's lock
         self._gpu = next((lv for lv in placement.levels if lv.name == "gpu"), None)
         self._full_until: dict[str, float] = {}  # tier -> until when it is left alone
+        self._failures = RepeatLog(logger)  # of whole passes
+        self._traced: set[str] = set()  # kinds of unexpected errors logged with a traceback
         self._thread = threading.Thread(target=self._run, name="kvdepot-tier-mover", daemon=True)
         self._thread.start()
 
@@ -68,7 +76,6 @@ class Mover:
 
     def _run(self) -> None:
         interval = self._placement.options.maintenance_interval_s
-        last_logged = 0.0
         while not self._stop.is_set():
             self._wake.wait(interval)
             self._wake.clear()
@@ -78,17 +85,53 @@ class Mover:
                 p = self._placement
                 if isinstance(exc, Unavailable) and (p.closed or p.closing):
                     return
-                # A failing device (Unavailable) must not end tiering for good;
-                # said at most every few seconds, not every pass.
-                if time.monotonic() - last_logged > LOG_EVERY_S:
-                    last_logged = time.monotonic()
-                    logger.exception("tier maintenance pass failed")
+                self._pass_failed(exc)
+
+    def _pass_failed(self, exc: Exception) -> None:
+        # A device's error (a kvdepot error) is said in a line; anything else
+        # is a bug, whose traceback is worth one line per kind. Either way
+        # once per kind per interval, never per pass.
+        kind = type(exc).__name__
+        if not isinstance(exc, KVDepotError | OSError) and kind not in self._traced:
+            self._traced.add(kind)
+            logger.error("tier maintenance pass failed", exc_info=exc)
+        else:
+            self._failures.warn(kind, "tier maintenance pass failed: %s", exc)
 
     def run_once(self) -> None:
-        """One pass: drain tiers above their watermark, promote hot chunks."""
+        """One pass: take failed tiers out, drain tiers above their
+        watermark, promote hot chunks."""
         for level in self._placement.levels:
-            self._drain(level)
+            if level.failed is not None or level.tier.failure is not None:
+                self._take_out(level)
+            else:
+                self._drain(level)
         self._promote_queued()
+        self._placement.losses.flush()
+        self._failures.flush()
+
+    def _take_out(self, level: Level) -> None:
+        """Drop the chunks of a tier whose device failed, a batch at a time."""
+        placement = self._placement
+        first = level.failed is None
+        dropped = 0
+        while not self._stop.is_set():
+            removed: list[ChunkKey] = []
+            with placement.lock:
+                placement.check_open()
+                n = placement.take_out(level, removed, TAKE_OUT_BATCH)
+            placement.notify(removed, [])
+            dropped += n
+            if n < TAKE_OUT_BATCH:
+                break
+        if first:
+            logger.warning(
+                "%s: %d chunks dropped from the store (and the index); it goes on with %s",
+                level.failed,
+                dropped,
+                ", ".join(lv.name for lv in placement.levels if lv.failed is None),
+                extra={"event": "tier_taken_out", "tier": level.name, "chunks": dropped},
+            )
 
     def _drain(self, level: Level) -> None:
         # A lowest tier in memory makes room on demand only: dropping early
@@ -151,8 +194,11 @@ class Mover:
         placement.sync_held(entry)
         try:
             handle = placement.allocate(dest, entry.size, removed, moved)
-        except CapacityExceeded as exc:
-            logger.debug("cannot move chunk %s to %s: %s", entry.key.hex(), dest.name, exc)
+        except KVDepotError as exc:
+            if isinstance(exc, CapacityExceeded):
+                logger.debug("cannot move chunk %s to %s: %s", entry.key.hex(), dest.name, exc)
+            else:  # a failing device: the chunk stays where it is
+                self._cannot_move(entry, dest, exc)
             placement.unhold(entry, source)
             return None
         entry.moving = True
@@ -181,9 +227,7 @@ class Mover:
             if error is not None or not current:
                 target.level.tier.free(target.handle)
                 if error is not None:
-                    logger.warning(
-                        "cannot move chunk %s to %s: %s", entry.key.hex(), target.level.name, error
-                    )
+                    self._cannot_move(entry, target.level, error)
             else:
                 placement.switch(entry, target)
                 if target.level.rank > source.level.rank:
@@ -193,6 +237,15 @@ class Mover:
                 moved.append((entry.key, target.level.name))
         placement.notify([], moved)
         return error is None
+
+    def _cannot_move(self, entry: Entry, dest: Level, error: Exception) -> None:
+        self._placement.losses.warn(
+            f"move {dest.name}",
+            "cannot move chunk %s to the %s tier: %s",
+            entry.key.hex(),
+            dest.name,
+            error,
+        )
 
     def _promote_queued(self) -> None:
         gpu = self._gpu

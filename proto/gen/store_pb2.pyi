@@ -59,7 +59,7 @@ class StoreStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StoreStats(_message.Message):
-    __slots__ = ("node_id", "address", "tiers", "puts", "gets", "get_misses", "bytes_in", "bytes_out", "put_rejected", "corrupt_puts", "protocol_errors", "connections", "transfer", "chunks_corrupt", "chunks_recovered", "tier_write_errors")
+    __slots__ = ("node_id", "address", "tiers", "puts", "gets", "get_misses", "bytes_in", "bytes_out", "put_rejected", "corrupt_puts", "protocol_errors", "connections", "transfer", "chunks_corrupt", "chunks_recovered", "tier_write_errors", "tier_read_errors", "degraded")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +76,8 @@ class StoreStats(_message.Message):
     CHUNKS_CORRUPT_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_RECOVERED_FIELD_NUMBER: _ClassVar[int]
     TIER_WRITE_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    TIER_READ_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    DEGRADED_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     tiers: _containers.RepeatedCompositeFieldContainer[_common_pb2.TierStats]
@@ -92,4 +94,6 @@ class StoreStats(_message.Message):
     chunks_corrupt: int
     chunks_recovered: int
     tier_write_errors: int
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierStats, _Mapping]]] = ..., puts: _Optional[int] = ..., gets: _Optional[int] = ..., get_misses: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., put_rejected: _Optional[int] = ..., corrupt_puts: _Optional[int] = ..., protocol_errors: _Optional[int] = ..., connections: _Optional[int] = ..., transfer: _Optional[_Union[_common_pb2.TransferRate, _Mapping]] = ..., chunks_corrupt: _Optional[int] = ..., chunks_recovered: _Optional[int] = ..., tier_write_errors: _Optional[int] = ...) -> None: ...
+    tier_read_errors: int
+    degraded: str
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierStats, _Mapping]]] = ..., puts: _Optional[int] = ..., gets: _Optional[int] = ..., get_misses: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., put_rejected: _Optional[int] = ..., corrupt_puts: _Optional[int] = ..., protocol_errors: _Optional[int] = ..., connections: _Optional[int] = ..., transfer: _Optional[_Union[_common_pb2.TransferRate, _Mapping]] = ..., chunks_corrupt: _Optional[int] = ..., chunks_recovered: _Optional[int] = ..., tier_write_errors: _Optional[int] = ..., tier_read_errors: _Optional[int] = ..., degraded: _Optional[str] = ...) -> None: ...

@@ -152,6 +152,12 @@ class Tier(abc.ABC):
         return max(0, self.capacity - self.used_bytes)
 
     @property
+    def failure(self) -> str | None:
+        """Why the tier is out of service (its device failed), or ``None``
+        while it works; see :mod:`kvdepot.store.tiers.faults`."""
+        return None
+
+    @property
     def executor(self) -> Executor | None:
         """Threads that run this tier's slow I/O off the serving path.
 
@@ -189,7 +195,8 @@ class Tier(abc.ABC):
 
         Raises:
             CapacityExceeded: The device is full (for example ``ENOSPC``).
-            Unavailable: Any other I/O failure.
+            TierIOError: Any other I/O failure (``TierFailed``: the tier is
+                out of service).
         """
 
     @abc.abstractmethod
@@ -199,7 +206,9 @@ class Tier(abc.ABC):
         Raises:
             Corrupt: The bytes failed their checksum or are truncated
                 (tiers that keep bytes outside process memory check it).
-            Unavailable: Any other I/O failure.
+            TierIOError: The device failed the read (``TierFailed``: the
+                tier is out of service).
+            Unavailable: Any other failure.
         """
 
     def view(self, handle: int, size: int) -> memoryview:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import logging
 import os
 import re
 import struct
@@ -35,11 +34,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvdepot.errors import CapacityExceeded, Unavailable
+from kvdepot.errors import CapacityExceeded
 from kvdepot.keys import ChunkKey
+from kvdepot.store.tiers.faults import FULL_ERRNOS, TierIOError
 from kvdepot.wire.xxh3 import xxh3_64
-
-logger = logging.getLogger(__name__)
 
 HEADER = struct.Struct("<4sI16sQQQQQ")
 MAGIC = b"KVC1"
@@ -48,7 +46,6 @@ VERSION = 1
 ALIGN = 4096
 _CHECKED = slice(4, 56)
 _NAME = re.compile(r"^seg-(\d{12})\.kvs$")
-_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 def record_span(size: int) -> int:
@@ -101,11 +98,11 @@ def parse_header(raw: bytes | memoryview) -> RecordHeader | None:
     return RecordHeader(ChunkKey(key), size, checksum, seq, magic == MAGIC)
 
 
-def io_error(exc: OSError, what: str) -> CapacityExceeded | Unavailable:
+def io_error(exc: OSError, what: str) -> CapacityExceeded | TierIOError:
     """The kvdepot error for a failed file operation: a full device is ``CapacityExceeded``."""
-    if exc.errno in _FULL:
+    if exc.errno in FULL_ERRNOS:
         return CapacityExceeded(f"{what}: device full ({exc.strerror})")
-    return Unavailable(f"{what}: {exc}")
+    return TierIOError(f"{what}: {exc}")
 
 
 def pwrite_all(fd: int, buffers: Sequence[bytes | memoryview], offset: int) -> None:
@@ -212,7 +209,7 @@ def open_segment(directory: Path, seg_id: int, *, create: bool) -> int:
 
     Raises:
         CapacityExceeded: If the device is full.
-        Unavailable: If the file cannot be opened or created.
+        TierIOError: If the file cannot be opened or created.
     """
     flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
     try:
@@ -222,27 +219,25 @@ def open_segment(directory: Path, seg_id: int, *, create: bool) -> int:
 
 
 def remove_segment(directory: Path, seg_id: int, fd: int) -> None:
-    """Close and delete a segment file (errors are logged: the space is what matters)."""
+    """Close and delete a segment file.
+
+    Raises:
+        OSError: If it cannot be deleted (it is gone once closed, whatever).
+    """
     with contextlib.suppress(OSError):
         os.close(fd)
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(directory / segment_name(seg_id))
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        logger.warning("cannot delete segment %d in %s: %s", seg_id, directory, exc)
 
 
 def fsync_dir(directory: Path) -> None:
-    """Make the directory's entries (new or deleted segments) durable."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError as exc:
-        logger.warning("cannot open %s to sync it: %s", directory, exc)
-        return
+    """Make the directory's entries (new or deleted segments) durable.
+
+    Raises:
+        OSError: If it cannot be opened or synced.
+    """
+    fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
-    except OSError as exc:
-        logger.warning("cannot sync directory %s: %s", directory, exc)
     finally:
         os.close(fd)

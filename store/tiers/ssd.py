@@ -24,6 +24,9 @@ Opening a directory recovers it: each segment is scanned, records verified
 live chunks handed to the chunk table by :meth:`SsdTier.recover`. A lock
 file keeps two stores from sharing a directory.
 
+A device that fails (I/O errors other than a full disk, several within
+seconds) takes the tier out of service: see :mod:`kvdepot.store.tiers.faults`.
+
 ``fsync`` policy: ``always`` (each chunk is durable before it counts as
 written), ``segment`` (a segment is synced when it is sealed and at close) or
 ``never`` (the page cache decides). A process crash loses nothing under any
@@ -47,6 +50,7 @@ from kvdepot.keys import ChunkKey
 from kvdepot.store.config import FSYNC_POLICIES
 from kvdepot.store.tiers import segments as fmt
 from kvdepot.store.tiers.base import RecoveredChunk, Tier, TierLimits
+from kvdepot.store.tiers.faults import IoFaults, TierFailed, TierIOError
 from kvdepot.wire.xxh3 import xxh3_64
 
 logger = logging.getLogger(__name__)
@@ -197,6 +201,7 @@ class SsdTier(Tier):
         self._recovered: list[RecoveredChunk] = []
         self.dropped_on_open = 0
         self.compactions = 0
+        self._faults = IoFaults(self.name, str(self._dir))
         self._lock_fd = self._lock_directory()
         try:
             self._open_existing(verify_on_open)
@@ -348,6 +353,15 @@ class SsdTier(Tier):
         return self._capacity
 
     @property
+    def failure(self) -> str | None:
+        return self._faults.failure
+
+    @property
+    def io_errors(self) -> int:
+        """Operations of the device that failed (a full device's not counted)."""
+        return self._faults.total
+
+    @property
     def used_bytes(self) -> int:
         return self._used
 
@@ -395,6 +409,7 @@ class SsdTier(Tier):
     def allocate(self, size: int) -> int | None:
         if size <= 0:
             raise InvalidArgument(f"allocation size must be positive, got {size}")
+        self._faults.check()
         with self._lock:
             place = self._reserve_span(fmt.record_span(size))
             if place is None:
@@ -425,12 +440,16 @@ class SsdTier(Tier):
             self._seal(old)
         seg_id = self._next_seg
         self._next_seg += 1
-        fd = fmt.open_segment(self._dir, seg_id, create=True)
+        try:
+            fd = fmt.open_segment(self._dir, seg_id, create=True)
+        except TierIOError as exc:
+            self._faults.error(exc)  # raised: the caller says what it cost
+            raise
         seg = _Segment(seg_id, fd, max(self._segment_bytes, span))
         self._segments[seg_id] = seg
         self._active = seg
         if self._fsync != "never":
-            self._pool_submit(fmt.fsync_dir, self._dir)
+            self._pool_submit(self._sync_dir)
         return seg
 
     def _seal(self, seg: _Segment) -> None:
@@ -453,11 +472,20 @@ class SsdTier(Tier):
 
     def _sync_segment(self, seg: _Segment) -> None:
         try:
-            os.fdatasync(seg.fd)
+            if self._faults.failure is None:
+                os.fdatasync(seg.fd)
         except OSError as exc:
-            logger.warning("cannot sync segment %d: %s", seg.seg_id, exc)
+            self._faults.error(exc, "sync a segment")
         finally:
             self._done_with(seg)
+
+    def _sync_dir(self) -> None:
+        if self._faults.failure is not None:
+            return
+        try:
+            fmt.fsync_dir(self._dir)
+        except OSError as exc:
+            self._faults.error(exc, "sync the directory")
 
     def free(self, handle: int) -> None:
         with self._lock:
@@ -479,10 +507,10 @@ class SsdTier(Tier):
 
     def _mark_freed(self, seg: _Segment, offset: int) -> None:
         try:
-            if not seg.doomed:
+            if not seg.doomed and self._faults.failure is None:
                 fmt.mark_freed(seg.fd, offset)
         except OSError as exc:
-            logger.debug("cannot mark ssd record freed: %s", exc)
+            self._faults.error(exc, "mark a chunk freed")
         finally:
             self._done_with(seg)
 
@@ -505,9 +533,12 @@ class SsdTier(Tier):
             if gone:
                 seg.readers = -1  # removed once
         if gone:
-            fmt.remove_segment(self._dir, seg.seg_id, seg.fd)
+            try:
+                fmt.remove_segment(self._dir, seg.seg_id, seg.fd)
+            except OSError as exc:
+                self._faults.error(exc, "delete a segment")
             if self._fsync != "never":
-                fmt.fsync_dir(self._dir)
+                self._sync_dir()
 
     def _pool_submit(self, fn: Callable[..., object], *args: object) -> None:
         pool: ThreadPoolExecutor | None = getattr(self, "_pool", None)
@@ -534,12 +565,17 @@ class SsdTier(Tier):
             seg.readers += 1
         error: KVDepotError | None = None
         try:
+            self._faults.check()
             header = fmt.pack_header(key, rec.size, checksum, rec.seq)
             fmt.pwrite_all(seg.fd, [header, data], rec.offset)
             if self._fsync == "always":
                 os.fdatasync(seg.fd)
+        except TierFailed as exc:
+            error = exc
         except OSError as exc:
             error = fmt.io_error(exc, f"cannot write chunk {key.hex()} to {self._dir}")
+            if isinstance(error, TierIOError):
+                self._faults.error(error)
         with self._lock:
             seg.inflight -= 1
             seg.readers -= 1
@@ -560,6 +596,7 @@ class SsdTier(Tier):
             raise error
 
     def read_into(self, handle: int, dest: memoryview) -> None:
+        self._faults.check()  # a failed device is not believed, even where it answers
         with self._lock:
             rec = self._records.get(handle)
             if rec is None or not rec.written:
@@ -571,7 +608,9 @@ class SsdTier(Tier):
         try:
             got = fmt.pread_into(seg.fd, dest, offset + fmt.HEADER.size)
         except OSError as exc:
-            raise Unavailable(f"cannot read chunk {key.hex()} from {self._dir}: {exc}") from exc
+            error = TierIOError(f"cannot read chunk {key.hex()} from {self._dir}: {exc}")
+            self._faults.error(error)
+            raise error from exc
         finally:
             self._done_with(seg)
         if got != len(dest):
@@ -584,10 +623,13 @@ class SsdTier(Tier):
         while not self._stop.is_set():
             self._wake.wait(interval_s)
             self._wake.clear()
-            if self._stop.is_set() or not self._compact_ratio:
+            self._faults.log.flush()
+            if self._stop.is_set() or not self._compact_ratio or self._faults.failure:
                 continue
             try:
                 self.compact_once()
+            except KVDepotError as exc:  # the device's: counted where it happened
+                self._faults.log.warn("ssd compaction", "ssd compaction pass failed: %s", exc)
             except Exception:  # keep compacting whatever one pass hit
                 logger.exception("ssd compaction pass failed")
 
@@ -626,7 +668,7 @@ class SsdTier(Tier):
             buf = memoryview(bytearray(fmt.HEADER.size + size))
             got = fmt.pread_into(seg.fd, buf, old_offset)
         except OSError as exc:
-            logger.warning("compaction cannot read segment %d: %s", seg.seg_id, exc)
+            self._faults.error(exc, "read a segment to compact it")
             return False
         finally:
             self._done_with(seg)
@@ -644,7 +686,7 @@ class SsdTier(Tier):
             if self._fsync == "always":
                 os.fdatasync(new_seg.fd)
         except OSError as exc:
-            logger.warning("compaction cannot write segment %d: %s", new_seg.seg_id, exc)
+            self._faults.error(exc, "write a segment to compact it")
             ok = False
         with self._lock:
             new_seg.inflight -= 1

@@ -10,6 +10,7 @@ dropped from the index.
 from __future__ import annotations
 
 import os
+import re
 import resource
 import signal
 import subprocess
@@ -32,6 +33,8 @@ pytestmark = [pytest.mark.faults, pytest.mark.integration]
 
 NS = Namespace("test/faults/disk", chunk_tokens=16)
 MiB = 1 << 20
+MOST_WARNINGS = 10
+"""Lines at WARNING or above a store may log about a full disk."""
 
 
 def data(key: bytes) -> np.ndarray:
@@ -220,7 +223,8 @@ def test_a_full_disk_costs_chunks_not_the_store(tmp_path: Path, small_disk: Smal
     Lost: the chunks whose demotion failed, counted in ``tier_write_errors``
     and dropped from the index; nothing the store still lists. Served wrong:
     nothing: every listed chunk reads back exact or is a miss that then leaves
-    the index. The store stays up and takes new puts.
+    the index. The store stays up and takes new puts, and its log says so in
+    a few lines with counts, not a line per lost chunk.
     """
     tally = ReadTally()
     with LocalCluster(
@@ -256,3 +260,8 @@ def test_a_full_disk_costs_chunks_not_the_store(tmp_path: Path, small_disk: Smal
             assert read_back(c, fresh, tally) == 2
         assert store.proc.poll() is None
     assert tally.wrong == 0, f"{tally.wrong} chunks served with wrong bytes"
+    # A full disk costs a few lines, each with a count, never one per chunk.
+    log = (tmp_path / "logs" / "full.log").read_text()
+    assert "Traceback" not in log, log[-4000:]
+    warned = [ln for ln in log.splitlines() if re.search(r" (WARNING|ERROR|CRITICAL) ", ln)]
+    assert len(warned) <= MOST_WARNINGS, "\n".join(warned[:40])
