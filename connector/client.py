@@ -16,11 +16,23 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvdepot.config import InvalidSetting, Number, Parsed, positive, setting, validate
-from kvdepot.connector.results import GetResult, Pull, PutResult, PutTally, whole
+from kvdepot.connector.put_plan import PutPlan, Route, plan_put
+from kvdepot.connector.results import (
+    DeferredCommits,
+    GetResult,
+    Pull,
+    PutResult,
+    PutTally,
+    whole,
+)
 from kvdepot.connector.transport import create_transport
-from kvdepot.connector.transport.arena import ArenaTransport
-from kvdepot.connector.transport.auto import AutoTransport
-from kvdepot.connector.transport.base import GetItem, GetOutcome, PutItem, PutStatus, Transport
+from kvdepot.connector.transport.base import (
+    GetItem,
+    GetOutcome,
+    IndexingTransport,
+    PutStatus,
+    Transport,
+)
 from kvdepot.endpoints import parse_endpoints
 from kvdepot.errors import ClientClosed, InvalidArgument, KVDepotError, Unavailable
 from kvdepot.keys import ChunkKey, validate_keys
@@ -165,6 +177,9 @@ class KVDepotClient:
             io_timeout_s=config.io_timeout_s,
             security=config.security,
         )
+        # Stores reached through it commit into the index themselves (the
+        # local route); without that every put takes the reference route.
+        self._indexing = self._transport if isinstance(self._transport, IndexingTransport) else None
         self._closed = False
         self._lock = threading.Lock()
         # This node's store, once a reply named it (see get_into).
@@ -178,10 +193,9 @@ class KVDepotClient:
         # in the GetResult's reasons: an engine repeats the mistake each load.
         self._warned_small = False
         # Deferred index commits (defer_index_commit): the token the store
-        # counts this client's by, those not yet reported by a sync, and all ever.
+        # counts this client's by, and whether any may still be pending.
         self._writer = int.from_bytes(os.urandom(4), "little") or 1
-        self._unsynced = 0
-        self._deferred_total = 0
+        self._deferred = DeferredCommits()
 
     def __enter__(self) -> KVDepotClient:
         return self
@@ -220,21 +234,23 @@ class KVDepotClient:
     def put(self, keys: Sequence[bytes], buffers: Sequence[Buffer]) -> PutResult:
         """Publish chunks; keys already stored (or being stored) are not sent over the network.
 
-        Chunks for this node's store (``node_id``, once a reply named its
-        address) are written there first, and the store commits them into
-        the index before it answers: no metadata call of this client's own.
-        Over ``tcp`` a batch of at most 8 MiB is, whose chunks the store
-        already holds then cross loopback only to be discarded. Chunks the
-        store did not take or could not index go where ``PutStart`` places
-        them (the ones it wrote committed by that call), and ``PutEnd``
-        commits what was sent elsewhere.
+        The put's plan is decided once (:func:`~kvdepot.connector.put_plan.plan_put`,
+        docs/write-path.md). Once a reply named this node's store (``node_id``),
+        chunks go there first and the store commits them into the index
+        before it answers (or right after, ``defer_index_commit``): no
+        metadata call of this client's own. Over ``tcp`` only a batch of at
+        most 8 MiB does, since a stream sends the bytes of chunks the store
+        holds already. Chunks the store did not take or could not index go
+        where ``PutStart`` places them (the ones it wrote committed by that
+        call), and ``PutEnd`` commits what was sent elsewhere.
 
         Args:
             keys: Chunk keys, e.g. from :func:`kvdepot.keys.chunk_keys`.
             buffers: One buffer per key with the chunk's bytes.
 
         Returns:
-            Counts of chunks stored, skipped as already present, and failed.
+            Counts of chunks stored, skipped as already present, pending
+            (deferred), and failed.
 
         Raises:
             InvalidArgument: mismatched keys and buffers, or bad keys.
@@ -248,32 +264,22 @@ class KVDepotClient:
             raise InvalidArgument("chunks must not be empty")
         if not ckeys:
             return PutResult(0, 0, 0, 0, 0)
-        sizes = [v.nbytes for v in views]
+        plan = plan_put(
+            self._local_address if self._indexing is not None else None,
+            sum(v.nbytes for v in views),
+            self._transport.reserves_first,
+            self.config.defer_index_commit,
+            self._writer,
+        )
         tally = PutTally()
-        written, indexed = self._write_local(ckeys, views)
-        rest = []
-        for i, code in enumerate(indexed):
-            if written[i] and code is IndexCode.PENDING:
-                tally.add_pending(sizes[i])
-            elif written[i] and code is not IndexCode.NOT_INDEXED:
-                # Written into this node's store and committed by it into the
-                # index: new, or stored elsewhere (now with this node as a replica).
-                tally.add(sizes[i], code is IndexCode.NEW)
-            else:
-                rest.append(i)
-        if not indexed:
-            rest = list(range(len(ckeys)))
+        rest: list[int] = list(range(len(ckeys)))
+        written: list[bool] = []
+        if plan.route is Route.LOCAL:
+            rest, written = self._write_local(plan, ckeys, views, tally)
         if rest:
-            self._place(
-                [ckeys[i] for i in rest],
-                [views[i] for i in rest],
-                [written[i] for i in rest] if written else [],
-                tally,
-            )
+            self._place([ckeys[i] for i in rest], [views[i] for i in rest], written, tally)
         if tally.pending:
-            with self._lock:
-                self._unsynced += tally.pending
-                self._deferred_total += tally.pending
+            self._deferred.made()
         return tally.result()
 
     def _place(
@@ -318,42 +324,29 @@ class KVDepotClient:
             self._put_to(node_id, address, [ckeys[i] for i in idx], [views[i] for i in idx], tally)
 
     def _write_local(
-        self, keys: list[ChunkKey], views: list[memoryview]
-    ) -> tuple[list[bool], list[IndexCode]]:
-        """Write the chunks into this node's store first, which commits them
-        into the index too; per key, whether it took them and what the index did.
-
-        A publish into the writer's own node moves no byte over the network,
-        so the bytes go first and the store indexes them after its own
-        commit: no metadata round trip of the client's. What the store already
-        holds (EXISTS), refused, or could not index (NOT_INDEXED) is left to
-        the reference path. Both lists are empty when nothing was written.
-        """
-        local = self._local_address
-        if local is None:
-            return [], []
-        if sum(v.nbytes for v in views) > LOCAL_FIRST_STREAM_BYTES and not self._reserves_first(
-            local
-        ):
-            # A stream transport sends a chunk's bytes before the store can say
-            # it holds it already: only small batches, where the round trip
-            # saved is a large share, risk that (on loopback, never the network).
-            return [], []
-        statuses, indexed = self._transport.put_indexed(
-            local,
-            [PutItem(k, v) for k, v in zip(keys, views, strict=True)],
-            self._writer if self.config.defer_index_commit else 0,
-        )
-        written = [s is PutStatus.OK for s in statuses]
-        return (written, indexed) if any(written) else ([], [])
-
-    def _reserves_first(self, address: str) -> bool:
-        """Whether the transport to ``address`` learns what the store holds
-        before it moves any byte (shm, nixl: RESERVE first)."""
-        t = self._transport
-        if isinstance(t, AutoTransport):
-            return t.choice(address) != "tcp"
-        return isinstance(t, ArenaTransport)
+        self, plan: PutPlan, keys: list[ChunkKey], views: list[memoryview], tally: PutTally
+    ) -> tuple[list[int], list[bool]]:
+        """The local route: write the chunks into this node's store, which
+        commits them into the index too (before or after it answers, as
+        planned). Tallies what it settled; returns the indices left to the
+        reference route and, per one of those, whether the store holds it
+        (its ``PutStart`` then commits it there rather than sending it)."""
+        assert self._indexing is not None  # plan_put plans no local route without it
+        statuses, indexed = self._indexing.put_whole_indexed(plan.address, keys, views, plan.writer)
+        rest: list[int] = []
+        written: list[bool] = []
+        for i, (status, code) in enumerate(zip(statuses, indexed, strict=True)):
+            size = views[i].nbytes
+            if status is PutStatus.OK and code is IndexCode.PENDING:
+                tally.add_pending(size)
+            elif status is PutStatus.OK and code is not IndexCode.NOT_INDEXED:
+                # Committed by the store into the index: new, or stored
+                # elsewhere already (now with this node as a replica).
+                tally.add(size, code is IndexCode.NEW)
+            else:
+                rest.append(i)
+                written.append(status is PutStatus.OK)
+        return rest, written if any(written) else []
 
     def _put_to(
         self,
@@ -367,8 +360,7 @@ class KVDepotClient:
         # The checksum is left to the transport, which computes it while
         # it reads the bytes anyway (sending or copying them): one pass
         # over memory instead of two. The store verifies it either way.
-        items = [PutItem(k, v) for k, v in zip(keys, views, strict=True)]
-        statuses = self._transport.put(address, items)
+        statuses = self._transport.put_whole(address, keys, views)
         done = [i for i, s in enumerate(statuses) if s in _WRITTEN]
         lost = [i for i, s in enumerate(statuses) if s not in _WRITTEN]
         if done:
@@ -414,32 +406,19 @@ class KVDepotClient:
         """
         self._check_open()
         local = self._local_address
-        with self._lock:
-            if not self._unsynced or local is None:
-                return IndexSettled(pending=self._unsynced)
-            before = self._deferred_total
+        if local is None or not self._deferred.open():
+            return IndexSettled()
+        mark = self._deferred.mark()
         wait = self.config.rpc_timeout_s if timeout_s is None else timeout_s
-        settled = self._transport.sync_index(local, self._writer, wait)
-        if settled is None:
-            raise Unavailable(f"the store at {local} cannot say what it indexed")
-        with self._lock:
-            done = (
-                settled.new
-                + settled.elsewhere
-                + settled.not_indexed
-                + settled.skipped
-                + settled.lost
-            )
-            self._unsynced = max(0, self._unsynced - done)
-            if not settled.pending:
-                # Everything put before the question is settled; what came
-                # after may be too (counted once more at worst).
-                self._unsynced = min(self._unsynced, self._deferred_total - before)
+        if self._indexing is None:
+            raise Unavailable(f"the {self.config.transport} transport cannot ask what was indexed")
+        settled = self._indexing.sync_index(local, self._writer, wait)
+        self._deferred.answered(mark, settled)
         return settled
 
     def _read_own_writes(self) -> None:
         """Before a lookup: this client's deferred commits, in the index."""
-        if not self._unsynced:
+        if not self._deferred.open():
             return
         try:
             self.sync_index()
@@ -452,6 +431,7 @@ class KVDepotClient:
         keys: Sequence[bytes],
         key_tokens: Sequence[int] = (),
         count: LookupCount = "all",
+        timeout_s: float | None = None,
     ) -> metadata_pb2.LookupResponse:
         self._check_open()
         ckeys = _check_keys(keys)
@@ -476,6 +456,7 @@ class KVDepotClient:
                 key_tokens=tokens,
                 count=_COUNT[count],
             ),
+            timeout_s=timeout_s,
         )
 
     def lookup_locations(
@@ -502,6 +483,7 @@ class KVDepotClient:
         *,
         key_tokens: Sequence[int] = (),
         count: LookupCount = "all",
+        timeout_s: float | None = None,
     ) -> int:
         """Number of leading keys that are stored somewhere in the cluster.
 
@@ -510,11 +492,13 @@ class KVDepotClient:
             key_tokens: Tokens each key covers, where they differ (for the
                 cluster's hit rate in tokens).
             count: As for :meth:`lookup_locations`.
+            timeout_s: This call's deadline, failover included, if shorter
+                than ``rpc_timeout_s``.
         """
         self._check_open()
         if not len(_sequence(keys, "keys")):
             return 0
-        return int(self._lookup(keys, key_tokens, count).hits)
+        return int(self._lookup(keys, key_tokens, count, timeout_s).hits)
 
     # -- pull ---------------------------------------------------------------------
     def get_into(
@@ -681,8 +665,7 @@ class KVDepotClient:
         local = self._local_address
         if local is None:
             return
-        items = [PutItem(k, v) for k, v in zip(keys, views, strict=True)]
-        statuses = self._transport.put(local, items)
+        statuses = self._transport.put_whole(local, keys, views)
         done = [i for i, st in enumerate(statuses) if st in _WRITTEN]
         if done:
             self._metadata.put_end(
@@ -749,9 +732,6 @@ class KVDepotClient:
 
 
 _WRITTEN = (PutStatus.OK, PutStatus.EXISTS)
-LOCAL_FIRST_STREAM_BYTES = 8 << 20
-"""Largest put written into the own store before PutStart over a stream
-transport (tcp), which sends the bytes of a chunk the store already holds."""
 _COUNT = {
     "all": metadata_pb2.LookupRequest.COUNT_ALL,
     "hits": metadata_pb2.LookupRequest.COUNT_HITS,

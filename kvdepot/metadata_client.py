@@ -133,8 +133,10 @@ class MetadataClient:
         reply: pb.PutRevokeResponse = self.call("PutRevoke", request)
         return reply
 
-    def lookup(self, request: pb.LookupRequest) -> pb.LookupResponse:
-        reply: pb.LookupResponse = self.call("Lookup", request)
+    def lookup(
+        self, request: pb.LookupRequest, *, timeout_s: float | None = None
+    ) -> pb.LookupResponse:
+        reply: pb.LookupResponse = self.call("Lookup", request, timeout_s=timeout_s)
         return reply
 
     def get_stats(self) -> pb.ClusterStats:

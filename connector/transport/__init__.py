@@ -7,6 +7,14 @@ of them per store: shm on the same host, nixl where RDMA devices exist, tcp
 otherwise. A transport is created by name from configuration::
 
     transport = create_transport("auto", io_timeout_s=10.0)
+
+The layers, each importing only those below it: ``base`` (the interface:
+:class:`Transport`, :class:`IndexingTransport`, items and outcomes);
+``stream`` (connections to a store's socket, the work items become, the
+answers a connection is owed); ``pipeline``, ``stall`` (stores that stopped
+answering) and ``pool`` (idle connections); then ``tcp`` (with
+``tcp_pool``) beside ``control``, ``arena``, ``shm`` and ``nixl``; ``auto``
+on top, routing to them.
 """
 
 from __future__ import annotations
@@ -17,6 +25,8 @@ from kvdepot.connector.transport.auto import AutoTransport
 from kvdepot.connector.transport.base import (
     GetItem,
     GetOutcome,
+    GetStatus,
+    IndexingTransport,
     PutItem,
     PutStatus,
     Transport,
@@ -69,6 +79,8 @@ __all__ = [
     "AutoTransport",
     "GetItem",
     "GetOutcome",
+    "GetStatus",
+    "IndexingTransport",
     "PutItem",
     "PutStatus",
     "ShmTransport",

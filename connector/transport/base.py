@@ -1,14 +1,18 @@
 """The data plane transport interface: move chunk bytes to and from a store.
 
 A transport moves bytes only; where a chunk lives is decided by the metadata
-service. Implementations (``tcp``, later ``shm`` and ``nixl``) write from and
-read into caller-owned memory without intermediate copies.
+service. Implementations (``tcp``, ``shm``, ``nixl``, and ``auto`` routing
+among them) write from and read into caller-owned memory without
+intermediate copies. Those whose stores index what they store implement
+:class:`IndexingTransport` too.
 
 Failures of the network are per item, never exceptions: a put that could not
 be delivered reports :attr:`PutStatus.FAILED`, a read that did not arrive
-intact reports ``ok=False``, and the caller treats it as a miss (the engine
-recomputes those tokens). Only mistakes of the caller raise:
-:class:`~kvdepot.errors.InvalidArgument`, and
+intact a :class:`GetStatus` other than OK (``ok`` is False), and the caller
+treats it as a miss (the engine recomputes those tokens). A store that
+stopped answering costs one call its I/O timeout; later calls to it fail at
+once until it answers again (:meth:`Transport.stalled`). Only mistakes of
+the caller raise: :class:`~kvdepot.errors.InvalidArgument`, and
 :class:`~kvdepot.errors.Unauthenticated` when a store refuses the
 transport's token (every call would fail the same way until it is fixed).
 """
@@ -78,21 +82,44 @@ class PutStatus(enum.Enum):
     """The transport failed (unreachable store, connection lost, timeout)."""
 
 
+class GetStatus(enum.Enum):
+    """Outcome of reading one chunk (or range)."""
+
+    OK = "ok"
+    """Arrived completely and matched its checksum."""
+    NOT_FOUND = "not_found"
+    """The store does not hold the chunk."""
+    INVALID = "invalid"
+    """The range lies outside the chunk."""
+    MISFIT = "misfit"
+    """The chunk is larger than the buffer, or the store had another length
+    than the range asked for: nothing handed out."""
+    CORRUPT = "corrupt"
+    """The bytes did not match their checksum."""
+    FAILED = "failed"
+    """The transport failed (unreachable or stalled store, connection lost,
+    timeout), or the item was not attempted after an earlier one failed."""
+
+
 @dataclass(frozen=True, slots=True)
 class GetOutcome:
     """Outcome of reading one chunk.
 
     Attributes:
-        ok: The bytes arrived completely and matched their checksum. Only then
-            is ``buffer[:length]`` valid data.
+        status: What happened; only :attr:`GetStatus.OK` makes
+            ``buffer[:length]`` valid data.
         length: Bytes written into the buffer (the chunk's or the range's size).
-        error: Why not ``ok``: a miss, a bad range, a checksum mismatch, a
-            buffer too small, a transport failure.
+        error: Why not OK, for people: the status is what code decides by.
     """
 
-    ok: bool
-    length: int
+    status: GetStatus
+    length: int = 0
     error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        """The bytes arrived completely and matched their checksum."""
+        return self.status is GetStatus.OK
 
 
 class Transport(abc.ABC):
@@ -101,6 +128,9 @@ class Transport(abc.ABC):
     Implementations are thread-safe: several threads may call one transport
     at once. ``address`` is the store's data plane address, ``"host:port"``.
     """
+
+    name = "transport"
+    """The name it is registered under (``tcp``, ``shm``, ...)."""
 
     @abc.abstractmethod
     def put(self, address: str, items: Sequence[PutItem]) -> list[PutStatus]:
@@ -113,30 +143,23 @@ class Transport(abc.ABC):
             InvalidArgument: A malformed address, key or buffer.
         """
 
-    def put_indexed(
-        self, address: str, items: Sequence[PutItem], writer: int = 0
-    ) -> tuple[list[PutStatus], list[IndexCode]]:
-        """Write chunks to the writer's own node's store, which commits what it
-        stored (OK) into the cluster's index too, before it answers, or with
-        ``writer`` (a nonzero u32 token) right after it answered.
-
-        Returns:
-            Per item its status, and whether the index committed it: NEW,
-            ELSEWHERE (another node had stored it; this one is a replica now),
-            PENDING (``writer``: queued for the index, see :meth:`sync_index`)
-            or NOT_INDEXED (the caller commits it itself). By default, and
-            from a store or transport that cannot, nothing is indexed.
+    def put_whole(
+        self, address: str, keys: Sequence[ChunkKey], views: Sequence[memoryview]
+    ) -> list[PutStatus]:
+        """:meth:`put` for a caller that validated its arguments already:
+        ``keys`` are :data:`ChunkKey` values (see
+        :func:`~kvdepot.keys.validate_key`) and ``views`` flat byte views, one
+        per key, whose checksums the transport computes. A transport may then
+        skip its own validation of every item (``KVDepotClient`` validates
+        each call once).
 
         Raises:
-            InvalidArgument: A malformed address, key or buffer.
+            InvalidArgument: A malformed address, or a number of views other
+                than of keys.
         """
-        return self.put(address, items), [IndexCode.NOT_INDEXED] * len(items)
-
-    def sync_index(self, address: str, writer: int, wait_s: float) -> IndexSettled | None:
-        """What the store's index did with ``writer``'s PENDING chunks since
-        the last call, waiting up to ``wait_s`` for those still pending;
-        ``None`` where the transport cannot ask (it never deferred)."""
-        return None
+        if len(keys) != len(views):
+            raise InvalidArgument(f"{len(keys)} keys but {len(views)} buffers")
+        return self.put(address, [PutItem(k, v) for k, v in zip(keys, views, strict=True)])
 
     @abc.abstractmethod
     def get_into(self, address: str, items: Sequence[GetItem]) -> list[GetOutcome]:
@@ -154,10 +177,9 @@ class Transport(abc.ABC):
         self, address: str, keys: Sequence[ChunkKey], views: Sequence[memoryview]
     ) -> list[GetOutcome]:
         """:meth:`get_into` of whole chunks, for a caller that validated its
-        arguments already: ``keys`` are :data:`ChunkKey` values (see
-        :func:`~kvdepot.keys.validate_key`) and ``views`` writable flat byte
-        views, one per key. A transport may then skip its own validation of
-        every item (``KVDepotClient`` validates each call once).
+        arguments already: ``keys`` are :data:`ChunkKey` values and ``views``
+        writable flat byte views, one per key. A transport may then skip its
+        own validation of every item.
 
         Raises:
             InvalidArgument: A malformed address, a number of views other
@@ -179,6 +201,28 @@ class Transport(abc.ABC):
             InvalidArgument: A malformed address or key.
         """
 
+    def usable(self, address: str) -> bool:
+        """Whether this transport can serve the store at ``address`` (``shm``:
+        the store runs on this host with an arena this process may map).
+
+        Raises:
+            Unavailable: The store cannot be reached now, so nothing can be
+                said (a transport that must ask the store).
+            Unauthenticated: The store refused this client's token.
+        """
+        return True
+
+    def reserves_first(self, address: str) -> bool:
+        """Whether a put to ``address`` learns what the store holds before it
+        moves any byte (``shm``, ``nixl``: RESERVE, then copy); a stream
+        (``tcp``) sends the bytes of chunks the store may hold already."""
+        return False
+
+    def stalled(self, address: str) -> bool:
+        """Whether the store at ``address`` stopped answering within the I/O
+        timeout: calls to it fail at once (FAILED) until it answers a probe."""
+        return False
+
     @abc.abstractmethod
     def close(self) -> None:
         """Release connections and other resources; the transport is unusable after."""
@@ -188,3 +232,57 @@ class Transport(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class IndexingTransport(Transport):
+    """A transport to stores that commit what they store into the cluster's
+    index themselves: a writer publishing into its own node's store then
+    needs no metadata call of its own (the ``index`` protocol: see
+    :mod:`kvdepot.wire.protocol`, ``HeaderFlags.INDEX``)."""
+
+    @abc.abstractmethod
+    def put_indexed(
+        self, address: str, items: Sequence[PutItem], writer: int = 0
+    ) -> tuple[list[PutStatus], list[IndexCode]]:
+        """Write chunks to the writer's own node's store, which commits what it
+        stored (OK) into the cluster's index too, before it answers, or with
+        ``writer`` (a nonzero u32 token) right after it answered.
+
+        Returns:
+            Per item its status, and whether the index committed it: NEW,
+            ELSEWHERE (another node had stored it; this one is a replica now),
+            PENDING (``writer``: queued for the index, see :meth:`sync_index`)
+            or NOT_INDEXED (the caller commits it itself; also from a store
+            that cannot index).
+
+        Raises:
+            InvalidArgument: A malformed address, key or buffer.
+        """
+
+    def put_whole_indexed(
+        self,
+        address: str,
+        keys: Sequence[ChunkKey],
+        views: Sequence[memoryview],
+        writer: int = 0,
+    ) -> tuple[list[PutStatus], list[IndexCode]]:
+        """:meth:`put_indexed` for a caller that validated its arguments
+        already, as :meth:`Transport.put_whole`.
+
+        Raises:
+            InvalidArgument: A malformed address, or a number of views other
+                than of keys.
+        """
+        if len(keys) != len(views):
+            raise InvalidArgument(f"{len(keys)} keys but {len(views)} buffers")
+        items = [PutItem(k, v) for k, v in zip(keys, views, strict=True)]
+        return self.put_indexed(address, items, writer)
+
+    @abc.abstractmethod
+    def sync_index(self, address: str, writer: int, wait_s: float) -> IndexSettled:
+        """What the store's index did with ``writer``'s PENDING chunks since
+        the last call, waiting up to ``wait_s`` for those still pending.
+
+        Raises:
+            Unavailable: The store cannot be reached or stalled.
+        """

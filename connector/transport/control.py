@@ -11,7 +11,9 @@ held) and never returned to the pool.
 COMMITs may be pipelined: :meth:`ControlConnection.send_commit` sends one
 without waiting, so the store verifies a chunk's checksum on its own core
 while the client copies the next one; :meth:`ControlConnection.finish_commits`
-collects the answers in order.
+collects the answers in order. Every answer read later is one of the
+connection's :class:`~kvdepot.connector.transport.stream.Owed` answers,
+as a ``tcp`` stream's late puts are.
 
 A deferring writer's put goes further (:meth:`ControlConnection.commit_late`):
 it returns once its COMMIT (a COMMIT|GRANT in granted room) is sent, and the
@@ -25,18 +27,15 @@ the writer asks.
 from __future__ import annotations
 
 import logging
-import select
 import socket
-from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
 from kvdepot.connector.transport.pipeline import Pipeline
 from kvdepot.connector.transport.pool import IdlePool
-from kvdepot.endpoints import parse_endpoint
-from kvdepot.errors import InvalidArgument, KVDepotError, Unavailable
+from kvdepot.connector.transport.stall import Stalls
+from kvdepot.connector.transport.stream import Connection, Owed
+from kvdepot.errors import InvalidArgument
 from kvdepot.keys import ChunkKey
-from kvdepot.wire.handshake import authenticate
 from kvdepot.wire.protocol import (
     LEASE_REPLY_ENTRY,
     MAX_ATTACH_BODY,
@@ -67,7 +66,6 @@ from kvdepot.wire.protocol import (
     recv_index_codes,
     recv_reply_header,
     send_all,
-    set_io_timeout,
     unpack_attach_info,
     unpack_lease_reply_entries,
     unpack_reserve_reply_entries,
@@ -80,78 +78,69 @@ _NO_KEY = ChunkKey(bytes(16))
 """The key of a RESERVE|GRANT entry: the store ignores it."""
 
 
-def parse_address(address: str) -> tuple[str, int]:
-    """Split ``"host:port"`` (``"[v6]:port"`` for IPv6) into its parts.
+class _Release(Owed):
+    """The RELEASE_REPLY of ``n`` leases ended without waiting."""
 
-    Raises:
-        InvalidArgument: If the address is malformed.
-    """
-    return parse_endpoint(address, "data plane address")
+    __slots__ = ("_n",)
 
+    def __init__(self, n: int) -> None:
+        self._n = n
 
-def connect(
-    address: str, connect_timeout_s: float, io_timeout_s: float, token: str = ""
-) -> socket.socket:
-    """A blocking data-plane connection with kernel I/O timeouts and no Nagle delay.
-
-    With a ``token`` the connection first proves it holds it (see
-    :mod:`kvdepot.wire.handshake`).
-
-    Raises:
-        Unavailable: If the store cannot be reached.
-        AuthRefused: The store refused the token (an ``Unauthenticated``).
-        ProtocolError: The store answered the handshake with something else.
-    """
-    host, port = parse_address(address)
-    try:
-        sock = socket.create_connection((host, port), timeout=connect_timeout_s)
-    except OSError as exc:
-        raise Unavailable(f"cannot connect to data plane {address}: {exc}") from exc
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        set_io_timeout(sock, io_timeout_s)
-    except OSError as exc:
-        sock.close()
-        raise Unavailable(f"cannot set up connection to {address}: {exc}") from exc
-    if token:
-        try:
-            authenticate(sock, token)
-        except BaseException:
-            sock.close()
-            raise
-    return sock
+    def read(self, sock: socket.socket) -> None:
+        recv_reply_header(sock, Opcode.RELEASE_REPLY, self._n)
+        recv_exact(sock, self._n)
 
 
-def looks_alive(sock: socket.socket) -> bool:
-    """Whether an idle pooled connection may be reused.
+class _Commit(Owed):
+    """The COMMIT_REPLY of a pipelined COMMIT of ``n`` entries, kept for
+    :meth:`ControlConnection.finish_commits`."""
 
-    An idle connection has nothing to read: EOF means the store closed it
-    (idle timeout, restart), data means the stream is out of sync.
-    """
-    # A poll, not a non-blocking peek: the peek's exception on the normal
-    # path cost 3.6 us per reuse, the poll 1.2.
-    poller = select.poll()
-    try:
-        poller.register(sock, select.POLLIN)
-        return not poller.poll(0)  # readable: EOF, an error or unexpected bytes
-    except (OSError, ValueError):
-        return False  # closed meanwhile
+    __slots__ = ("codes", "n", "statuses")
 
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.statuses: list[PutCode] = []
+        self.codes: list[IndexCode] = []
 
-@dataclass(frozen=True, slots=True)
-class _LateCommit:
-    """A COMMIT whose answer is read later: its chunks' sizes (those of the
-    grants a COMMIT|GRANT's answer brings), its ticket."""
-
-    sizes: list[int]
-    ticket: int
+    def read(self, sock: socket.socket) -> None:
+        header = recv_reply_header(sock, Opcode.COMMIT_REPLY, self.n)
+        self.statuses = unpack_statuses(recv_exact(sock, self.n), PutCode)
+        self.codes = recv_index_codes(sock, header)
 
 
-class ControlConnection:
+class _LateCommit(Owed):
+    """The answer of a deferring writer's COMMIT, read later: its chunks'
+    sizes (those of the grants a COMMIT|GRANT's answer brings), its ticket."""
+
+    __slots__ = ("_pipeline", "_read_granted", "_sizes", "_ticket")
+
+    def __init__(
+        self,
+        sizes: list[int],
+        pipeline: Pipeline,
+        read_granted: Callable[[Sequence[int], list[IndexCode]], list[PutCode]],
+    ) -> None:
+        self._sizes = sizes
+        self._pipeline = pipeline
+        self._ticket = pipeline.sent(len(sizes))
+        self._read_granted = read_granted
+
+    def read(self, sock: socket.socket) -> None:
+        codes: list[IndexCode] = []
+        statuses = self._read_granted(self._sizes, codes)
+        self._pipeline.answered(self._ticket, statuses, codes)
+
+    def lost(self) -> None:
+        self._pipeline.answered(self._ticket, None)
+
+
+class ControlConnection(Connection):
     """One attached data-plane connection and the arena it attached to.
 
     Not thread-safe: a connection is used by one caller at a time (checked
-    out of a :class:`ControlPool`).
+    out of a :class:`ControlPool`). Closing it (after any error) makes the
+    store drop what it held; a late commit's answer is never read then, and
+    its chunks count as lost.
 
     Args:
         sock: The connected, attached socket.
@@ -159,36 +148,20 @@ class ControlConnection:
         pipeline: Where commits sent without waiting take their tickets.
     """
 
+    __slots__ = ("_pipeline", "grant_limit", "grants", "info")
+
     def __init__(
         self, sock: socket.socket, info: AttachInfo, pipeline: Pipeline | None = None
     ) -> None:
-        self.sock = sock
+        super().__init__(sock)
         self.info = info
         self._pipeline = pipeline or Pipeline()
-        self._commits_in_flight = 0
-        # Answers not read yet, in the order they come: the entries of a
-        # RELEASE (a count), or a late COMMIT|GRANT.
-        self._expected: deque[int | _LateCommit] = deque()
         # Arena offsets of the room the store granted this connection, by size.
         self.grants: dict[int, list[int]] = {}
         self.grant_limit = MAX_GRANTED_BYTES
         """Largest batch to copy into grants: lowered to what the store
         granted when it refused some (its DRAM is small, or other
         connections hold their share), so later puts reserve at once."""
-
-    @property
-    def awaits(self) -> int:
-        """Answers not read yet (of RELEASEs and late COMMITs)."""
-        return len(self._expected)
-
-    def close(self) -> None:
-        """Close the socket; the store drops what this connection held (a
-        late commit's answer is never read: its chunks count as lost)."""
-        self.sock.close()
-        late = [e for e in self._expected if isinstance(e, _LateCommit)]
-        self._expected.clear()
-        for e in late:
-            self._pipeline.answered(e.ticket, None)
 
     def reserve(self, entries: Sequence[PutEntry]) -> list[ReserveReplyEntry]:
         """Reserve room for chunks; OK entries carry their arena offset."""
@@ -249,7 +222,7 @@ class ControlConnection:
             self._send_granted(entries, True, writer)
         else:
             self._send_commit(entries, True, writer)
-        self._expected.append(_LateCommit(list(sizes), self._pipeline.sent(len(entries))))
+        self.owe(_LateCommit(list(sizes), self._pipeline, self._read_granted))
 
     def _send_granted(self, entries: Sequence[CommitEntry], index: bool, writer: int) -> None:
         flags = index_flags(index, writer) | HeaderFlags.GRANT
@@ -290,7 +263,7 @@ class ControlConnection:
         them into the cluster's index then, after answering where a
         ``writer`` token is given); the answer is read later."""
         self._send_commit(entries, index, writer)
-        self._commits_in_flight += 1
+        self.owe(_Commit(len(entries)))
 
     def _send_commit(self, entries: Sequence[CommitEntry], index: bool, writer: int) -> None:
         head = Header(Opcode.COMMIT, len(entries), writer, index_flags(index, writer)).pack()
@@ -302,19 +275,18 @@ class ControlConnection:
         """Read the answers of the COMMITs sent, of ``counts[i]`` entries each;
         ``indexed`` is extended with their index codes (NOT_INDEXED where the
         store sent none)."""
-        if len(counts) != self._commits_in_flight:
+        commits = [o for o in self.owed() if isinstance(o, _Commit)]
+        if [c.n for c in commits] != list(counts):
             raise InvalidArgument(
-                f"{len(counts)} COMMIT answers expected, {self._commits_in_flight} in flight"
+                f"COMMIT answers of {list(counts)} entries expected, "
+                f"{[c.n for c in commits]} in flight"
             )
         self.settle()
         out: list[PutCode] = []
-        for n in counts:
-            header = recv_reply_header(self.sock, Opcode.COMMIT_REPLY, n)
-            self._commits_in_flight -= 1
-            out.extend(unpack_statuses(recv_exact(self.sock, n), PutCode))
-            codes = recv_index_codes(self.sock, header)
+        for c in commits:
+            out.extend(c.statuses)
             if indexed is not None:
-                indexed.extend(codes)
+                indexed.extend(c.codes)
         return out
 
     def abort(self, keys: Sequence[ChunkKey]) -> list[HeldCode]:
@@ -353,22 +325,7 @@ class ControlConnection:
         n = len(lease_ids)
         if n:
             send_all(self.sock, [Header(Opcode.RELEASE, n).pack() + pack_lease_ids(lease_ids)])
-            self._expected.append(n)
-
-    def settle(self) -> None:
-        """Read the answers of RELEASEs sent by :meth:`release_later` and of
-        COMMITs sent by :meth:`commit_late` (keeping the grants they carry)."""
-        while self._expected:
-            e = self._expected[0]
-            if isinstance(e, _LateCommit):
-                codes: list[IndexCode] = []
-                statuses = self._read_granted(e.sizes, codes)
-                self._expected.popleft()
-                self._pipeline.answered(e.ticket, statuses, codes)
-            else:
-                recv_reply_header(self.sock, Opcode.RELEASE_REPLY, e)
-                recv_exact(self.sock, e)
-                self._expected.popleft()
+            self.owe(_Release(n))
 
 
 def attach(sock: socket.socket, kind: AttachKind) -> AttachInfo:
@@ -394,6 +351,8 @@ class ControlPool(IdlePool[ControlConnection]):
         io_timeout_s: Time a control exchange may stall.
         max_idle: Idle connections kept per store.
         token: Proven to the store on each new connection (when it has one).
+        stalls: Stores that stopped answering (see
+            :class:`~kvdepot.connector.transport.pool.IdlePool`).
     """
 
     def __init__(
@@ -403,34 +362,28 @@ class ControlPool(IdlePool[ControlConnection]):
         io_timeout_s: float,
         max_idle: int = 4,
         token: str = "",
+        stalls: Stalls | None = None,
     ) -> None:
-        super().__init__(connect_timeout_s, io_timeout_s, max_idle, token)
+        super().__init__(connect_timeout_s, io_timeout_s, max_idle, token, stalls)
         self._kind = kind
 
     def checkout(self, address: str) -> ControlConnection:
         """An attached connection to ``address`` (a pooled one if it is still alive).
 
         Raises:
+            Stalled: The store stopped answering before.
             Unavailable: The store cannot be reached or did not attach.
             ProtocolError: The store answered something unparsable.
         """
-        while True:
-            conn = self._take(address)
-            if conn is None:
-                break
-            try:
-                conn.settle()
-            except (KVDepotError, OSError):
-                conn.close()
-                continue
-            if looks_alive(conn.sock):
-                return conn
-            conn.close()
-        sock = connect(address, self._connect_timeout_s, self._io_timeout_s, self._token)
+        conn = self._reuse(address)
+        if conn is not None:
+            return conn
+        sock = self._connect(address)
         try:
             return ControlConnection(sock, attach(sock, self._kind), self.pipeline(address))
-        except BaseException:
+        except BaseException as exc:
             sock.close()
+            self.stalls.record(address, exc)
             raise
 
     def drop(self, address: str) -> None:

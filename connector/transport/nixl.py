@@ -5,11 +5,13 @@ NICs; TCP and shared memory elsewhere) between buffers this process
 registered and the arena the store registered, without the store's CPU. The
 store's agent metadata and arena address come from its gRPC
 ``Store.GetTransferInfo``; the store's gRPC address from the data plane's
-ATTACH. Control stays on the data-plane connection, batched, as for ``shm``:
+ATTACH. Control stays on the data-plane connection, batched, as for ``shm``
+(deletes and index syncs too):
 
 * put: RESERVE the batch, one WRITE transfer of every chunk to its offset
   (the writer's checksums are computed while the transfer is in flight),
-  COMMIT; the store verifies each chunk's checksum in its arena.
+  COMMIT (asking the store to index what it commits, for an indexed put);
+  the store verifies each chunk's checksum in its arena.
 * get: LEASE the batch, one READ transfer, verify each checksum, RELEASE.
 
 Registrations of caller buffers are cached (a buffer registered once is not
@@ -29,24 +31,23 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import numpy as np
 
-from kvdepot.connector.transport.arena import ArenaTransport
-from kvdepot.connector.transport.base import GetOutcome, PutItem, PutStatus
-from kvdepot.connector.transport.control import ControlConnection, ControlPool
-from kvdepot.connector.transport.tcp import (
-    PUT_STATUS,
-    GetWork,
-    PutWork,
-    TcpTransport,
+from kvdepot.connector.transport.arena import (
+    MISMATCH,
+    ArenaTransport,
+    ArenaUnusable,
+    check_lease,
 )
-from kvdepot.errors import InvalidArgument, KVDepotError, Unauthenticated, Unavailable
-from kvdepot.keys import ChunkKey
+from kvdepot.connector.transport.base import GetOutcome, GetStatus, PutStatus
+from kvdepot.connector.transport.control import ControlConnection, ControlPool
+from kvdepot.connector.transport.stall import Stalls
+from kvdepot.connector.transport.stream import PUT_STATUS, GetWork, PutWork
+from kvdepot.errors import InvalidArgument, Unavailable
 from kvdepot.proto.gen import store_pb2, store_pb2_grpc
 from kvdepot.rpc.errors import from_grpc
 from kvdepot.rpc.security import channel as secure_channel
@@ -59,11 +60,13 @@ from kvdepot.wire.protocol import (
     CommitEntry,
     ErrorCode,
     GetCode,
+    IndexCode,
     LeaseReplyEntry,
     ProtocolError,
     ProtocolLimits,
     PutCode,
     PutEntry,
+    TimedOut,
 )
 from kvdepot.wire.xxh3 import xxh3_64
 
@@ -100,6 +103,8 @@ class NixlTransport(ArenaTransport[_Peer]):
             used ones are deregistered beyond it).
         security: The token control connections prove and the gRPC
             settings (token, TLS) of ``GetTransferInfo`` calls.
+        stalls: The record of stores that stopped answering, shared with the
+            other transports of a client (``auto``); by default its own.
 
     Raises:
         Unavailable: NIXL is not installed or its agent does not start.
@@ -117,6 +122,7 @@ class NixlTransport(ArenaTransport[_Peer]):
         limits: ProtocolLimits | None = None,
         max_registrations: int = 256,
         security: SecurityConfig | None = None,
+        stalls: Stalls | None = None,
     ) -> None:
         if connect_timeout_s <= 0 or io_timeout_s <= 0:
             raise InvalidArgument("transport timeouts must be positive")
@@ -126,10 +132,7 @@ class NixlTransport(ArenaTransport[_Peer]):
         self._security = security
         token = security.tokens().token if security is not None else ""
         self._pool = ControlPool(
-            AttachKind.NIXL, connect_timeout_s, io_timeout_s, max_idle_per_peer, token
-        )
-        self._tcp = TcpTransport(
-            connect_timeout_s, io_timeout_s, 1, limits=self._limits, security=security
+            AttachKind.NIXL, connect_timeout_s, io_timeout_s, max_idle_per_peer, token, stalls
         )
         # One lock around the agent: transfers of concurrent callers are
         # serialised through it (NIXL agents are not thread-safe by default).
@@ -140,27 +143,8 @@ class NixlTransport(ArenaTransport[_Peer]):
         self._closed = False
 
     # -- peers ----------------------------------------------------------------
-    def usable(self, address: str) -> bool:
-        """Whether the store at ``address`` runs a NIXL agent this one can reach."""
-        try:
-            conn, _ = self._open(address)
-        except Unauthenticated:
-            raise
-        except (KVDepotError, OSError) as exc:
-            logger.debug("nixl to %s not usable: %s", address, str(exc))
-            return False
-        self._pool.checkin(address, conn)
-        return True
-
-    def _open(self, address: str) -> tuple[ControlConnection, _Peer]:
-        if self._closed:
-            raise InvalidArgument("transport is closed")
-        conn = self._pool.checkout(address)
-        try:
-            return conn, self._peer(address, conn.info)
-        except BaseException:
-            conn.close()
-            raise
+    def _arena(self, address: str, conn: ControlConnection) -> _Peer:
+        return self._peer(address, conn.info)
 
     def _peer(self, address: str, info: AttachInfo) -> _Peer:
         with self._lock:
@@ -168,7 +152,7 @@ class NixlTransport(ArenaTransport[_Peer]):
         if peer is not None and peer.generation == info.generation:
             return peer
         if not info.flags & AttachFlags.NIXL or not info.control_address:
-            raise Unavailable(f"store {address} runs no NIXL agent")
+            raise ArenaUnusable(f"store {address} runs no NIXL agent")
         reply = self._transfer_info(info.control_address)
         if reply.generation != info.generation or not reply.HasField("nixl"):
             raise Unavailable(f"store {address} changed while attaching; try again")
@@ -199,6 +183,8 @@ class NixlTransport(ArenaTransport[_Peer]):
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
                 raise from_grpc(exc, f"GetTransferInfo at {control_address}") from None
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise TimedOut(f"GetTransferInfo at {control_address} timed out") from exc
             raise Unavailable(f"GetTransferInfo at {control_address} failed: {exc}") from exc
 
     # -- memory -----------------------------------------------------------------
@@ -249,7 +235,7 @@ class NixlTransport(ArenaTransport[_Peer]):
                 deadline = time.monotonic() + self._io_timeout_s
                 while state == "PROC":
                     if time.monotonic() > deadline:
-                        raise Unavailable(f"NIXL {op} did not finish in {self._io_timeout_s} s")
+                        raise TimedOut(f"NIXL {op} did not finish in {self._io_timeout_s} s")
                     time.sleep(_POLL_S)
                     state = self._agent.check_xfer_state(handle)
                 if state != "DONE":
@@ -262,35 +248,43 @@ class NixlTransport(ArenaTransport[_Peer]):
 
     # -- data -----------------------------------------------------------------------
     def _put_batch(
-        self, conn: ControlConnection, peer: _Peer, batch: list[PutWork], items: Sequence[PutItem]
+        self,
+        conn: ControlConnection,
+        peer: _Peer,
+        batch: list[PutWork],
+        indexed: list[IndexCode] | None,
+        writer: int = 0,
     ) -> list[tuple[int, PutStatus]]:
         replies = conn.reserve([PutEntry(e.key, e.size, 0) for _, e, _, _ in batch])
         out: list[tuple[int, PutStatus]] = []
         pairs: list[tuple[memoryview, int]] = []
-        writes: list[tuple[int, ChunkKey, memoryview]] = []
-        for (i, entry, view, _), reply in zip(batch, replies, strict=True):
+        writes: list[tuple[int, PutEntry, memoryview, bool]] = []
+        for (i, entry, view, trailed), reply in zip(batch, replies, strict=True):
             if reply.status is not PutCode.OK:
                 out.append((i, PUT_STATUS[reply.status]))
                 continue
             if reply.offset + entry.size > peer.arena_size:
                 raise ProtocolError(ErrorCode.MALFORMED, "reservation outside the arena")
             pairs.append((view, reply.offset))
-            writes.append((i, entry.key, view))
+            writes.append((i, entry, view, trailed))
         if not writes:
             return out
         sums: list[int] = []
 
         def hash_sources() -> None:
             # The writer's checksums, computed while the WRITE is in flight.
-            for i, _, view in writes:
-                given = items[i].checksum
-                sums.append(given if given is not None else xxh3_64(view))
+            for _, entry, view, trailed in writes:
+                sums.append(xxh3_64(view) if trailed else entry.checksum)
 
         self._transfer("WRITE", peer, pairs, hash_sources)
-        commits = [CommitEntry(key, ck) for (_, key, _), ck in zip(writes, sums, strict=True)]
-        conn.send_commit(commits)
-        codes = conn.finish_commits([len(commits)])
-        out.extend((i, PUT_STATUS[c]) for (i, _, _), c in zip(writes, codes, strict=True))
+        commits = [CommitEntry(w[1].key, ck) for w, ck in zip(writes, sums, strict=True)]
+        conn.send_commit(commits, indexed is not None, writer)
+        got: list[IndexCode] = []
+        codes = conn.finish_commits([len(commits)], got)
+        out.extend((w[0], PUT_STATUS[c]) for w, c in zip(writes, codes, strict=True))
+        if indexed is not None:
+            for w, ix in zip(writes, got, strict=True):
+                indexed[w[0]] = ix
         return out
 
     def _get_batch(
@@ -302,31 +296,16 @@ class NixlTransport(ArenaTransport[_Peer]):
         reads: list[tuple[int, memoryview, LeaseReplyEntry]] = []
         try:
             for (i, entry, buf), reply in zip(batch, replies, strict=True):
-                if reply.status is GetCode.NOT_FOUND:
-                    out.append((i, GetOutcome(False, 0, "not found")))
+                refused = check_lease(peer.arena_size, entry, buf, reply)
+                if refused is not None:
+                    out.append((i, refused))
                     continue
-                if reply.status is GetCode.INVALID:
-                    out.append((i, GetOutcome(False, 0, "invalid range")))
-                    continue
-                length = reply.length
-                if reply.offset + length > peer.arena_size:
-                    raise ProtocolError(ErrorCode.MALFORMED, "lease outside the arena")
-                if length > buf.nbytes:
-                    why = f"buffer of {buf.nbytes} bytes too small for {length}"
-                    out.append((i, GetOutcome(False, 0, why)))
-                    continue
-                if entry.length and length != entry.length:
-                    why = f"store leased {length} bytes for a range of {entry.length}"
-                    out.append((i, GetOutcome(False, 0, why)))
-                    continue
-                reads.append((i, buf[:length], reply))
+                reads.append((i, buf[: reply.length], reply))
             if reads:
                 self._transfer("READ", peer, [(dest, r.offset) for _, dest, r in reads])
                 for i, dest, r in reads:
-                    if xxh3_64(dest) != r.checksum:
-                        out.append((i, GetOutcome(False, 0, "checksum mismatch")))
-                    else:
-                        out.append((i, GetOutcome(True, r.length)))
+                    ok = xxh3_64(dest) == r.checksum
+                    out.append((i, GetOutcome(GetStatus.OK, r.length) if ok else MISMATCH))
         finally:
             conn.release(lease_ids)
         return out

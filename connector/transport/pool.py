@@ -6,8 +6,10 @@ and the control pool of the arena transports
 connection goes back to the pool with answers it has not read yet (late puts,
 late commits, releases), the pool's :class:`Pipeline` per store counts them,
 and a reader that must see every put sent before it reads the idle
-connections' answers itself. Each pool says how a connection is made and
-when a pooled one may be reused (``checkout``).
+connections' answers itself. Each pool says how a connection is made ready
+(``checkout``). A store that timed out is recorded in the pool's
+:class:`~kvdepot.connector.transport.stall.Stalls`: no connection to it is
+handed out, and no wait for it begins, until it answers again.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, TypeVar
 
 from kvdepot.connector.transport.pipeline import Pipeline
+from kvdepot.connector.transport.stall import PROBE_TIMEOUT_S, Stalls
+from kvdepot.connector.transport.stream import Connection, connect
 from kvdepot.errors import InvalidArgument, KVDepotError
 from kvdepot.wire.protocol import set_recv_timeout
 
@@ -25,24 +29,7 @@ RETIRE_WAIT_S = 1.0
 """How long closing a connection waits for the answers it awaits."""
 
 
-class Awaiting(Protocol):
-    """A connection that may await answers to requests it sent."""
-
-    sock: socket.socket
-
-    @property
-    def awaits(self) -> int:
-        """Answers not read yet."""
-        ...
-
-    def settle(self) -> None:
-        """Read every answer it awaits."""
-
-    def close(self) -> None:
-        """Close it; the answers it awaited never come."""
-
-
-C = TypeVar("C", bound=Awaiting)
+C = TypeVar("C", bound=Connection)
 
 
 class IdlePool(Generic[C]):
@@ -55,11 +42,20 @@ class IdlePool(Generic[C]):
             :meth:`settle`.
         max_idle: Idle connections kept per store.
         token: Proven to the store on each new connection (when set).
+        stalls: The record of stores that stopped answering, shared with
+            other transports of the client; by default the pool's own.
     """
 
     def __init__(
-        self, connect_timeout_s: float, io_timeout_s: float, max_idle: int, token: str = ""
+        self,
+        connect_timeout_s: float,
+        io_timeout_s: float,
+        max_idle: int,
+        token: str = "",
+        stalls: Stalls | None = None,
     ) -> None:
+        self._own_stalls = stalls is None
+        self.stalls = stalls or Stalls(min(io_timeout_s, PROBE_TIMEOUT_S), token)
         self._token = token
         self._connect_timeout_s = connect_timeout_s
         self._io_timeout_s = io_timeout_s
@@ -89,6 +85,42 @@ class IdlePool(Generic[C]):
             idle = self._idle.get(address)
             return idle.pop() if idle else None
 
+    def _connect(self, address: str) -> socket.socket:
+        """A new connection to ``address`` (its timeout recorded as a stall).
+
+        Raises:
+            Stalled: The store stopped answering before.
+            Unavailable: If it cannot be reached.
+        """
+        self.stalls.check(address)
+        try:
+            sock = connect(address, self._connect_timeout_s, self._io_timeout_s, self._token)
+        except KVDepotError as exc:
+            self.stalls.record(address, exc)
+            raise
+        return sock
+
+    def _reuse(self, address: str) -> C | None:
+        """An idle connection to ``address`` that is still good, if any: one
+        still owed answers is in use by the store, alive; one owed nothing
+        must have nothing to read.
+
+        Raises:
+            Stalled: The store stopped answering before.
+            InvalidArgument: The pool is closed.
+        """
+        self.stalls.check(address)
+        while (conn := self._take(address)) is not None:
+            try:
+                conn.settle_arrived()
+            except (KVDepotError, OSError):
+                conn.close()
+                continue
+            if conn.awaits or not conn.readable():
+                return conn
+            conn.close()
+        return None
+
     def checkin(self, address: str, conn: C) -> None:
         """Return a healthy connection after a complete exchange (late
         answers may be unread)."""
@@ -102,19 +134,26 @@ class IdlePool(Generic[C]):
     def settle(self, address: str) -> bool:
         """Wait (at most the I/O timeout) until the store at ``address`` has
         answered every late put sent so far: its chunks are readable then,
-        or counted lost. Returns whether it has.
+        or counted lost. Returns whether it has; a store that has not is
+        recorded as stalled, and one that stalled before is not waited for.
 
         The answers of idle connections are read here; a connection in use
         reads its own before its next exchange.
         """
-        return self.pipeline(address).settle(lambda: self._settle_idle(address), self._io_timeout_s)
+        wait = 0.0 if self.stalls.stalled(address) else self._io_timeout_s
+        done = self.pipeline(address).settle(lambda: self._settle_idle(address), wait)
+        if not done and wait:
+            self.stalls.record(address)
+        return done
 
     def _settle_idle(self, address: str) -> None:
+        # Only answers that arrived: the caller's wait is the one bound, not
+        # the I/O timeout of each idle connection in turn.
         with self._lock:
             idle = self._idle.pop(address, [])
         for conn in idle:
             try:
-                conn.settle()
+                conn.settle_arrived()
             except (KVDepotError, OSError):
                 conn.close()
                 continue
@@ -129,9 +168,11 @@ class IdlePool(Generic[C]):
         for conns in idle.values():
             for conn in conns:
                 retire(conn)
+        if self._own_stalls:
+            self.stalls.close()
 
 
-def retire(conn: Awaiting) -> None:
+def retire(conn: Connection) -> None:
     """Close a connection after reading the answers it awaits, waiting at most
     :data:`RETIRE_WAIT_S` (a frozen store must not hold up a client's close).
 

@@ -43,15 +43,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvdepot.connector.transport.arena import ArenaTransport
-from kvdepot.connector.transport.base import GetOutcome, PutItem, PutStatus
-from kvdepot.connector.transport.control import ControlConnection, ControlPool
-from kvdepot.connector.transport.tcp import (
-    PUT_STATUS,
-    PutWork,
-    TcpTransport,
+from kvdepot.connector.transport.arena import (
+    MISMATCH,
+    ArenaTransport,
+    ArenaUnusable,
+    check_lease,
 )
-from kvdepot.errors import InvalidArgument, KVDepotError, Unauthenticated, Unavailable
+from kvdepot.connector.transport.base import GetOutcome, GetStatus, PutStatus
+from kvdepot.connector.transport.control import ControlConnection, ControlPool
+from kvdepot.connector.transport.stall import Stalls
+from kvdepot.connector.transport.stream import PUT_STATUS, GetWork, PutWork
+from kvdepot.errors import InvalidArgument
 from kvdepot.keys import ChunkKey
 from kvdepot.rpc.security_config import SecurityConfig
 from kvdepot.wire.host import host_identity
@@ -62,9 +64,7 @@ from kvdepot.wire.protocol import (
     CommitEntry,
     ErrorCode,
     GetCode,
-    GetEntry,
     IndexCode,
-    LeaseReplyEntry,
     ProtocolError,
     ProtocolLimits,
     PutCode,
@@ -96,7 +96,7 @@ after each block, a put of 8 x 1 MiB copied in 0.78 ms per 8 MiB with
 still in the core's L2 when it is hashed."""
 
 
-class ShmUnavailable(Unavailable):
+class ShmUnavailable(ArenaUnusable):
     """The store's arena cannot be mapped here (another host, no file, no access)."""
 
 
@@ -266,8 +266,8 @@ class ShmTransport(ArenaTransport[_Mapping]):
     """The ``shm`` data plane client: same-host stores only.
 
     Items for a store on another host (or whose arena is not shared) fail
-    (FAILED puts, ``ok=False`` reads); :meth:`usable` says beforehand.
-    Deletes go over the store's socket, as with ``tcp``.
+    (FAILED puts and reads); :meth:`usable` says beforehand. Deletes and
+    index syncs go over the same control connections.
 
     Args:
         connect_timeout_s: Time allowed to connect to a store.
@@ -276,10 +276,14 @@ class ShmTransport(ArenaTransport[_Mapping]):
         limits: The stores' protocol limits; batches are split to fit.
         security: The token each new control connection proves it holds.
         copy_threads: Threads copying the chunks of a batch at once.
+        stalls: The record of stores that stopped answering, shared with the
+            other transports of a client (``auto``); by default its own.
 
     Raises:
         InvalidArgument: If a timeout is not positive or ``copy_threads`` < 1.
     """
+
+    name = "shm"
 
     def __init__(
         self,
@@ -290,33 +294,20 @@ class ShmTransport(ArenaTransport[_Mapping]):
         limits: ProtocolLimits | None = None,
         security: SecurityConfig | None = None,
         copy_threads: int = DEFAULT_COPY_THREADS,
+        stalls: Stalls | None = None,
     ) -> None:
         if connect_timeout_s <= 0 or io_timeout_s <= 0:
             raise InvalidArgument("transport timeouts must be positive")
         self._copier = Copier(copy_threads)
         self._limits = limits or ProtocolLimits()
+        self._io_timeout_s = io_timeout_s
         token = security.tokens().token if security is not None else ""
         self._pool = ControlPool(
-            AttachKind.SHM, connect_timeout_s, io_timeout_s, max_idle_per_peer, token
-        )
-        self._tcp = TcpTransport(
-            connect_timeout_s, io_timeout_s, 1, limits=self._limits, security=security
+            AttachKind.SHM, connect_timeout_s, io_timeout_s, max_idle_per_peer, token, stalls
         )
         self._lock = threading.Lock()
         self._maps: dict[str, _Mapping] = {}
         self._closed = False
-
-    def usable(self, address: str) -> bool:
-        """Whether the store at ``address`` is on this host with an arena this process can map."""
-        try:
-            conn, _ = self._open(address)
-        except Unauthenticated:
-            raise  # not a matter of shm: tcp would be refused the same
-        except (KVDepotError, OSError) as exc:
-            logger.debug("shm to %s not usable: %s", address, str(exc))
-            return False
-        self._pool.checkin(address, conn)
-        return True
 
     def generation(self, address: str) -> int:
         """Generation of the arena mapped for ``address`` (0 when none is)."""
@@ -324,24 +315,14 @@ class ShmTransport(ArenaTransport[_Mapping]):
             m = self._maps.get(address)
         return m.generation if m is not None else 0
 
-    def _open(self, address: str) -> tuple[ControlConnection, _Mapping]:
-        # A connection and the mapping of the very arena generation it attached to.
-        if self._closed:
-            raise InvalidArgument("transport is closed")
-        try:
-            conn = self._pool.checkout(address)
-        except Unavailable:
-            # The store is gone: do not keep its old arena's memory mapped.
-            with self._lock:
-                self._maps.pop(address, None)
-            raise
-        try:
-            return conn, self._mapping(address, conn.info)
-        except BaseException:
-            conn.close()
-            raise
+    def _forget_peer(self, address: str) -> None:
+        # The store is gone: do not keep its old arena's memory mapped.
+        with self._lock:
+            self._maps.pop(address, None)
 
-    def _mapping(self, address: str, info: AttachInfo) -> _Mapping:
+    def _arena(self, address: str, conn: ControlConnection) -> _Mapping:
+        # The mapping of the very arena generation the connection attached to.
+        info = conn.info
         with self._lock:
             m = self._maps.get(address)
         if m is not None and m.generation == info.generation:
@@ -361,23 +342,11 @@ class ShmTransport(ArenaTransport[_Mapping]):
         # The old mapping is unmapped when the last transfer using it ends.
         return new
 
-    indexes = True
-
     def _put_batch(
         self,
         conn: ControlConnection,
         m: _Mapping,
         batch: list[PutWork],
-        items: Sequence[PutItem],
-    ) -> list[tuple[int, PutStatus]]:
-        return self._put_batch_indexed(conn, m, batch, items, None)
-
-    def _put_batch_indexed(
-        self,
-        conn: ControlConnection,
-        m: _Mapping,
-        batch: list[PutWork],
-        items: Sequence[PutItem],
         indexed: list[IndexCode] | None,
         writer: int = 0,
     ) -> list[tuple[int, PutStatus]]:
@@ -389,20 +358,20 @@ class ShmTransport(ArenaTransport[_Mapping]):
                 conn.grant(sizes)
                 offsets = conn.take_grants(sizes)
             if offsets is not None:
-                return self._put_granted(conn, m, batch, items, offsets, indexed, writer)
+                return self._put_granted(conn, m, batch, offsets, indexed, writer)
         replies = conn.reserve([PutEntry(e.key, e.size, 0) for _, e, _, _ in batch])
         index = indexed is not None
         out: list[tuple[int, PutStatus]] = []
         arena = m.view
         placed: list[tuple[int, PutEntry, int | None]] = []
         jobs: list[tuple[memoryview, memoryview, bool]] = []
-        for (i, entry, view, _), reply in zip(batch, replies, strict=True):
+        for (i, entry, view, trailed), reply in zip(batch, replies, strict=True):
             if reply.status is not PutCode.OK:
                 out.append((i, PUT_STATUS[reply.status]))
                 continue
             if reply.offset + entry.size > arena.nbytes:
                 raise ProtocolError(ErrorCode.MALFORMED, "reservation outside the arena")
-            placed.append((i, entry, items[i].checksum))
+            placed.append((i, entry, None if trailed else entry.checksum))
             # The checksum is of the source, each block hashed right after it
             # was copied: bytes changed under the copy then fail it at read
             # time (hashing the copy would record them as the truth).
@@ -456,7 +425,6 @@ class ShmTransport(ArenaTransport[_Mapping]):
         conn: ControlConnection,
         m: _Mapping,
         batch: list[PutWork],
-        items: Sequence[PutItem],
         offsets: list[int],
         indexed: list[IndexCode] | None,
         writer: int,
@@ -482,9 +450,8 @@ class ShmTransport(ArenaTransport[_Mapping]):
         sizes: list[int] = []
         # Closed before anything leaves: every copy has ended.
         with contextlib.closing(self._copier.map(jobs)) as sums:
-            for (i, e, _, _), off, ck in zip(batch, offsets, sums, strict=True):
-                given = items[i].checksum
-                if given is not None and given != ck:
+            for (i, e, _, trailed), off, ck in zip(batch, offsets, sums, strict=True):
+                if not trailed and e.checksum != ck:
                     # The caller's checksum does not describe its bytes: store neither.
                     out.append((i, PutStatus.CORRUPT))
                     conn.give_back(e.size, off)
@@ -507,7 +474,7 @@ class ShmTransport(ArenaTransport[_Mapping]):
         return out
 
     def _get_batch(
-        self, conn: ControlConnection, m: _Mapping, batch: list[tuple[int, GetEntry, memoryview]]
+        self, conn: ControlConnection, m: _Mapping, batch: list[GetWork]
     ) -> list[tuple[int, GetOutcome]]:
         replies = conn.lease([e for _, e, _ in batch])
         out: list[tuple[int, GetOutcome]] = []
@@ -517,20 +484,20 @@ class ShmTransport(ArenaTransport[_Mapping]):
             copies: list[tuple[int, int]] = []  # (index in out, expected checksum)
             jobs: list[tuple[memoryview, memoryview, bool]] = []
             for (i, entry, buf), reply in zip(batch, replies, strict=True):
-                refused = _check_lease(arena, entry, buf, reply)
+                refused = check_lease(arena.nbytes, entry, buf, reply)
                 if refused is not None:
                     out.append((i, refused))
                     continue
                 length = reply.length
                 dest = buf[:length] if length < buf.nbytes else buf
                 copies.append((len(out), reply.checksum))
-                out.append((i, GetOutcome(True, length)))
+                out.append((i, GetOutcome(GetStatus.OK, length)))
                 jobs.append((dest, arena[reply.offset : reply.offset + length], True))
             # Every copy has ended when the iterator is closed, before the leases go.
             with contextlib.closing(self._copier.map(jobs)) as sums:
                 for (slot, expected), got in zip(copies, sums, strict=True):
                     if got != expected:
-                        out[slot] = (out[slot][0], GetOutcome(False, 0, "checksum mismatch"))
+                        out[slot] = (out[slot][0], MISMATCH)
         finally:
             conn.release_later(lease_ids)
         return out
@@ -547,21 +514,3 @@ def _pending(committed: list[int], indexed: list[IndexCode]) -> list[tuple[int, 
     for i in committed:
         indexed[i] = IndexCode.PENDING
     return [(i, PutStatus.OK) for i in committed]
-
-
-def _check_lease(
-    arena: memoryview, entry: GetEntry, buf: memoryview, reply: LeaseReplyEntry
-) -> GetOutcome | None:
-    """Why a leased range cannot be copied into ``buf`` (``None`` when it can)."""
-    if reply.status is GetCode.NOT_FOUND:
-        return GetOutcome(False, 0, "not found")
-    if reply.status is GetCode.INVALID:
-        return GetOutcome(False, 0, "invalid range")
-    length = reply.length
-    if reply.offset + length > arena.nbytes:
-        raise ProtocolError(ErrorCode.MALFORMED, "lease outside the arena")
-    if length > buf.nbytes:
-        return GetOutcome(False, 0, f"buffer of {buf.nbytes} bytes too small for {length}")
-    if entry.length and length != entry.length:
-        return GetOutcome(False, 0, f"store leased {length} bytes for a range of {entry.length}")
-    return None

@@ -23,7 +23,14 @@ Connections are pooled per peer and reused across calls; a connection that saw
 any error is closed, never returned to the pool, because after an error the
 position in the byte stream is unknown. A pooled connection the store closed
 while idle is detected before use (and, should the race still be lost, the
-request is retried once on a fresh connection).
+request is retried once on a fresh connection). A store that let an exchange
+time out is recorded as stalled
+(:class:`~kvdepot.connector.transport.stall.Stalls`): the rest of the call,
+and later calls, fail at once until it answers a probe.
+
+Connections, the work items and batches come from the stream layer
+(:mod:`~kvdepot.connector.transport.stream`), which the arena transports
+share; nothing here knows their control connections.
 """
 
 from __future__ import annotations
@@ -39,12 +46,24 @@ from typing import TypeVar
 from kvdepot.connector.transport.base import (
     GetItem,
     GetOutcome,
+    GetStatus,
+    IndexingTransport,
     PutItem,
     PutStatus,
-    Transport,
 )
-from kvdepot.connector.transport.control import parse_address
 from kvdepot.connector.transport.pipeline import with_outcomes
+from kvdepot.connector.transport.stall import Stalls, log_failure
+from kvdepot.connector.transport.stream import (
+    PUT_STATUS,
+    GetWork,
+    PutWork,
+    check_get_items,
+    check_put_items,
+    parse_address,
+    split_batches,
+    whole_get_work,
+    whole_put_work,
+)
 from kvdepot.connector.transport.tcp_pool import MAX_LATE, Stream, TcpPool
 from kvdepot.errors import InvalidArgument, KVDepotError, Unauthenticated
 from kvdepot.keys import ChunkKey, validate_key
@@ -52,12 +71,10 @@ from kvdepot.rpc.security_config import SecurityConfig
 from kvdepot.wire.protocol import (
     GET_REPLY_ENTRY,
     HASH_BLOCK,
-    INDEX_SETTLED,
     IOV_MAX,
     DeleteCode,
     ErrorCode,
     GetCode,
-    GetEntry,
     Header,
     IndexCode,
     IndexSettled,
@@ -66,12 +83,9 @@ from kvdepot.wire.protocol import (
     ProtocolError,
     ProtocolLimits,
     PutCode,
-    PutEntry,
-    byte_view,
     drain,
     index_flags,
     pack_get_entries,
-    pack_keys,
     pack_put_entries,
     recv_exact,
     recv_exact_into_many,
@@ -81,7 +95,6 @@ from kvdepot.wire.protocol import (
     send_all,
     send_hashed,
     unpack_get_reply_rows,
-    unpack_index_settled,
     unpack_statuses,
 )
 from kvdepot.wire.xxh3 import xxh3_64
@@ -91,94 +104,10 @@ logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 _A = TypeVar("_A")
 
-PUT_STATUS = {
-    PutCode.OK: PutStatus.OK,
-    PutCode.EXISTS: PutStatus.EXISTS,
-    PutCode.NO_SPACE: PutStatus.NO_SPACE,
-    PutCode.CORRUPT: PutStatus.CORRUPT,
-    PutCode.INVALID: PutStatus.INVALID,
-}
-"""Wire status of a put to the transport's :class:`PutStatus`."""
-
 PARALLEL_MIN_BYTES = 8 << 20
 """A batch at least this large is spread over several connections."""
 
-__all__ = [
-    "PUT_STATUS",
-    "TcpTransport",
-    "check_get_items",
-    "check_put_items",
-    "parse_address",
-    "split_batches",
-]
-
-PutWork = tuple[int, PutEntry, memoryview, bool]
-"""An item to put: its index, entry, bytes, and whether the checksum trails."""
-GetWork = tuple[int, GetEntry, memoryview]
-"""An item to get: its index, entry and destination."""
-
-
-def check_put_items(
-    items: Sequence[PutItem], limits: ProtocolLimits
-) -> tuple[list[PutStatus], list[PutWork]]:
-    """Validate put items: statuses preset to FAILED (INVALID for empty or
-    oversized chunks) and the work left to do.
-
-    Raises:
-        InvalidArgument: A malformed key or buffer.
-    """
-    statuses = [PutStatus.FAILED] * len(items)
-    todo: list[PutWork] = []
-    for i, item in enumerate(items):
-        key = validate_key(item.key)
-        view = byte_view(item.data)
-        if view.nbytes == 0 or view.nbytes > limits.largest_chunk:
-            statuses[i] = PutStatus.INVALID
-            continue
-        trailed = item.checksum is None
-        todo.append((i, PutEntry(key, view.nbytes, item.checksum or 0), view, trailed))
-    return statuses, todo
-
-
-def check_get_items(items: Sequence[GetItem]) -> list[GetWork]:
-    """Validate get items and return the work to do.
-
-    Raises:
-        InvalidArgument: A malformed key, range, or a read-only or too small buffer.
-    """
-    todo: list[GetWork] = []
-    for i, item in enumerate(items):
-        key = validate_key(item.key)
-        buf = byte_view(item.buffer)
-        if buf.readonly:
-            raise InvalidArgument("get buffers must be writable")
-        if buf.nbytes == 0:
-            raise InvalidArgument("get buffers must not be empty")
-        if item.offset < 0 or item.length < 0:
-            raise InvalidArgument(f"bad range offset={item.offset} length={item.length}")
-        if item.length > buf.nbytes:
-            raise InvalidArgument(
-                f"buffer of {buf.nbytes} bytes cannot hold a read of {item.length} bytes"
-            )
-        todo.append((i, GetEntry(key, item.offset, item.length), buf))
-    return todo
-
-
-def split_batches(
-    items: list[_T], size: Callable[[_T], int], limits: ProtocolLimits
-) -> Iterator[list[_T]]:
-    """Split ``items`` into requests within the batch and request-size limits."""
-    batch: list[_T] = []
-    total = 0
-    for item in items:
-        n = size(item)
-        if batch and (len(batch) >= limits.max_batch or total + n > limits.max_request_bytes):
-            yield batch
-            batch, total = [], 0
-        batch.append(item)
-        total += n
-    if batch:
-        yield batch
+__all__ = ["TcpTransport"]
 
 
 def _spread(items: list[_T], size: Callable[[_T], int], ways: int) -> list[list[_T]]:
@@ -225,23 +154,27 @@ DEFAULT_STREAMS = min(4, max(1, (os.cpu_count() or 2) // 2))
 copying (and hashing); on two cores one stream beat two by 10-20 %."""
 
 
-class TcpTransport(Transport):
+class TcpTransport(IndexingTransport):
     """The ``tcp`` data plane client.
 
     Args:
         connect_timeout_s: Time allowed to establish a connection.
         io_timeout_s: Time a send or receive may stall before the connection
-            is declared dead.
+            is declared dead (and its store stalled, see :meth:`stalled`).
         max_idle_per_peer: Idle connections kept per store for reuse.
         limits: The protocol limits of the stores; requests are split to stay
             within them.
         streams: Connections one large batch is spread over, in parallel.
         security: The token each new connection proves it holds (when set).
+        stalls: The record of stores that stopped answering, shared with the
+            other transports of a client (``auto``); by default its own.
 
     Raises:
         InvalidArgument: If a timeout is not positive, ``max_idle_per_peer``
             is negative or ``streams`` is below 1.
     """
+
+    name = "tcp"
 
     def __init__(
         self,
@@ -252,6 +185,7 @@ class TcpTransport(Transport):
         limits: ProtocolLimits | None = None,
         streams: int = DEFAULT_STREAMS,
         security: SecurityConfig | None = None,
+        stalls: Stalls | None = None,
     ) -> None:
         if connect_timeout_s <= 0 or io_timeout_s <= 0:
             raise InvalidArgument("transport timeouts must be positive")
@@ -260,9 +194,10 @@ class TcpTransport(Transport):
         if streams < 1:
             raise InvalidArgument("streams must be at least 1")
         self._limits = limits or ProtocolLimits()
+        self._io_timeout_s = io_timeout_s
         token = security.tokens().token if security is not None else ""
         self._pool = TcpPool(
-            connect_timeout_s, io_timeout_s, max(max_idle_per_peer, streams), token
+            connect_timeout_s, io_timeout_s, max(max_idle_per_peer, streams), token, stalls
         )
         self._streams = streams
         self._executor: ThreadPoolExecutor | None = None
@@ -270,31 +205,64 @@ class TcpTransport(Transport):
         self._closed = False
         self._parsed: set[str] = set()  # addresses that parse_address took
 
+    def stalled(self, address: str) -> bool:
+        """Whether the store stopped answering; see :meth:`Transport.stalled`."""
+        return self._pool.stalls.stalled(address)
+
     def put(self, address: str, items: Sequence[PutItem]) -> list[PutStatus]:
         """Write chunks; see :meth:`Transport.put`."""
-        return self._put(address, items, False)[0]
+        self._check_usable(address)
+        return self._put(address, *check_put_items(items, self._limits), False)[0]
+
+    def put_whole(
+        self, address: str, keys: Sequence[ChunkKey], views: Sequence[memoryview]
+    ) -> list[PutStatus]:
+        """Write whole chunks, validated by the caller; see :meth:`Transport.put_whole`."""
+        self._check_usable(address)
+        return self._put(address, *whole_put_work(keys, views, self._limits), False)[0]
 
     def put_indexed(
         self, address: str, items: Sequence[PutItem], writer: int = 0
     ) -> tuple[list[PutStatus], list[IndexCode]]:
-        """Write chunks, the store indexing them; see :meth:`Transport.put_indexed`."""
-        return self._put(address, items, True, writer)
+        """Write chunks, the store indexing them; see :meth:`IndexingTransport.put_indexed`."""
+        self._check_usable(address)
+        return self._put(address, *check_put_items(items, self._limits), True, writer)
 
-    def sync_index(self, address: str, writer: int, wait_s: float) -> IndexSettled | None:
-        """Ask the store about a writer's deferred chunks; see :meth:`Transport.sync_index`."""
+    def put_whole_indexed(
+        self,
+        address: str,
+        keys: Sequence[ChunkKey],
+        views: Sequence[memoryview],
+        writer: int = 0,
+    ) -> tuple[list[PutStatus], list[IndexCode]]:
+        """:meth:`put_indexed` of whole chunks validated by the caller."""
+        self._check_usable(address)
+        return self._put(address, *whole_put_work(keys, views, self._limits), True, writer)
+
+    def sync_index(self, address: str, writer: int, wait_s: float) -> IndexSettled:
+        """Ask the store about a writer's deferred chunks; see
+        :meth:`IndexingTransport.sync_index`."""
         self._check_usable(address)
         # The late puts' chunks are in the store's count once it answered them.
         self._pool.settle(address)
-        wait_ms = min(max(int(wait_s * 1000), 0), 0xFFFFFFFF)
-        settled = self._exchange(address, _sync, (writer, wait_ms))
+        io_timeout_s = self._io_timeout_s
+
+        def sync(stream: Stream, _: None) -> IndexSettled:
+            return stream.sync(writer, wait_s, io_timeout_s)
+
+        settled = self._exchange(address, sync, None)
         return with_outcomes(settled, self._pool.pipeline(address))
 
     def _put(
-        self, address: str, items: Sequence[PutItem], index: bool, writer: int = 0
+        self,
+        address: str,
+        statuses: list[PutStatus],
+        todo: list[PutWork],
+        index: bool,
+        writer: int = 0,
     ) -> tuple[list[PutStatus], list[IndexCode]]:
-        self._check_usable(address)
-        statuses, todo = check_put_items(items, self._limits)
-        indexed = [IndexCode.NOT_INDEXED] * len(items)
+        """Put ``todo`` (``statuses``: every item's, preset to FAILED)."""
+        indexed = [IndexCode.NOT_INDEXED] * len(statuses)
         # A deferring writer learns the store's answer later (sync_index).
         late = index and writer != 0
 
@@ -311,9 +279,7 @@ class TcpTransport(Transport):
                     raise  # every later call would fail the same: the caller must know
                 except KVDepotError as exc:
                     # This batch and the rest stay FAILED: the store is unreachable or broken.
-                    logger.warning(
-                        "put of %d chunks to %s failed: %s", len(todo), address, str(exc)
-                    )
+                    log_failure(logger, f"put of {len(todo)} chunks", address, exc)
                     return
                 for (i, _, _, _), (code, ix) in zip(batch, codes, strict=True):
                     statuses[i] = PUT_STATUS[code]
@@ -336,15 +302,11 @@ class TcpTransport(Transport):
     ) -> list[GetOutcome]:
         """Read whole chunks, validated by the caller; see :meth:`Transport.get_whole`."""
         self._check_usable(address)
-        if len(keys) != len(views):
-            raise InvalidArgument(f"{len(keys)} keys but {len(views)} buffers")
+        todo = whole_get_work(keys, views)
         sizes = [v.nbytes for v in views]
-        if 0 in sizes:
-            raise InvalidArgument("get buffers must not be empty")
         cap = self._limits.max_chunk_bytes
         if sizes and max(sizes) > cap:
             sizes = [min(n, cap) for n in sizes]
-        todo = [(i, GetEntry(k), v) for i, (k, v) in enumerate(zip(keys, views, strict=True))]
         return self._get(address, todo, sizes)
 
     def _get(self, address: str, todo: list[GetWork], sizes: list[int]) -> list[GetOutcome]:
@@ -394,7 +356,7 @@ class TcpTransport(Transport):
             except Unauthenticated:
                 raise
             except KVDepotError as exc:
-                logger.warning("delete of %d chunks at %s failed: %s", len(todo), address, str(exc))
+                log_failure(logger, f"delete of {len(todo)} chunks", address, exc)
                 break
             for (i, _), code in zip(batch, codes, strict=True):
                 removed[i] = code == DeleteCode.OK
@@ -449,6 +411,8 @@ class TcpTransport(Transport):
         which reads the connection's late answers after sending, not before).
 
         Raises:
+            Stalled: The store stopped answering before (a timeout of this
+                exchange is recorded so: the rest of the call fails at once).
             Unavailable: The store is unreachable or the connection failed.
             ProtocolError: The store answered ERROR or something unparsable.
         """
@@ -465,8 +429,9 @@ class TcpTransport(Transport):
                 if reused and attempt == 0:
                     continue
                 raise
-            except BaseException:
+            except BaseException as exc:
                 stream.close()
+                self._pool.stalls.record(address, exc)
                 raise
             self._pool.checkin(address, stream)
             return result
@@ -493,7 +458,8 @@ class TcpTransport(Transport):
                 # Keep the stream in sync, but never hand out these bytes.
                 small.receive(sock)
                 drain(sock, length)
-                outcomes.append(GetOutcome(False, 0, _misfit(buf.nbytes, length, entry.length)))
+                why = _misfit(buf.nbytes, length, entry.length)
+                outcomes.append(GetOutcome(GetStatus.MISFIT, 0, why))
                 continue
             dest = buf[:length] if length < buf.nbytes else buf
             if length <= SMALL_PAYLOAD:
@@ -503,24 +469,24 @@ class TcpTransport(Transport):
                 continue
             small.receive(sock)
             ok = recv_hashed_into(sock, dest) == checksum
-            outcomes.append(GetOutcome(True, length) if ok else _MISMATCH)
+            outcomes.append(GetOutcome(GetStatus.OK, length) if ok else _MISMATCH)
         small.receive(sock)
         return outcomes
 
 
 _MISSES: dict[int, GetOutcome] = {
-    GetCode.NOT_FOUND: GetOutcome(False, 0, "not found"),
-    GetCode.INVALID: GetOutcome(False, 0, "invalid range"),
+    GetCode.NOT_FOUND: GetOutcome(GetStatus.NOT_FOUND, 0, "not found"),
+    GetCode.INVALID: GetOutcome(GetStatus.INVALID, 0, "invalid range"),
 }
-_MISMATCH = GetOutcome(False, 0, "checksum mismatch")
-_NOT_ATTEMPTED = GetOutcome(False, 0, "transport: not attempted")
+_MISMATCH = GetOutcome(GetStatus.CORRUPT, 0, "checksum mismatch")
+_NOT_ATTEMPTED = GetOutcome(GetStatus.FAILED, 0, "transport: not attempted")
 
 
 def _get_failed(address: str, n: int, exc: KVDepotError) -> GetOutcome:
     """The outcome of the items of a GET that failed, and of the ones after
     it: misses (the store is unreachable or broken)."""
-    logger.warning("get of %d chunks from %s failed: %s", n, address, str(exc))
-    return GetOutcome(False, 0, f"transport: {exc}")
+    log_failure(logger, f"get of {n} chunks", address, exc)
+    return GetOutcome(GetStatus.FAILED, 0, f"transport: {exc}")
 
 
 def _misfit(room: int, length: int, asked: int) -> str:
@@ -569,7 +535,7 @@ class _SmallPayloads:
             if xxh3_64(view) != checksum:
                 continue  # the placeholder: a checksum mismatch
             if ok.length != view.nbytes or not ok.ok:
-                ok = GetOutcome(True, view.nbytes)  # shared by the payloads of one size
+                ok = GetOutcome(GetStatus.OK, view.nbytes)  # shared by the payloads of one size
             self._outcomes[at] = ok
         self._views, self._sums, self._at, self._bytes = [], [], [], 0
 
@@ -644,17 +610,5 @@ def _put_reply(sock: socket.socket, n: int) -> list[tuple[PutCode, IndexCode]]:
     return list(zip(got, recv_index_codes(sock, header), strict=True))
 
 
-def _sync(stream: Stream, ask: tuple[int, int]) -> IndexSettled:
-    sock = stream.sock
-    writer, wait_ms = ask
-    send_all(sock, [Header(Opcode.SYNC, wait_ms, writer).pack()])
-    header = recv_reply_header(sock, Opcode.SYNC_REPLY, INDEX_SETTLED.size)
-    return unpack_index_settled(recv_exact(sock, header.count))
-
-
 def _delete_batch(stream: Stream, batch: list[tuple[int, ChunkKey]]) -> list[DeleteCode]:
-    sock = stream.sock
-    n = len(batch)
-    send_all(sock, [Header(Opcode.DELETE, n).pack() + pack_keys(k for _, k in batch)])
-    recv_reply_header(sock, Opcode.DELETE_REPLY, n)
-    return unpack_statuses(recv_exact(sock, n), DeleteCode)
+    return stream.delete([k for _, k in batch])

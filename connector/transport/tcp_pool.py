@@ -10,14 +10,11 @@ its store's :class:`~kvdepot.connector.transport.pipeline.Pipeline`.
 
 from __future__ import annotations
 
-import select
 import socket
-from collections import deque
 
-from kvdepot.connector.transport.control import connect
 from kvdepot.connector.transport.pipeline import Pipeline
 from kvdepot.connector.transport.pool import IdlePool
-from kvdepot.errors import KVDepotError
+from kvdepot.connector.transport.stream import Connection, Owed
 from kvdepot.wire.protocol import (
     Opcode,
     PutCode,
@@ -28,86 +25,44 @@ from kvdepot.wire.protocol import (
 )
 
 
-class Stream:
-    """One connection to a store and the late put answers it awaits, oldest first.
+class _LatePut(Owed):
+    """The PUT_REPLY of a late put of ``n`` chunks, holding a pipeline ticket."""
+
+    __slots__ = ("_n", "_pipeline", "_ticket")
+
+    def __init__(self, n: int, pipeline: Pipeline) -> None:
+        self._n = n
+        self._pipeline = pipeline
+        self._ticket = pipeline.sent(n)
+
+    def read(self, sock: socket.socket) -> None:
+        header = recv_reply_header(sock, Opcode.PUT_REPLY, self._n)
+        statuses = unpack_statuses(recv_exact(sock, self._n), PutCode)
+        codes = recv_index_codes(sock, header)
+        self._pipeline.answered(self._ticket, statuses, codes)
+
+    def lost(self) -> None:
+        self._pipeline.answered(self._ticket, None)
+
+    def withdrawn(self) -> None:
+        self._pipeline.withdraw(self._ticket)
+
+
+class Stream(Connection):
+    """One ``tcp`` connection to a store and the late put answers it awaits.
 
     Not thread-safe: used by one caller at a time (checked out of a :class:`TcpPool`).
     """
 
-    __slots__ = ("_arrival", "_late", "_pipeline", "sock")
+    __slots__ = ("_pipeline",)
 
     def __init__(self, sock: socket.socket, pipeline: Pipeline) -> None:
-        self.sock = sock
+        super().__init__(sock)
         self._pipeline = pipeline
-        self._late: deque[tuple[int, int]] = deque()  # (chunks, ticket)
-        # poll, not select: an engine's process may hold more than 1024 fds.
-        # One poller for the connection's life: each reuse checks it.
-        self._arrival = select.poll()
-        self._arrival.register(sock, select.POLLIN)
-
-    @property
-    def awaits(self) -> int:
-        """Late answers not read yet."""
-        return len(self._late)
 
     def sent_late(self, n: int) -> None:
         """A PUT of ``n`` chunks was just sent; its answer is read later."""
-        self._late.append((n, self._pipeline.sent(n)))
-
-    def withdraw_last(self, k: int) -> None:
-        """Forget the last ``k`` late puts: their caller reports them failed itself."""
-        for _ in range(k):
-            _, ticket = self._late.pop()
-            self._pipeline.withdraw(ticket)
-
-    def settle(self, keep: int = 0) -> None:
-        """Read the late answers, all but the newest ``keep``.
-
-        Raises:
-            ProtocolError: The store answered ERROR or something unparsable.
-            Unavailable: The connection failed.
-        """
-        while len(self._late) > keep:
-            self._read_oldest()
-
-    def settle_arrived(self, keep: int = 0) -> None:
-        """Read the late answers that have arrived, all but the newest ``keep``:
-        never waits for one the store has not sent yet.
-
-        Raises:
-            ProtocolError: The store answered ERROR or something unparsable.
-            Unavailable: The connection failed.
-        """
-        while len(self._late) > keep and self.readable():
-            self._read_oldest()
-
-    def _read_oldest(self) -> None:
-        # The store sends an answer in one piece: once its first byte is
-        # here, the rest is (or is about to be).
-        n, ticket = self._late[0]
-        header = recv_reply_header(self.sock, Opcode.PUT_REPLY, n)
-        statuses = unpack_statuses(recv_exact(self.sock, n), PutCode)
-        codes = recv_index_codes(self.sock, header)
-        self._late.popleft()
-        self._pipeline.answered(ticket, statuses, codes)
-
-    def readable(self) -> bool:
-        """Whether bytes, EOF or an error are here to read, without waiting.
-
-        An idle connection has nothing to read: EOF means the store closed it
-        (idle timeout, restart), data means the stream is out of sync.
-        """
-        try:
-            return bool(self._arrival.poll(0))
-        except OSError:
-            return True  # let the read report what is wrong
-
-    def close(self) -> None:
-        """Close the socket; the answers it awaited never come (their chunks count lost)."""
-        self.sock.close()
-        late, self._late = self._late, deque()
-        for _, ticket in late:
-            self._pipeline.answered(ticket, None)
+        self.owe(_LatePut(n, self._pipeline))
 
 
 MAX_LATE = 4
@@ -126,20 +81,11 @@ class TcpPool(IdlePool[Stream]):
         awaiting some is in use by the store, alive.
 
         Raises:
+            Stalled: The store stopped answering before.
             Unavailable: If a new connection cannot be made.
             InvalidArgument: The pool is closed.
         """
-        while True:
-            stream = self._take(address)
-            if stream is None:
-                sock = connect(address, self._connect_timeout_s, self._io_timeout_s, self._token)
-                return Stream(sock, self.pipeline(address)), False
-            try:
-                stream.settle_arrived()
-            except (KVDepotError, OSError):
-                stream.close()
-                continue
-            if stream.awaits or not stream.readable():
-                # One still awaiting an answer is in use by the store: alive.
-                return stream, True
-            stream.close()
+        stream = self._reuse(address)
+        if stream is not None:
+            return stream, True
+        return Stream(self._connect(address), self.pipeline(address)), False

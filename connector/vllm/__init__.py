@@ -13,7 +13,7 @@ The facade builds one role object: :class:`SchedulerSide` in the scheduler
 :class:`WorkerSide` in each worker (asynchronous loads, staged saves
 published in the background). Nothing kvdepot does waits on the engine's
 thread for the network: a frozen metadata service costs a new request at
-most ``lookup_timeout_s``, a frozen store costs the requests whose KV is on
+most ``lookup_timeout_max_s``, a frozen store costs the requests whose KV is on
 it their ``load_timeout_s``, after which they recompute.
 
 What is stored: every whole chunk of a prompt (and, with ``save_decode``, of
@@ -138,7 +138,7 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
                 transport=s.transport,
                 tokens_per_chunk=s.chunk_tokens,
                 # The scheduler only looks up, and must never wait long.
-                rpc_timeout_s=s.lookup_timeout_s if scheduler else s.rpc_timeout_s,
+                rpc_timeout_s=s.lookup_timeout_max_s if scheduler else s.rpc_timeout_s,
                 io_timeout_s=s.io_timeout_s,
                 connect_timeout_s=min(5.0, s.io_timeout_s),
                 # Publishing runs on a thread of its own: the next save need

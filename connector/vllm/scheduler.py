@@ -1,25 +1,27 @@
 """The scheduler side: how much of a request kvdepot holds, what to load and save.
 
-Nothing here waits on kvdepot for longer than ``lookup_timeout_s``: a new
-request's lookup has that deadline, and after a failure a breaker keeps
-later requests from calling at all for ``lookup_breaker_s`` (doubling while
-failures continue). Loads are asynchronous (the request waits in
-``WAITING_FOR_REMOTE_KVS`` while the batch keeps running, and the workers
-report it in ``get_finished``) unless :class:`LoadPacer` expects one to take
-less than a step; such a load runs inside the step, with a deadline of two.
+Nothing here waits on kvdepot for longer than ``lookup_timeout_max_s``: a
+new request's lookup has a deadline that follows the measured lookup latency
+(:mod:`kvdepot.connector.vllm.lookups`), and after ``lookup_breaker_after``
+failures in a row a breaker keeps later requests from calling at all for
+``lookup_breaker_s`` (doubling while failures continue). Loads are
+asynchronous (the request waits in ``WAITING_FOR_REMOTE_KVS`` while the
+batch keeps running, and the workers report it in ``get_finished``) unless
+:class:`LoadPacer` expects one to take less than a step; such a load runs
+inside the step, with a deadline of two.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from kvdepot.connector.client import KVDepotClient
 from kvdepot.connector.vllm.layout import CacheGroups, KVLayout
+from kvdepot.connector.vllm.lookups import LookupBreaker, LookupDeadline
 from kvdepot.connector.vllm.pacing import LoadPacer
 from kvdepot.connector.vllm.plan import (
     KVDepotConnectorMetadata,
@@ -32,8 +34,7 @@ from kvdepot.connector.vllm.plan import (
 )
 from kvdepot.connector.vllm.settings import ConnectorSettings
 from kvdepot.connector.vllm.stats import Counters
-from kvdepot.errors import KVDepotError
-from kvdepot.keys import ChunkKey, Namespace, shard_key
+from kvdepot.keys import ChunkKey, Namespace
 from kvdepot.repeat_log import RepeatLog
 
 if TYPE_CHECKING:
@@ -48,78 +49,6 @@ logger = logging.getLogger(__name__)
 PD_TOKENS_PARAM = "kvdepot_tokens"
 _LOOKUP_REUSE_S = 2.0  # a request that could not be scheduled asks again
 _CONNECT_S = 5.0
-
-
-class LookupBreaker:
-    """Lookups with a deadline that stop being sent while they keep failing."""
-
-    def __init__(
-        self,
-        client: KVDepotClient,
-        cooldown_s: float,
-        warn: RepeatLog,
-        shards: Sequence[Namespace] = (),
-    ) -> None:
-        self._client = client
-        # The namespaces of tensor-parallel ranks after rank 0: a key hits
-        # only when every rank's shard of it is stored.
-        self._shards = tuple(shards)
-        self._cooldown = cooldown_s
-        self._warn = warn
-        self._lock = threading.Lock()
-        self._open_until = 0.0
-        self._failures = 0
-
-    def lookup(self, keys: PrefixKeys, counters: Counters) -> int | None:
-        """Leading hits of ``keys``, or None when kvdepot cannot answer now."""
-        now = time.monotonic()
-        with self._lock:
-            if now < self._open_until:
-                counters.add(lookups_skipped=1)
-                return None
-        try:
-            hits = self._client.lookup(keys.keys, key_tokens=keys.key_tokens)
-            hits = self._every_shard(keys.keys, hits)
-        except KVDepotError as exc:
-            counters.add(lookups=1, lookup_errors=1)
-            with self._lock:
-                self._failures += 1
-                backoff = self._cooldown * 2 ** min(self._failures - 1, 4)
-                self._open_until = time.monotonic() + backoff
-            self._warn.warn(
-                "lookup",
-                "kvdepot lookup failed (%s); new requests skip kvdepot for %.1f s",
-                exc,
-                backoff,
-            )
-            return None
-        counters.add(lookups=1)
-        with self._lock:
-            if self._failures:
-                logger.info("kvdepot lookups answer again")
-            self._failures = 0
-            self._open_until = 0.0
-        return hits
-
-    def lookup_more(self, keys: list[ChunkKey], tokens: int) -> int:
-        """The rest of a prompt's lookup (its hits are counted, not the call)."""
-        if not keys or time.monotonic() < self._open_until:
-            return 0
-        try:
-            hits = self._client.lookup(keys, key_tokens=[tokens] * len(keys), count="hits")
-            return self._every_shard(keys, hits)
-        except KVDepotError:
-            return 0
-
-    def _every_shard(self, keys: Sequence[ChunkKey], hits: int) -> int:
-        """The leading ``hits`` of rank 0's keys that every other rank holds too."""
-        for ns in self._shards:
-            if hits == 0:
-                break
-            # The prompt was counted once, by rank 0's lookup.
-            rank_keys = [shard_key(ns, k) for k in keys[:hits]]
-            hits = min(hits, self._client.lookup(rank_keys, count="none"))
-        return hits
 
 
 @dataclass
@@ -165,7 +94,14 @@ class SchedulerSide:
         self._counters = counters
         self._warn = RepeatLog(logger)
         shards = [replace(namespace, tp_rank=r) for r in range(1, namespace.tp_size)]
-        self._breaker = LookupBreaker(client, settings.lookup_breaker_s, self._warn, shards)
+        self._breaker = LookupBreaker(
+            client,
+            LookupDeadline(settings.lookup_timeout_s, settings.lookup_timeout_max_s),
+            settings.lookup_breaker_s,
+            settings.lookup_breaker_after,
+            self._warn,
+            shards,
+        )
         self._requests: dict[str, _Request] = {}
         self._loads: list[LoadPlan] = []
         self._pacer = LoadPacer(settings.sync_load_tokens(), settings.load_timeout_s)

@@ -36,12 +36,18 @@ class ConnectorSettings(PluginSecurity):
             ``fp8_e4m3`` (about half the bytes of bf16, dequantized on load;
             lossy). Part of the namespace.
         kv_codec_block: Values sharing one scale, for codecs with scales.
-        lookup_timeout_s: Deadline of the scheduler's lookup of a new
-            request. A lookup that misses it is a miss: the scheduler never
-            waits longer than this for kvdepot.
-        lookup_breaker_s: After a failed lookup, new requests skip kvdepot
-            (a miss, no call) for this long; each further failure doubles
-            it, up to 16 times; the first success closes the breaker.
+        lookup_timeout_s: The least deadline of the scheduler's lookup of a
+            new request (and the first one's). The deadline follows the
+            lookups' measured latency (three times their 90th percentile)
+            up to ``lookup_timeout_max_s``. A lookup that misses it is a miss.
+        lookup_timeout_max_s: The longest the scheduler ever waits for a
+            lookup, however slow the host.
+        lookup_breaker_s: After ``lookup_breaker_after`` failed lookups in a
+            row, new requests skip kvdepot (a miss, no call) for this long;
+            each further failure doubles it, up to 16 times; the first
+            success closes the breaker.
+        lookup_breaker_after: Failed lookups in a row that open the breaker
+            (one slow call does not).
         load_timeout_s: Deadline of one request's load, from when the worker
             starts it: a load not done by then is given up and its tokens
             are recomputed.
@@ -79,7 +85,9 @@ class ConnectorSettings(PluginSecurity):
     kv_codec: str = "none"
     kv_codec_block: int = 128
     lookup_timeout_s: float = 0.05
+    lookup_timeout_max_s: float = 0.5
     lookup_breaker_s: float = 1.0
+    lookup_breaker_after: int = 3
     load_timeout_s: float = 5.0
     sync_load_max_tokens: int | str = "auto"
     io_timeout_s: float = 5.0
@@ -99,12 +107,23 @@ class ConnectorSettings(PluginSecurity):
                 f"transport must be one of {', '.join(available_transports())}, "
                 f"got {self.transport!r}"
             )
-        for name in ("lookup_timeout_s", "load_timeout_s", "io_timeout_s", "rpc_timeout_s"):
+        for name in (
+            "lookup_timeout_s",
+            "lookup_timeout_max_s",
+            "load_timeout_s",
+            "io_timeout_s",
+            "rpc_timeout_s",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int | float) or value <= 0:
                 raise InvalidArgument(f"{name} must be a positive number of seconds")
         if not isinstance(self.lookup_breaker_s, int | float) or self.lookup_breaker_s < 0:
             raise InvalidArgument("lookup_breaker_s must not be negative")
+        if self.lookup_timeout_max_s < self.lookup_timeout_s:
+            raise InvalidArgument("lookup_timeout_max_s must be at least lookup_timeout_s")
+        after = self.lookup_breaker_after
+        if isinstance(after, bool) or not isinstance(after, int) or after < 1:
+            raise InvalidArgument("lookup_breaker_after must be a positive integer")
         if self.sync_load_max_tokens != "auto":
             value = self.sync_load_max_tokens
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:

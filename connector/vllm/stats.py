@@ -11,6 +11,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 STAT_KEYS = (
     "lookups",  # scheduler lookups sent to the metadata service
     "lookup_errors",  # ... that failed or missed their deadline
+    "lookup_timeouts",  # ... of those, that missed their deadline
     "lookups_skipped",  # new requests not looked up: the breaker was open
     "tokens_hit",  # tokens whose KV a load put into the engine
     "chunks_loaded",  # objects loaded: whole chunks and tail blocks

@@ -16,6 +16,7 @@ import pytest
 
 from kvdepot.connector.transport import (
     GetItem,
+    GetStatus,
     PutItem,
     PutStatus,
     TcpTransport,
@@ -337,7 +338,7 @@ def test_unreachable_store_fails_per_item(transport: TcpTransport) -> None:
     k = ChunkKey(bytes(16))
     assert transport.put(dead, [PutItem(k, b"x", checksum(b"x"))] * 2) == [PutStatus.FAILED] * 2
     outs = transport.get_into(dead, [GetItem(k, memoryview(bytearray(1)))])
-    assert not outs[0].ok and outs[0].error.startswith("transport")
+    assert outs[0].status is GetStatus.FAILED and outs[0].error.startswith("transport")
     assert transport.delete(dead, [k]) == [False]
 
 

@@ -44,12 +44,24 @@ CLIENT = textwrap.dedent(
     import random, sys
     from kvdepot.connector.transport import AutoTransport, GetItem, PutItem, PutStatus
     from kvdepot.connector.transport.nixl import NixlTransport
+    from kvdepot.wire.protocol import IndexCode
     from tests.integration.test_transports import MiB, chunks, round_trip
 
     address = sys.argv[1]
     t = NixlTransport(io_timeout_s=20)
-    assert t.usable(address)
+    assert t.usable(address) and t.reserves_first(address)
     round_trip(t, address, random.Random(11))
+
+    # The store indexes what a NIXL put commits, at once or deferred; deletes
+    # and syncs go over the control connections.
+    keys, data = chunks(random.Random(13), [MiB, 5, 300 * 1024])
+    items = [PutItem(k, d) for k, d in zip(keys, data)]
+    assert t.put_indexed(address, items[:2]) == ([PutStatus.OK] * 2, [IndexCode.NEW] * 2)
+    got = t.put_whole_indexed(address, keys[2:], [memoryview(data[2])], writer=7)
+    assert got == ([PutStatus.OK], [IndexCode.PENDING])
+    settled = t.sync_index(address, 7, 5.0)
+    assert (settled.new, settled.pending, settled.lost) == (1, 0, 0), settled
+    assert t.delete(address, keys + keys[:1]) == [True] * 3 + [False]
 
     # auto picks nixl where RDMA devices would be (injected: none exist here).
     auto = AutoTransport(shm=False, nixl=lambda: t)
