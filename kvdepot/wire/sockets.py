@@ -14,6 +14,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from collections.abc import Sequence
 
 from kvdepot.errors import InvalidArgument, Unavailable
@@ -98,13 +99,27 @@ def send_all(sock: socket.socket, buffers: Sequence[bytes | bytearray | memoryvi
     i = 0
     while i < len(views):
         iov = _piece(views, i)
+        started = time.monotonic()
         try:
             sent = sock.sendmsg(iov)
         except OSError as exc:
             raise _translate(exc, "send") from exc
         if sent <= 0:
             raise Unavailable("send failed: the socket accepted no bytes")
+        if sent < sum(v.nbytes for v in iov) and _stalled(sock, time.monotonic() - started):
+            # The kernel's send timeout ended the call with the socket
+            # buffer still full: resuming would wait a whole timeout again
+            # for every buffer's worth a frozen peer's kernel still takes.
+            raise TimedOut("send timed out: the peer stopped reading")
         i = _advance(views, i, sent)
+
+
+def _stalled(sock: socket.socket, waited_s: float) -> bool:
+    """Whether a send that came back short after ``waited_s`` ran into the
+    socket's send timeout (rather than a signal or a large vector)."""
+    whole, micros = struct.unpack("ll", sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, 16))
+    timeout_s = whole + micros / 1e6
+    return timeout_s > 0 and waited_s >= 0.9 * timeout_s
 
 
 def _advance(views: list[memoryview], i: int, moved: int) -> int:

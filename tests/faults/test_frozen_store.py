@@ -193,6 +193,26 @@ def test_a_frozen_store_costs_a_call_one_io_timeout(cluster: LocalCluster, name:
         assert put().stored == 4
 
 
+def test_a_put_larger_than_the_socket_buffers_costs_one_io_timeout(cluster: LocalCluster) -> None:
+    """A frozen store's kernel keeps taking bytes while its buffers have room:
+    each blocking send comes back short after a whole timeout. The put ends
+    at the first of them, not after one timeout per buffer's worth."""
+    store = cluster.stores[0]
+    config = client_config(cluster, store.info["node_id"], "tcp")
+    rng = random.Random("large")
+    keys = [ChunkKey(rng.randbytes(16)) for _ in range(2)]
+    data = [np.frombuffer(rng.randbytes(4 << 20), dtype=np.uint8) for _ in keys]
+    with KVDepotClient(config) as c:
+        assert c.put(*chunk_set("large-warm")).stored == 4  # learns its node's store
+        freeze(store.pid)
+        try:
+            result, spent, meta = timed_call(c, lambda: c.put(keys, data))
+        finally:
+            os.kill(store.pid, signal.SIGCONT)
+        assert result.stored == 0
+        assert spent - meta <= BOUND_S, f"{spent:.2f} s, metadata {meta:.3f} s"
+
+
 # Nothing listens beyond loopback; UCX's InfiniBand modules crash without a device.
 UCX_ENV = {"UCX_NET_DEVICES": "lo", "UCX_MODULES": "^ib,ib_mlx5,ib_efa,rdmacm"}
 
