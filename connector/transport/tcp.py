@@ -558,9 +558,9 @@ def _send_put(
         e for _, e, _, _ in work
     )
     if trailed:
-        send_hashed(sock, [head], [view for _, _, view, _ in work])
+        send_hashed(sock, [head], [view for _, _, view, _ in work], short_is_stall=True)
     else:
-        send_all(sock, [head, *(view for _, _, view, _ in work)])
+        send_all(sock, [head, *(view for _, _, view, _ in work)], short_is_stall=True)
 
 
 def _put_batch(

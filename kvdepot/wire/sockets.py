@@ -77,11 +77,19 @@ as one vector and 3.2-3.6 GB/s in 1 MiB calls (512 KiB: 3.2-3.3, 2 MiB:
 """
 
 
-def send_all(sock: socket.socket, buffers: Sequence[bytes | bytearray | memoryview]) -> None:
+def send_all(
+    sock: socket.socket,
+    buffers: Sequence[bytes | bytearray | memoryview],
+    short_is_stall: bool = False,
+) -> None:
     """Send every buffer in order, in calls of at most ``SEND_PIECE`` bytes.
 
     Nothing is concatenated: the buffers are handed to the kernel as I/O
     vectors and a partial send resumes from a slice of the first unsent one.
+    With ``short_is_stall`` (a client's payloads), a call the socket's send
+    timeout ended short is a stall: a frozen peer's kernel takes a little
+    more now and then, and resuming would wait a whole timeout for each
+    piece. A server leaves slow readers to its own rate deadline instead.
 
     Raises:
         PeerClosed: The peer closed or reset the connection.
@@ -99,17 +107,18 @@ def send_all(sock: socket.socket, buffers: Sequence[bytes | bytearray | memoryvi
     i = 0
     while i < len(views):
         iov = _piece(views, i)
-        started = time.monotonic()
+        started = time.monotonic() if short_is_stall else 0.0
         try:
             sent = sock.sendmsg(iov)
         except OSError as exc:
             raise _translate(exc, "send") from exc
         if sent <= 0:
             raise Unavailable("send failed: the socket accepted no bytes")
-        if sent < sum(v.nbytes for v in iov) and _stalled(sock, time.monotonic() - started):
-            # The kernel's send timeout ended the call with the socket
-            # buffer still full: resuming would wait a whole timeout again
-            # for every buffer's worth a frozen peer's kernel still takes.
+        if (
+            short_is_stall
+            and sent < sum(v.nbytes for v in iov)
+            and _stalled(sock, time.monotonic() - started)
+        ):
             raise TimedOut("send timed out: the peer stopped reading")
         i = _advance(views, i, sent)
 
@@ -240,6 +249,7 @@ def send_hashed(
     head: Sequence[bytes | bytearray | memoryview],
     payloads: Sequence[memoryview],
     block: int = HASH_BLOCK,
+    short_is_stall: bool = False,
 ) -> list[int]:
     """Send ``head``, then each payload followed by its xxh3-64 (8 bytes).
 
@@ -260,13 +270,13 @@ def send_hashed(
         for start in range(0, view.nbytes, block):
             end = min(start + block, view.nbytes)
             pending.append(view[start:end])
-            send_all(sock, pending)
+            send_all(sock, pending, short_is_stall)
             pending = []
             hasher.update(start, end)
         digest = hasher.digest()
         sums.append(digest)
         pending.append(_CHECKSUM.pack(digest))
-    send_all(sock, pending)
+    send_all(sock, pending, short_is_stall)
     return sums
 
 
