@@ -269,6 +269,7 @@ class StoreDaemon:
             heartbeat=self._heartbeat,
             retry_s=self.config.register_retry_s,
             force=self.config.force_node_id,
+            answered=self._index_answered,
         )
         self._start_indexer()
         self._tasks = [
@@ -300,6 +301,11 @@ class StoreDaemon:
             holds=self.chunks.contains,
         )
         self._index.target = self._indexer
+
+    def _index_answered(self) -> None:
+        # The lease's heartbeat went through: the index takes commits again.
+        if self._indexer is not None:
+            self._indexer.answered()
 
     def ready_line(self) -> str:
         """One machine-readable line announcing where this daemon listens."""

@@ -36,8 +36,19 @@ did is counted per writer until it asks (:meth:`IndexCommitter.sync`). A
 deferred commit is tried until ``timeout_s`` after it was queued (a failed
 call is retried after a backoff); what is still not committed then, or what
 the store no longer holds when its turn comes, is counted not indexed: it
-stays readable in this store, and the store's next registration, whose
-inventory is authoritative, indexes what it still holds.
+stays readable in this store.
+
+What the store holds but could not index in time (a deferred commit out of
+time, a waiting commit that was NOT_INDEXED) is owed to the index: its keys
+are kept (at most :data:`MAX_OWED_KEYS`) and committed, in calls of at most
+:data:`MAX_KEYS_PER_CALL`, by the committer thread once the metadata service
+answers again (:meth:`IndexCommitter.answered`: a heartbeat of the lease, or
+a commit that went through). Otherwise a chunk stored while the service
+stalled would take capacity and never be hit until the store registers
+again. Committing a key already indexed for this node (its writer's own
+``PutStart`` committed it meanwhile) changes nothing; a key the store no
+longer holds is not sent; keys beyond the bound wait for the store's next
+registration, whose inventory is authoritative.
 """
 
 from __future__ import annotations
@@ -50,10 +61,12 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from typing import Protocol
 
 from kvdepot.keys import ChunkKey
 from kvdepot.proto.gen import metadata_pb2
+from kvdepot.repeat_log import RepeatLog
 from kvdepot.retry import Backoff, RetryPolicy
 from kvdepot.wire.protocol import IndexCode, IndexSettled
 
@@ -109,6 +122,10 @@ MAX_WRITERS = 4096
 """Most writers whose deferred outcomes are kept until they ask; beyond,
 the oldest settled one's counts (else the oldest one's) are forgotten."""
 
+MAX_OWED_KEYS = 1 << 16
+"""Most keys held but not indexed that are kept for a later commit; beyond,
+a key is dropped from them (counted) and left to the next registration."""
+
 _MIN_DEADLINE_S = 0.01
 
 
@@ -144,6 +161,9 @@ class IndexerStats:
         deferred: Chunks queued for a deferred commit.
         deferred_not_indexed: Of them, those not committed in their time
             (or no longer held when their turn came).
+        owed: Keys held but not indexed now, kept for a later commit.
+        owed_committed: Owed keys committed once the service answered.
+        owed_dropped: Keys not kept as owed (the bound was reached).
     """
 
     calls: int = 0
@@ -152,6 +172,9 @@ class IndexerStats:
     failures: int = 0
     deferred: int = 0
     deferred_not_indexed: int = 0
+    owed: int = 0
+    owed_committed: int = 0
+    owed_dropped: int = 0
 
 
 class IndexCommitter(Indexer):
@@ -197,6 +220,11 @@ class IndexCommitter(Indexer):
         self._deferred_keys = 0  # queued or in flight
         self._writers: OrderedDict[WriterId, _Writer] = OrderedDict()
         self._thread: threading.Thread | None = None
+        # Held but not indexed (key: size), oldest first; under the deferred lock.
+        self._owed: OrderedDict[ChunkKey, int] = OrderedDict()
+        self._kicked = False  # the service answered since the last owed call
+        self._late = [0, 0]  # owed keys committed, and no longer held, since failing
+        self._repeats = RepeatLog(logger)
         self.stats = IndexerStats()
 
     def commit(self, keys: Sequence[ChunkKey], sizes: Sequence[int]) -> list[IndexCode]:
@@ -217,7 +245,12 @@ class IndexCommitter(Indexer):
             if batch is None:
                 break
             self._send(batch, deadline)
-        return request.codes or [IndexCode.NOT_INDEXED] * len(keys)
+        codes = request.codes or [IndexCode.NOT_INDEXED] * len(keys)
+        missed = [i for i, c in enumerate(codes) if c == IndexCode.NOT_INDEXED]
+        # The writer commits these itself if it can; if it cannot either, the
+        # store still holds them.
+        self._owe([keys[i] for i in missed], [sizes[i] for i in missed])
+        return codes
 
     def _next_batch(self, request: _Request, deadline: float) -> list[_Request] | None:
         """Under the lock: the batch this thread is to send now, or ``None``
@@ -270,12 +303,31 @@ class IndexCommitter(Indexer):
                 if key not in order:
                     order[key] = len(sizes)
                     sizes.append(size)
-        self.stats.calls += 1
         self.stats.requests += len(batch)
+        reply = self._put_start(list(order), sizes, deadline_s)
+        if reply is None:
+            return None
+        if not reply.written_committed or len(reply.allocations) != len(sizes):
+            # This node is no live node of the index (or the service predates
+            # written flags): the writers place the chunks themselves.
+            self.stats.failures += 1
+            return None
+        new = metadata_pb2.Allocation.WRITE
+        codes = [
+            IndexCode.NEW if a.action == new else IndexCode.ELSEWHERE for a in reply.allocations
+        ]
+        return [[codes[order[k]] for k in request.keys] for request in batch]
+
+    def _put_start(
+        self, keys: list[ChunkKey], sizes: list[int], deadline_s: float
+    ) -> metadata_pb2.PutStartResponse | None:
+        """One PutStart committing written chunks; its reply, or ``None``
+        when no replica answered."""
+        self.stats.calls += 1
         try:
             reply = self._client.put_start(
                 metadata_pb2.PutStartRequest(
-                    keys=list(order),
+                    keys=keys,
                     sizes=sizes,
                     writer_node_id=self._node_id,
                     request_id=os.urandom(16),
@@ -288,16 +340,8 @@ class IndexCommitter(Indexer):
             # The lease reports an outage (rate-limited), and the writers see NOT_INDEXED.
             logger.debug("index commit of %d chunks failed: %s", len(sizes), exc)
             return None
-        if not reply.written_committed or len(reply.allocations) != len(sizes):
-            # This node is no live node of the index (or the service predates
-            # written flags): the writers place the chunks themselves.
-            self.stats.failures += 1
-            return None
-        new = metadata_pb2.Allocation.WRITE
-        codes = [
-            IndexCode.NEW if a.action == new else IndexCode.ELSEWHERE for a in reply.allocations
-        ]
-        return [[codes[order[k]] for k in request.keys] for request in batch]
+        self.answered()
+        return reply
 
     # -- deferred commits ---------------------------------------------------
     def defer(self, writer: WriterId, keys: Sequence[ChunkKey], sizes: Sequence[int]) -> bool:
@@ -317,13 +361,17 @@ class IndexCommitter(Indexer):
             self._deferred.append(_Request(keys, sizes, writer=writer, deadline=deadline))
             self._deferred_keys += len(keys)
             self.stats.deferred += len(keys)
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._commit_deferred, name="kvdepot-index", daemon=True
-                )
-                self._thread.start()
+            self._start_thread()
             self._dcond.notify_all()
         return True
+
+    def _start_thread(self) -> None:
+        """Under the deferred lock: the committer thread, started when first needed."""
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._commit_deferred, name="kvdepot-index", daemon=True
+            )
+            self._thread.start()
 
     def sync(self, writer: WriterId, wait_s: float) -> IndexSettled:
         """Wait (at most ``wait_s``, and ``timeout_s``) until none of the
@@ -357,38 +405,52 @@ class IndexCommitter(Indexer):
         return w
 
     def _commit_deferred(self) -> None:
-        """The committer thread: one call at a time, each carrying all that queued."""
+        """The committer thread: one call at a time, each carrying all that
+        queued; owed keys once the service answered and nothing is queued."""
         failed = 0
         while True:
             with self._dcond:
-                while not self._deferred and not self._closed:
+                while not (self._deferred or self._closed or (self._owed and self._kicked)):
                     self._dcond.wait()
                 if self._closed:
                     self._settle(list(self._deferred), None)
                     self._deferred.clear()
                     return
-                batch = self._take_deferred()
-            now = time.monotonic()
-            live, late = _split(batch, now + _MIN_DEADLINE_S)
-            self._settle(late, None)
-            live = self._still_held(live)
-            if not live:
-                continue
-            results = self._call(live, max(r.deadline for r in live) - now)
-            if results is not None:
-                failed = 0
-                self._settle(live, results)
-                continue
-            failed += 1
-            delay = self._backoff.delay(failed)
-            now = time.monotonic()
-            # Tried again after the backoff while their time lasts.
-            retry, late = _split(live, now + delay)
-            self._settle(late, None)
-            with self._dcond:
-                self._deferred.extendleft(reversed(retry))
-                if not self._closed:
-                    self._dcond.wait(delay)
+                owed: list[tuple[ChunkKey, int]] = []
+                if not self._deferred:
+                    self._kicked = False  # set again by this call's answer
+                    owed = list(islice(self._owed.items(), MAX_KEYS_PER_CALL))
+                else:
+                    batch = self._take_deferred()
+            if owed:
+                self._commit_owed(owed)
+            else:
+                failed = self._commit_batch(batch, failed)
+
+    def _commit_batch(self, batch: list[_Request], failed: int) -> int:
+        """Send deferred commits (again after a backoff if the call failed,
+        while their time lasts); returns the calls failed in a row."""
+        now = time.monotonic()
+        live, late = _split(batch, now + _MIN_DEADLINE_S)
+        self._settle(late, None)
+        live = self._still_held(live)
+        if not live:
+            return failed
+        results = self._call(live, max(r.deadline for r in live) - now)
+        if results is not None:
+            self._settle(live, results)
+            return 0
+        failed += 1
+        delay = self._backoff.delay(failed)
+        now = time.monotonic()
+        # Tried again after the backoff while their time lasts.
+        retry, late = _split(live, now + delay)
+        self._settle(late, None)
+        with self._dcond:
+            self._deferred.extendleft(reversed(retry))
+            if not self._closed:
+                self._dcond.wait(delay)
+        return failed
 
     def _take_deferred(self) -> list[_Request]:
         """Under the deferred lock: the next call's commits."""
@@ -433,6 +495,9 @@ class IndexCommitter(Indexer):
             for i, r in enumerate(batch):
                 self._account(r.writer, len(r.keys), results[i] if results is not None else None)
             self._dcond.notify_all()
+        if results is None:
+            for r in batch:
+                self._owe(r.keys, r.sizes)
 
     def _account(self, writer: WriterId, n: int, codes: list[IndexCode] | None) -> None:
         """Under the deferred lock: ``n`` of the writer's chunks settled
@@ -448,6 +513,93 @@ class IndexCommitter(Indexer):
         if codes is not None:
             w.new += codes.count(IndexCode.NEW)
             w.elsewhere += codes.count(IndexCode.ELSEWHERE)
+
+    # -- owed keys: held but not indexed --------------------------------------
+    def answered(self) -> None:
+        """The metadata service answered (a heartbeat, a commit): what is
+        owed to the index is committed now. Cheap; from any thread."""
+        with self._dcond:
+            if self._owed and not self._kicked:
+                self._kicked = True
+                self._dcond.notify_all()
+
+    def _owe(self, keys: Sequence[ChunkKey], sizes: Sequence[int]) -> None:
+        """Keep keys the store holds but could not index, for a later commit."""
+        if not keys:
+            return
+        dropped = 0
+        with self._dcond:
+            if self._closed:
+                return
+            owed = self._owed
+            for key, size in zip(keys, sizes, strict=True):
+                if key in owed:
+                    continue
+                if len(owed) >= MAX_OWED_KEYS:
+                    dropped += 1
+                    continue
+                owed[key] = size
+            # A commit just failed: an answer from before it says nothing now.
+            self._kicked = False
+            self.stats.owed = n = len(owed)
+            self.stats.owed_dropped += dropped
+            total_dropped = self.stats.owed_dropped
+            self._start_thread()
+        extra = {"event": "index_owed", "node": self._node_id, "owed": n}
+        self._repeats.warn(
+            "owed",
+            "index commits are failing: %d chunks held here are not indexed yet; "
+            "they are committed once the metadata service answers",
+            n,
+            extra=extra,
+        )
+        if dropped:
+            self._repeats.warn(
+                "owed_full",
+                "%d chunks not indexed were not kept for a later commit (%d kept at most, "
+                "%d dropped in all): the store's next registration indexes them",
+                dropped,
+                MAX_OWED_KEYS,
+                total_dropped,
+                extra={**extra, "dropped": total_dropped},
+            )
+
+    def _commit_owed(self, owed: list[tuple[ChunkKey, int]]) -> None:
+        """One call committing owed keys the store still holds; an answer of
+        any kind settles them (not committed: this node is no live node of
+        the index, and its next registration indexes what it holds)."""
+        holds = self._holds
+        gone = {k for k, _ in owed if holds is not None and not holds(k)}
+        held = [(k, s) for k, s in owed if k not in gone]
+        reply = None
+        if held and (self._registered is None or self._registered()):
+            reply = self._put_start([k for k, _ in held], [s for _, s in held], self._timeout_s)
+        with self._dcond:
+            for k in gone:
+                self._owed.pop(k, None)
+            if reply is not None:
+                for k, _ in held:
+                    self._owed.pop(k, None)
+                self.stats.owed_committed += len(held)
+                self._late[0] += len(held)
+            self._late[1] += len(gone)
+            self.stats.owed = len(self._owed)
+            if self._owed:
+                return
+            committed, left = self._late
+            self._late = [0, 0]
+        ended = self._repeats.ended("owed")
+        self._repeats.ended("owed_full")
+        if ended is not None:
+            logger.info(
+                "the chunks this store could not index in time are indexed now: %d committed, "
+                "%d no longer held (%d commits not made in time, over %.1f s)",
+                committed,
+                left,
+                ended[0],
+                ended[1],
+                extra={"event": "index_owed_committed", "node": self._node_id},
+            )
 
     def close(self) -> None:
         """Answer NOT_INDEXED from now on; commits waiting give up at once,

@@ -104,6 +104,9 @@ class MetadataLease:
             doubles with each round of replicas that all failed, up to
             ``RETRY_CAP_S`` (or ``retry_s`` if longer).
         force: Take the node id over at the first registration.
+        answered: Called (on the loop) each time the service answered a
+            registration or heartbeat: what waited for it to answer again
+            (the index commits the store owes) goes on. Must not block.
     """
 
     def __init__(
@@ -118,6 +121,7 @@ class MetadataLease:
         heartbeat: Callable[[], metadata_pb2.HeartbeatRequest],
         retry_s: float,
         force: bool = False,
+        answered: Callable[[], None] | None = None,
     ) -> None:
         self.node_id = node_id
         self.client = AsyncMetadataClient(
@@ -131,6 +135,7 @@ class MetadataLease:
         # Taking the node id over from a live instance is asked at start only:
         # never again once registered, so two forcing stores cannot flap.
         self._force = force
+        self._on_answered = answered
         # The epoch of this instance's registration (0 before the first);
         # heartbeats carry it, so that a replaced registration is never renewed.
         self.epoch = 0
@@ -388,6 +393,8 @@ class MetadataLease:
     def _answered(self) -> None:
         self._last_ok = time.monotonic()
         self._failures = 0
+        if self._on_answered is not None:
+            self._on_answered()
         for kind in ("failover", "forgotten"):
             self._repeats.ended(kind)
         for kind in ("unreachable", "refused"):

@@ -235,7 +235,9 @@ def test_a_stalled_metadata_service_costs_a_put_a_bounded_wait(tmp_path: Path) -
                     hits = reader.lookup(keys)
                     out = [np.zeros(SIZE, dtype=np.uint8) for _ in keys]
                     got = reader.get_into(keys, out, count="none")
-                    assert got.leading == hits
+                    # More may be named by now: the store commits what it
+                    # could not index as soon as the service answers again.
+                    assert got.leading >= hits
                     for a, b in zip(out[:hits], data[:hits], strict=True):
                         assert np.array_equal(a, b)
                 # The data plane is not stuck: the next put is indexed by the
@@ -381,7 +383,7 @@ def test_a_stalled_metadata_service_never_holds_a_deferred_put(tmp_path: Path) -
                 with KVDepotClient(ClientConfig(metadata=c.metadata_address)) as reader:
                     hits = reader.lookup(keys)
                     out = [np.zeros(SIZE, dtype=np.uint8) for _ in keys]
-                    assert reader.get_into(keys, out, count="none").leading == hits
+                    assert reader.get_into(keys, out, count="none").leading >= hits
                 # Deferred commits go through again once the service answers.
                 deadline = time.monotonic() + 10
                 while True:

@@ -264,6 +264,102 @@ def test_the_writers_kept_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     assert ix.sync(("", 10), 5.0).new == 1
 
 
+# --- owed keys: held but not indexed in time ------------------------------------
+
+
+def _wait(cond: Any, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.002)
+
+
+def test_what_was_not_indexed_in_time_is_committed_once_the_service_answers() -> None:
+    fake = FakeMetadata()
+    fake.fail = True
+    gone: set[ChunkKey] = set()
+    ix = IndexCommitter("node-a", fake, 0.2, holds=lambda k: k not in gone)
+    assert ix.defer(W, [key(1), key(2)], [10, 20])
+    got = ix.sync(W, 5.0)
+    if got.pending:
+        got = got + ix.sync(W, 5.0)
+    assert got.not_indexed == 2
+    assert ix.commit([key(3), key(4)], [30, 40]) == [IndexCode.NOT_INDEXED] * 2
+    _wait(lambda: ix.stats.owed == 4)
+    # Nothing is sent while the service does not answer.
+    sent = len(fake.requests)
+    time.sleep(0.1)
+    assert len(fake.requests) == sent
+    fake.fail = False
+    gone.add(key(4))  # evicted meanwhile: never named by a lookup
+    ix.answered()  # a heartbeat went through
+    _wait(lambda: ix.stats.owed == 0)
+    last = fake.requests[-1]
+    assert list(last.keys) == [key(1), key(2), key(3)]
+    assert list(last.sizes) == [10, 20, 30] and list(last.written) == [True] * 3
+    assert last.writer_node_id == "node-a"
+    assert (ix.stats.owed_committed, ix.stats.owed_dropped) == (3, 0)
+    # A commit that goes through settles what is owed too, without a heartbeat.
+    fake.fail = True
+    assert ix.commit([key(5)], [1]) == [IndexCode.NOT_INDEXED]
+    fake.fail = False
+    assert ix.commit([key(6)], [1]) == [IndexCode.NEW]
+    _wait(lambda: ix.stats.owed == 0)
+    assert list(fake.requests[-1].keys) == [key(5)]
+
+
+def test_owed_keys_wait_for_the_store_to_be_registered() -> None:
+    fake = FakeMetadata()
+    fake.registered = False
+    ix = IndexCommitter("node-a", fake, 5.0, registered=lambda: fake.registered)
+    assert ix.commit([key(1)], [1]) == [IndexCode.NOT_INDEXED]
+    ix.answered()
+    time.sleep(0.1)
+    assert fake.requests == [] and ix.stats.owed == 1
+    fake.registered = True
+    ix.answered()
+    _wait(lambda: ix.stats.owed == 0)
+    assert [list(r.keys) for r in fake.requests] == [[key(1)]]
+
+
+def test_the_owed_keys_are_bounded_and_the_drops_logged_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from kvdepot.store import indexer
+
+    monkeypatch.setattr(indexer, "MAX_OWED_KEYS", 3)
+    monkeypatch.setattr(indexer, "MAX_KEYS_PER_CALL", 2)
+    fake = FakeMetadata()
+    fake.fail = True
+    ix = IndexCommitter("node-a", fake, 5.0)
+    with caplog.at_level("INFO", logger=indexer.__name__):
+        for i in range(0, 10, 2):
+            assert ix.commit([key(i), key(i + 1)], [1, 1]) == [IndexCode.NOT_INDEXED] * 2
+        assert ix.commit([key(0)], [1]) == [IndexCode.NOT_INDEXED]  # owed already
+        assert (ix.stats.owed, ix.stats.owed_dropped) == (3, 7)
+        failing = [r for r in caplog.records if "index commits are failing" in r.message]
+        dropped = [r for r in caplog.records if "not kept for a later commit" in r.message]
+        assert len(failing) == 1 and failing[0].levelname == "WARNING"
+        assert len(dropped) == 1 and dropped[0].levelname == "WARNING"
+        fake.fail = False
+        sent = len(fake.requests)
+        ix.answered()
+        _wait(lambda: ix.stats.owed == 0)
+        # In calls of at most MAX_KEYS_PER_CALL, oldest first.
+        assert [list(r.keys) for r in fake.requests[sent:]] == [[key(0), key(1)], [key(2)]]
+        done = [r for r in caplog.records if "indexed now" in r.message]
+        assert len(done) == 1 and done[0].levelname == "INFO"
+    assert ix.stats.owed_committed == 3
+
+
+def test_nothing_is_owed_once_closed() -> None:
+    fake = FakeMetadata()
+    ix = IndexCommitter("node-a", fake, 5.0)
+    ix.close()
+    assert ix.commit([key(1)], [1]) == [IndexCode.NOT_INDEXED]
+    assert ix.stats.owed == 0
+
+
 # --- over the store's metadata client -------------------------------------------
 
 
