@@ -138,7 +138,7 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
                 transport=s.transport,
                 tokens_per_chunk=s.chunk_tokens,
                 # The scheduler only looks up, and must never wait long.
-                rpc_timeout_s=s.lookup_timeout_max_s if scheduler else s.rpc_timeout_s,
+                rpc_timeout_s=s.lookup_ceiling_s() if scheduler else s.rpc_timeout_s,
                 io_timeout_s=s.io_timeout_s,
                 connect_timeout_s=min(5.0, s.io_timeout_s),
                 # Publishing runs on a thread of its own: the next save need

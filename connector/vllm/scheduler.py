@@ -96,7 +96,7 @@ class SchedulerSide:
         shards = [replace(namespace, tp_rank=r) for r in range(1, namespace.tp_size)]
         self._breaker = LookupBreaker(
             client,
-            LookupDeadline(settings.lookup_timeout_s, settings.lookup_timeout_max_s),
+            LookupDeadline(settings.lookup_timeout_s, settings.lookup_ceiling_s()),
             settings.lookup_breaker_s,
             settings.lookup_breaker_after,
             self._warn,

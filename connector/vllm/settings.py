@@ -41,7 +41,8 @@ class ConnectorSettings(PluginSecurity):
             lookups' measured latency (three times their 90th percentile)
             up to ``lookup_timeout_max_s``. A lookup that misses it is a miss.
         lookup_timeout_max_s: The longest the scheduler ever waits for a
-            lookup, however slow the host.
+            lookup, however slow the host (never less than
+            ``lookup_timeout_s``: a larger ``lookup_timeout_s`` raises it).
         lookup_breaker_s: After ``lookup_breaker_after`` failed lookups in a
             row, new requests skip kvdepot (a miss, no call) for this long;
             each further failure doubles it, up to 16 times; the first
@@ -119,8 +120,6 @@ class ConnectorSettings(PluginSecurity):
                 raise InvalidArgument(f"{name} must be a positive number of seconds")
         if not isinstance(self.lookup_breaker_s, int | float) or self.lookup_breaker_s < 0:
             raise InvalidArgument("lookup_breaker_s must not be negative")
-        if self.lookup_timeout_max_s < self.lookup_timeout_s:
-            raise InvalidArgument("lookup_timeout_max_s must be at least lookup_timeout_s")
         after = self.lookup_breaker_after
         if isinstance(after, bool) or not isinstance(after, int) or after < 1:
             raise InvalidArgument("lookup_breaker_after must be a positive integer")
@@ -135,6 +134,10 @@ class ConnectorSettings(PluginSecurity):
             raise InvalidArgument("save_buffer_bytes must be a non-negative integer")
         check_codec_name(self.kv_codec)
         self.codec_spec()  # validates the block size
+
+    def lookup_ceiling_s(self) -> float:
+        """The longest a scheduler lookup may take."""
+        return max(self.lookup_timeout_s, self.lookup_timeout_max_s)
 
     def sync_load_tokens(self) -> int | None:
         """The fixed in-step load threshold, or None for ``"auto"``."""

@@ -19,6 +19,11 @@ def test_defaults_are_the_clients() -> None:
     assert s.lookup_timeout_s < 0.1  # the scheduler never waits long
     assert s.saves_decode("kv_both") and not s.saves_decode("kv_producer")
     assert ConnectorSettings(save_decode=True).saves_decode("kv_producer")
+    assert s.lookup_ceiling_s() == s.lookup_timeout_max_s > s.lookup_timeout_s
+
+
+def test_a_longer_lookup_deadline_raises_its_ceiling() -> None:
+    assert ConnectorSettings(lookup_timeout_s=1.0).lookup_ceiling_s() == 1.0
 
 
 @pytest.mark.parametrize(
@@ -30,6 +35,8 @@ def test_defaults_are_the_clients() -> None:
         ({"lookup_timeout_s": 0}, "lookup_timeout_s"),
         ({"load_timeout_s": -1}, "load_timeout_s"),
         ({"lookup_breaker_s": -1}, "lookup_breaker_s"),
+        ({"lookup_timeout_max_s": 0}, "lookup_timeout_max_s"),
+        ({"lookup_breaker_after": 0}, "lookup_breaker_after"),
         ({"save_buffer_bytes": -5}, "save_buffer_bytes"),
         ({"sync_load_max_tokens": True}, "sync_load_max_tokens"),
         ({"sync_load_max_tokens": "always"}, "sync_load_max_tokens"),
