@@ -47,18 +47,21 @@ def cluster(capacity: str, env: dict[str, str] | None, nodes: int = 1) -> Iterat
 class KVDepot(System):
     """KVDepotClient.put / get_into against a local cluster, one transport."""
 
+    defer = True
+    """As the vLLM connector publishes: the index commit right behind the answer."""
+    suffix = ""
+
     def __init__(self, transport: str, cluster: Any, node_id: str) -> None:
         from kvdepot.connector.client import ClientConfig, KVDepotClient
 
-        self.name = f"kvdepot-{transport}"
+        self.name = f"kvdepot-{transport}{self.suffix}"
         self._metadata = cluster.metadata_address
-        # As the vLLM connector publishes: the index commit right behind the answer.
         self._client = KVDepotClient(
             ClientConfig(
                 metadata=cluster.metadata_address,
                 node_id=node_id,
                 transport=transport,
-                defer_index_commit=True,
+                defer_index_commit=self.defer,
             )
         )
         self._n = 0
@@ -110,20 +113,8 @@ class KVDepotSyncIndex(KVDepot):
     """A put whose store answers only once the index committed the chunks
     (``defer_index_commit`` off), for comparison in the same run."""
 
-    def __init__(self, transport: str, cluster: Any, node_id: str) -> None:
-        from kvdepot.connector.client import ClientConfig, KVDepotClient
-
-        self.name = f"kvdepot-{transport}-sync"
-        self._metadata = cluster.metadata_address
-        self._client = KVDepotClient(
-            ClientConfig(
-                metadata=cluster.metadata_address,
-                node_id=node_id,
-                transport=transport,
-                defer_index_commit=False,
-            )
-        )
-        self._n = 0
+    defer = False
+    suffix = "-sync"
 
 
 class KVDepotTwoTrips(KVDepot):

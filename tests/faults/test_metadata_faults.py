@@ -80,6 +80,24 @@ def metadata(
     )  # fmt: skip
 
 
+def store(
+    metadata_port: int, log: Path, node_id: str = "s0"
+) -> contextlib.AbstractContextManager[dict[str, Any]]:
+    """A store daemon of 32 MiB registered with the metadata service on ``metadata_port``."""
+    return daemon(
+        [
+            "store",
+            "--metadata", f"127.0.0.1:{metadata_port}",
+            "--host", "127.0.0.1",
+            "--port", "0",
+            "--grpc-port", "0",
+            "--capacity", "32MiB",
+            "--node-id", node_id,
+        ],
+        log,
+    )  # fmt: skip
+
+
 def refused(port: int) -> bool:
     """Whether nothing listens on ``port`` of 127.0.0.1 any more."""
     try:
@@ -115,24 +133,7 @@ def test_replicas_share_the_index_and_rebuild_it_after_a_flush(
     with (
         metadata(url, tmp_path / "metadata-a.log") as a,
         metadata(url, tmp_path / "metadata-b.log") as b,
-        daemon(
-            [
-                "store",
-                "--metadata",
-                f"127.0.0.1:{a['port']}",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "0",
-                "--grpc-port",
-                "0",
-                "--capacity",
-                "32MiB",
-                "--node-id",
-                "s0",
-            ],
-            tmp_path / "store.log",
-        ),  # fmt: skip
+        store(a["port"], tmp_path / "store.log"),
         KVDepotClient(ClientConfig(metadata=f"127.0.0.1:{a['port']}", node_id="s0")) as via_a,
         KVDepotClient(ClientConfig(metadata=f"127.0.0.1:{b['port']}")) as via_b,
     ):

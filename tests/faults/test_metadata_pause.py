@@ -5,6 +5,7 @@ leases only that process keeps."""
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from pathlib import Path
@@ -14,7 +15,7 @@ import pytest
 
 from kvdepot.connector.client import ClientConfig, KVDepotClient
 from kvdepot.keys import Namespace, chunk_keys
-from tests.faults.test_metadata_faults import daemon, metadata, payload, wait_for
+from tests.faults.test_metadata_faults import metadata, payload, store, wait_for
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration]
 
@@ -25,24 +26,7 @@ LEASE_S = 1.5
 def test_a_paused_metadata_service_keeps_its_stores_when_it_resumes(tmp_path: Path) -> None:
     with (
         metadata("memory://", tmp_path / "metadata.log", lease_ttl_s=LEASE_S) as meta,
-        daemon(
-            [
-                "store",
-                "--metadata",
-                f"127.0.0.1:{meta['port']}",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "0",
-                "--grpc-port",
-                "0",
-                "--capacity",
-                "32MiB",
-                "--node-id",
-                "s0",
-            ],
-            tmp_path / "store.log",
-        ),  # fmt: skip
+        store(meta["port"], tmp_path / "store.log"),
         KVDepotClient(
             ClientConfig(metadata=f"127.0.0.1:{meta['port']}", rpc_timeout_s=2.0)
         ) as client,
@@ -52,14 +36,11 @@ def test_a_paused_metadata_service_keeps_its_stores_when_it_resumes(tmp_path: Pa
         assert client.put(keys, [payload(k) for k in keys]).stored == len(keys)
         before = client.stats().nodes_expired
 
-        from psutil import Process
-
-        proc = Process(meta["pid"])
-        proc.send_signal(signal.SIGSTOP)
+        os.kill(meta["pid"], signal.SIGSTOP)
         try:
             time.sleep(3 * LEASE_S)
         finally:
-            proc.send_signal(signal.SIGCONT)
+            os.kill(meta["pid"], signal.SIGCONT)
 
         # Right after it resumes, and for two leases more: every chunk is
         # still named, and nobody expired or had to register again.
