@@ -36,12 +36,10 @@ import signal
 import subprocess
 import sys
 import threading
-import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-from kvdepot.apps import cluster as _cluster_module
-from kvdepot.apps.cluster import DaemonProcess, LocalCluster
+from kvdepot.apps.cluster import LocalCluster
 
 PR_SET_PDEATHSIG = 1
 # Loaded here, not in a child between fork and exec (no dynamic loading there).
@@ -156,32 +154,9 @@ def stop_on_sigterm() -> None:
 
 
 # -- kvdepot daemons -----------------------------------------------------------
-_SPAWN_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def _daemons_die_with_us() -> Iterator[None]:
-    """While a :class:`Cluster` starts a daemon: ``kvdepot.apps.cluster`` sees a
-    ``subprocess`` whose ``Popen`` is :func:`popen` with SIGTERM.
-
-    LocalCluster offers no hook into its ``Popen``; the test of this module
-    (``tests/integration/test_benchmark_procs.py``) fails if this stops working.
-    """
-    real = _cluster_module.subprocess
-    shim = types.SimpleNamespace(**vars(real))
-    shim.Popen = lambda *a, **kw: popen(*a, death_signal=signal.SIGTERM, **kw)
-    with _SPAWN_LOCK:
-        _cluster_module.subprocess = shim  # type: ignore[assignment]
-        try:
-            yield
-        finally:
-            _cluster_module.subprocess = real
-
-
 class Cluster(LocalCluster):
     """A :class:`LocalCluster` whose daemons get SIGTERM when this process ends."""
 
-    def _spawn(self, name: str, args: list[str]) -> DaemonProcess:
-        _main_thread_only(f"starting {name}")
-        with _daemons_die_with_us():
-            return super()._spawn(name, args)
+    def _popen(self, cmd: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+        # SIGTERM, not SIGKILL: a store then removes its /dev/shm arena file.
+        return popen(cmd, death_signal=signal.SIGTERM, **kwargs)

@@ -217,7 +217,7 @@ class LocalCluster:
         # takes it once its handler is in place (kvdepot.shutdown).
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
-            proc = subprocess.Popen(
+            proc = self._popen(
                 [sys.executable, "-m", "kvdepot.apps.cli", *fmt, *args, *self._security_args()],
                 stdout=subprocess.PIPE,
                 stderr=stderr,
@@ -227,6 +227,11 @@ class LocalCluster:
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         return DaemonProcess(name, proc, args=args)
+
+    def _popen(self, cmd: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+        """Start one daemon's process (a subclass may add to how, e.g. that it
+        ends with its parent)."""
+        return subprocess.Popen(cmd, **kwargs)
 
     def _security_args(self) -> list[str]:
         if self._secrets is None and self.security.auth_token:
