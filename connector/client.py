@@ -87,6 +87,9 @@ class ClientConfig:
             own, and a decode engine waits for what a prefill announced.
         security: The token this client presents (gRPC and data plane) and
             its TLS settings; by default none.
+        metadata_frames: Send lookups and put starts over the metadata
+            service's framed socket where it offers one (a fraction of a gRPC
+            round trip; see :mod:`kvdepot.wire.frames`); off: gRPC only.
     """
 
     metadata: str = setting("127.0.0.1:7700", Parsed(parse_endpoints))
@@ -99,6 +102,7 @@ class ClientConfig:
     replicate_on_read: bool = False
     defer_index_commit: bool = False
     security: SecurityConfig = NO_SECURITY
+    metadata_frames: bool = True
 
     def __post_init__(self) -> None:
         validate(self)
@@ -169,7 +173,11 @@ class KVDepotClient:
         """
         self.config = config
         self._metadata = MetadataClient(
-            config.metadata, config.rpc_timeout_s, config.security, retry=retry
+            config.metadata,
+            config.rpc_timeout_s,
+            config.security,
+            retry=retry,
+            frames=config.metadata_frames,
         )
         self._transport = transport or create_transport(
             config.transport,

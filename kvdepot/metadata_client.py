@@ -17,6 +17,7 @@ remaining lease) to decide what a refusal means.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -25,8 +26,9 @@ from typing import Any
 
 import grpc
 
-from kvdepot.endpoints import parse_endpoints
+from kvdepot.endpoints import parse_endpoints, split_endpoint
 from kvdepot.errors import ClientClosed, Unavailable
+from kvdepot.metadata_frames import FrameDown, FrameLink
 from kvdepot.proto.gen import metadata_pb2 as pb
 from kvdepot.proto.gen import metadata_pb2_grpc
 from kvdepot.repeat_log import RepeatLog
@@ -34,6 +36,7 @@ from kvdepot.retry import Backoff, RetryPolicy
 from kvdepot.rpc.errors import error_type_name, from_grpc
 from kvdepot.rpc.security import channel as secure_channel
 from kvdepot.rpc.security_config import SecurityConfig
+from kvdepot.wire import frames
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +46,7 @@ RETRYABLE = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
 )
 _MAX_MESSAGE = 64 << 20
+_FRAME_REPLIES: dict[str, Any] = {"Lookup": pb.LookupResponse, "PutStart": pb.PutStartResponse}
 
 
 class Replicas:
@@ -88,6 +92,9 @@ class MetadataClient:
         retry: How often a call tries the replicas before it raises
             ``Unavailable``; by default each once, without waiting.
         sleep: Waits between rounds (tests give a recorder).
+        frames: Send ``Lookup`` and ``PutStart`` over the replicas' framed
+            sockets (:mod:`kvdepot.metadata_frames`) where they offer one;
+            never with TLS.
     """
 
     def __init__(
@@ -98,6 +105,7 @@ class MetadataClient:
         *,
         retry: RetryPolicy | None = None,
         sleep: Callable[[float], None] = time.sleep,
+        frames: bool = True,
     ) -> None:
         self.replicas = Replicas(parse_endpoints(spec))
         self.endpoints = self.replicas.endpoints
@@ -107,6 +115,10 @@ class MetadataClient:
         options = [("grpc.max_receive_message_length", _MAX_MESSAGE)]
         self._channels = [secure_channel(e, security, options) for e in self.endpoints]
         self._stubs = [metadata_pb2_grpc.MetadataStub(c) for c in self._channels]
+        self.links: list[FrameLink] = []
+        if frames and not (security is not None and security.tls_enabled):
+            token = security.tokens().token if security is not None else ""
+            self.links = [FrameLink(split_endpoint(e)[0], token) for e in self.endpoints]
         self._closed = False
         # Callers on many threads meet one outage at once: a line per
         # failover would bury the log.
@@ -209,7 +221,17 @@ class MetadataClient:
     def _attempt(self, idx: int, method: str, request: Any, timeout_s: float) -> Any:
         if self._closed:
             raise ClientClosed("the client is closed")
+        link = self.links[idx] if self.links and method in frames.METHOD_BY_NAME else None
         try:
+            if link is not None:
+                if link.usable():
+                    with contextlib.suppress(FrameDown):  # gRPC answers this one
+                        return link.call(method, request, _FRAME_REPLIES[method], timeout_s)
+                elif link.port == 0:
+                    stub = getattr(self._stubs[idx], method)
+                    reply, call = stub.with_call(request, timeout=timeout_s)
+                    link.learn(call.trailing_metadata())
+                    return reply
             return getattr(self._stubs[idx], method)(request, timeout=timeout_s)
         except ValueError:
             # grpc's "Cannot invoke RPC on closed channel!"
@@ -247,6 +269,8 @@ class MetadataClient:
 
     def close(self) -> None:
         self._closed = True
+        for link in self.links:
+            link.close()
         for channel in self._channels:
             channel.close()
 

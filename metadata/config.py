@@ -43,6 +43,11 @@ class MetadataConfig:
         route_load_penalty_s: Default seconds per unit of load in ``Route``.
         metrics_port: Port of the Prometheus ``/metrics`` HTTP endpoint, bound
             on ``host``; ``None`` (the default) serves none, 0 picks a free port.
+        frames: Also serve ``Lookup`` and ``PutStart`` on a framed TCP socket
+            (:mod:`kvdepot.wire.frames`): the same calls at a fraction of a gRPC
+            round trip. Never with TLS (the socket is not encrypted).
+        frames_port: Its port, bound on ``host``; 0 (the default) picks a free
+            one, which the gRPC replies advertise to clients.
         stop_timeout_s: Longest the process takes to exit after SIGTERM or
             SIGINT; past it, it writes its threads' stacks to stderr and exits
             with status 1 (see :mod:`kvdepot.shutdown`).
@@ -89,6 +94,12 @@ class MetadataConfig:
         Port(),
         flag="--metrics-port",
         help="serve Prometheus /metrics on this port (default off)",
+    )
+    frames: bool = setting(
+        True, flag="--no-frames", help="serve Lookup and PutStart over gRPC only"
+    )
+    frames_port: int = setting(
+        0, Port(), flag="--frames-port", help="port of the framed Lookup/PutStart socket (0: any)"
     )
     stop_timeout_s: float = setting(
         30.0, positive(), flag="--stop-timeout", help="seconds a stop may take (default 30)"

@@ -22,6 +22,7 @@ from kvdepot.errors import (
 from kvdepot.keys import KEY_BYTES, ChunkKey, validate_keys
 from kvdepot.metadata.config import MetadataConfig
 from kvdepot.metadata.events import EventsConfig, KVEventPublisher
+from kvdepot.metadata.frames import FrameServer
 from kvdepot.metadata.hot_keys import HotKeys, HotKeysConfig
 from kvdepot.metadata.index import IndexBackend, IndexConfig, create_backend
 from kvdepot.metadata.index.base import InventoryPage
@@ -55,6 +56,7 @@ from kvdepot.validation import (
     check_tier_stats,
     check_transfer,
 )
+from kvdepot.wire import frames
 from kvdepot.wire.lookup import pack_lookup
 from kvdepot.wire.records import (
     tier_stats_from_proto,
@@ -134,6 +136,8 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
         self._refusals_logged: dict[tuple[str, str], float] = {}
         # While the index backend is down every call fails the same way.
         self.failures = RepeatLog(logger)
+        # Lookup and PutStart replies name the framed socket's port, if any.
+        self.advertised: tuple[tuple[str, str], ...] = ()
 
     def _log_refusal(self, node_id: str, address: str, exc: NodeIdTaken) -> None:
         now = time.monotonic()
@@ -356,6 +360,8 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
                 committed = await self._commit_written(writer, keys, sizes, written)
         except KVDepotError as exc:
             await self._guard(context, exc)
+        if self.advertised:
+            context.set_trailing_metadata(self.advertised)
         return metadata_pb2.PutStartResponse(
             allocations=[
                 metadata_pb2.Allocation(
@@ -432,6 +438,8 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
             )
         except KVDepotError as exc:
             await self._guard(context, exc)
+        if self.advertised:
+            context.set_trailing_metadata(self.advertised)
         if request.packed:
             return pack_lookup(result)
         return metadata_pb2.LookupResponse(
@@ -557,6 +565,7 @@ class MetadataServer:
         self.events: KVEventPublisher | None = None
         self.health: HealthState | None = None
         self.metrics: MetricsServer | None = None
+        self.frames: FrameServer | None = None
 
     async def start(self) -> int:
         """Bind and start serving; returns the bound port."""
@@ -579,6 +588,7 @@ class MetadataServer:
         if self.port == 0:
             raise InvalidArgument(f"cannot bind {self.config.host}:{self.config.port}")
         await server.start()
+        await self._start_frames()
         # SERVING while the index backend answers: the reaper checks it.
         await self.health.set(True)
         self._server = server
@@ -647,11 +657,21 @@ class MetadataServer:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
+        if self.frames is not None:
+            await self.frames.close()
         if self._server is not None:
             await self._server.stop(grace)
         if self.events is not None:
             await self.events.close()
         await self.index.close()
+
+    async def _start_frames(self) -> None:
+        if not self.config.frames or self.security.tls_enabled:
+            return
+        assert self.servicer is not None
+        self.frames = FrameServer(self.servicer, self.security.authenticator())
+        port = await self.frames.start(self.config.host, self.config.frames_port)
+        self.servicer.advertised = ((frames.PORT_KEY, str(port)),)
 
     async def _start_events(self) -> KVEventPublisher | None:
         if not self.config.kv_events:
