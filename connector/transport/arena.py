@@ -50,6 +50,8 @@ from kvdepot.wire.protocol import (
 logger = logging.getLogger(__name__)
 
 PeerT = TypeVar("PeerT")
+PutOutcome = tuple[int, PutStatus, IndexCode]
+"""What became of one item of a put batch: its index in the call, status, index code."""
 _R = TypeVar("_R")
 
 
@@ -87,12 +89,13 @@ class ArenaTransport(IndexingTransport, Generic[PeerT], abc.ABC):
         conn: ControlConnection,
         peer: PeerT,
         batch: list[PutWork],
-        indexed: list[IndexCode] | None,
+        index: bool,
         writer: int = 0,
-    ) -> list[tuple[int, PutStatus]]:
-        """Reserve, write and commit one batch; with ``indexed`` (per item of
-        the call) the store indexes what it commits (after answering, for a
-        ``writer`` token) and ``indexed`` is set."""
+    ) -> list[PutOutcome]:
+        """Reserve, write and commit one batch: per item its index in the
+        call, status and index code. With ``index`` the store indexes what it
+        commits (after answering, for a ``writer`` token); else every code is
+        NOT_INDEXED."""
 
     @abc.abstractmethod
     def _get_batch(
@@ -139,22 +142,20 @@ class ArenaTransport(IndexingTransport, Generic[PeerT], abc.ABC):
 
     def put(self, address: str, items: Sequence[PutItem]) -> list[PutStatus]:
         """Write chunks into the store's arena; see :meth:`Transport.put`."""
-        return self._put(address, *check_put_items(items, self._limits), None)
+        return self._put(address, *check_put_items(items, self._limits), False)[0]
 
     def put_whole(
         self, address: str, keys: Sequence[ChunkKey], views: Sequence[memoryview]
     ) -> list[PutStatus]:
         """Write whole chunks, validated by the caller; see :meth:`Transport.put_whole`."""
-        return self._put(address, *whole_put_work(keys, views, self._limits), None)
+        return self._put(address, *whole_put_work(keys, views, self._limits), False)[0]
 
     def put_indexed(
         self, address: str, items: Sequence[PutItem], writer: int = 0
     ) -> tuple[list[PutStatus], list[IndexCode]]:
         """Write chunks into the store's arena, the store indexing them on
         commit; see :meth:`IndexingTransport.put_indexed`."""
-        indexed = [IndexCode.NOT_INDEXED] * len(items)
-        statuses, todo = check_put_items(items, self._limits)
-        return self._put(address, statuses, todo, indexed, writer), indexed
+        return self._put(address, *check_put_items(items, self._limits), True, writer)
 
     def put_whole_indexed(
         self,
@@ -164,9 +165,7 @@ class ArenaTransport(IndexingTransport, Generic[PeerT], abc.ABC):
         writer: int = 0,
     ) -> tuple[list[PutStatus], list[IndexCode]]:
         """:meth:`put_indexed` of whole chunks validated by the caller."""
-        indexed = [IndexCode.NOT_INDEXED] * len(keys)
-        statuses, todo = whole_put_work(keys, views, self._limits)
-        return self._put(address, statuses, todo, indexed, writer), indexed
+        return self._put(address, *whole_put_work(keys, views, self._limits), True, writer)
 
     def sync_index(self, address: str, writer: int, wait_s: float) -> IndexSettled:
         """Ask over a control connection, once the store answered the late
@@ -183,20 +182,22 @@ class ArenaTransport(IndexingTransport, Generic[PeerT], abc.ABC):
         address: str,
         statuses: list[PutStatus],
         todo: list[PutWork],
-        indexed: list[IndexCode] | None,
+        index: bool,
         writer: int = 0,
-    ) -> list[PutStatus]:
-        """Put ``todo`` (``statuses``: every item's, preset to FAILED)."""
+    ) -> tuple[list[PutStatus], list[IndexCode]]:
+        """Put ``todo`` (``statuses``: every item's, preset to FAILED): every
+        item's status and index code."""
+        codes = [IndexCode.NOT_INDEXED] * len(statuses)
         if not todo:
-            return statuses
+            return statuses, codes
 
         def run(conn: ControlConnection, peer: PeerT) -> None:
             for batch in split_batches(todo, lambda t: t[2].nbytes, self._limits):
-                for i, code in self._put_batch(conn, peer, batch, indexed, writer):
-                    statuses[i] = code
+                for i, status, code in self._put_batch(conn, peer, batch, index, writer):
+                    statuses[i], codes[i] = status, code
 
         self._session(address, "put", run)
-        return statuses
+        return statuses, codes
 
     def get_into(self, address: str, items: Sequence[GetItem]) -> list[GetOutcome]:
         """Read chunks out of the store's arena; see :meth:`Transport.get_into`."""

@@ -118,7 +118,7 @@ class _LateCommit(Owed):
         self,
         sizes: list[int],
         pipeline: Pipeline,
-        read_granted: Callable[[Sequence[int], list[IndexCode]], list[PutCode]],
+        read_granted: Callable[[Sequence[int]], tuple[list[PutCode], list[IndexCode]]],
     ) -> None:
         self._sizes = sizes
         self._pipeline = pipeline
@@ -126,8 +126,7 @@ class _LateCommit(Owed):
         self._read_granted = read_granted
 
     def read(self, sock: socket.socket) -> None:
-        codes: list[IndexCode] = []
-        statuses = self._read_granted(self._sizes, codes)
+        statuses, codes = self._read_granted(self._sizes)
         self._pipeline.answered(self._ticket, statuses, codes)
 
     def lost(self) -> None:
@@ -197,14 +196,13 @@ class ControlConnection(Connection):
         sizes: Sequence[int],
         index: bool = False,
         writer: int = 0,
-        indexed: list[IndexCode] | None = None,
-    ) -> list[PutCode]:
+    ) -> tuple[list[PutCode], list[IndexCode]]:
         """Commit grants (``entries[i].offset``, of ``sizes[i]`` bytes) as their
-        keys, one round trip; ``indexed`` is extended as by
-        :meth:`finish_commits`, and the new grants of the answer are kept."""
+        keys, one round trip: per entry its status and index code, as
+        :meth:`finish_commits`; the new grants of the answer are kept."""
         self._send_granted(entries, index, writer)
         self.settle()
-        return self._read_granted(sizes, indexed)
+        return self._read_granted(sizes)
 
     def commit_late(
         self,
@@ -229,17 +227,15 @@ class ControlConnection(Connection):
         head = Header(Opcode.COMMIT, len(entries), writer, flags).pack()
         send_all(self.sock, [head + pack_commit_entries(entries, granted=True)])
 
-    def _read_granted(self, sizes: Sequence[int], indexed: list[IndexCode] | None) -> list[PutCode]:
+    def _read_granted(self, sizes: Sequence[int]) -> tuple[list[PutCode], list[IndexCode]]:
         n = len(sizes)
         header = recv_reply_header(self.sock, Opcode.COMMIT_REPLY, n)
         statuses = unpack_statuses(recv_exact(self.sock, n), PutCode)
         codes = recv_index_codes(self.sock, header)
-        if indexed is not None:
-            indexed.extend(codes)
         if header.flags & HeaderFlags.GRANT:
             body = recv_exact(self.sock, n * RESERVE_REPLY_ENTRY.size)
             self._add_grants(sizes, unpack_reserve_reply_entries(body))
-        return statuses
+        return statuses, codes
 
     def _reserve(self, entries: Sequence[PutEntry], flags: HeaderFlags) -> list[ReserveReplyEntry]:
         n = len(entries)
@@ -269,12 +265,9 @@ class ControlConnection(Connection):
         head = Header(Opcode.COMMIT, len(entries), writer, index_flags(index, writer)).pack()
         send_all(self.sock, [head + pack_commit_entries(entries)])
 
-    def finish_commits(
-        self, counts: Sequence[int], indexed: list[IndexCode] | None = None
-    ) -> list[PutCode]:
-        """Read the answers of the COMMITs sent, of ``counts[i]`` entries each;
-        ``indexed`` is extended with their index codes (NOT_INDEXED where the
-        store sent none)."""
+    def finish_commits(self, counts: Sequence[int]) -> tuple[list[PutCode], list[IndexCode]]:
+        """Read the answers of the COMMITs sent, of ``counts[i]`` entries each:
+        per entry its status and index code (NOT_INDEXED where the store sent none)."""
         commits = [o for o in self.owed() if isinstance(o, _Commit)]
         if [c.n for c in commits] != list(counts):
             raise InvalidArgument(
@@ -282,12 +275,12 @@ class ControlConnection(Connection):
                 f"{[c.n for c in commits]} in flight"
             )
         self.settle()
-        out: list[PutCode] = []
+        statuses: list[PutCode] = []
+        codes: list[IndexCode] = []
         for c in commits:
-            out.extend(c.statuses)
-            if indexed is not None:
-                indexed.extend(c.codes)
-        return out
+            statuses.extend(c.statuses)
+            codes.extend(c.codes)
+        return statuses, codes
 
     def abort(self, keys: Sequence[ChunkKey]) -> list[HeldCode]:
         """Revoke reservations this connection holds."""

@@ -41,9 +41,10 @@ from kvdepot.connector.transport.arena import (
     MISMATCH,
     ArenaTransport,
     ArenaUnusable,
+    PutOutcome,
     check_lease,
 )
-from kvdepot.connector.transport.base import GetOutcome, GetStatus, PutStatus
+from kvdepot.connector.transport.base import GetOutcome, GetStatus
 from kvdepot.connector.transport.control import ControlConnection, ControlPool
 from kvdepot.connector.transport.stall import Stalls
 from kvdepot.connector.transport.stream import PUT_STATUS, GetWork, PutWork
@@ -252,16 +253,16 @@ class NixlTransport(ArenaTransport[_Peer]):
         conn: ControlConnection,
         peer: _Peer,
         batch: list[PutWork],
-        indexed: list[IndexCode] | None,
+        index: bool,
         writer: int = 0,
-    ) -> list[tuple[int, PutStatus]]:
+    ) -> list[PutOutcome]:
         replies = conn.reserve([PutEntry(e.key, e.size, 0) for _, e, _, _ in batch])
-        out: list[tuple[int, PutStatus]] = []
+        out: list[PutOutcome] = []
         pairs: list[tuple[memoryview, int]] = []
         writes: list[tuple[int, PutEntry, memoryview, bool]] = []
         for (i, entry, view, trailed), reply in zip(batch, replies, strict=True):
             if reply.status is not PutCode.OK:
-                out.append((i, PUT_STATUS[reply.status]))
+                out.append((i, PUT_STATUS[reply.status], IndexCode.NOT_INDEXED))
                 continue
             if reply.offset + entry.size > peer.arena_size:
                 raise ProtocolError(ErrorCode.MALFORMED, "reservation outside the arena")
@@ -278,14 +279,11 @@ class NixlTransport(ArenaTransport[_Peer]):
 
         self._transfer("WRITE", peer, pairs, hash_sources)
         commits = [CommitEntry(w[1].key, ck) for w, ck in zip(writes, sums, strict=True)]
-        conn.send_commit(commits, indexed is not None, writer)
-        got: list[IndexCode] = []
-        codes = conn.finish_commits([len(commits)], got)
-        out.extend((w[0], PUT_STATUS[c]) for w, c in zip(writes, codes, strict=True))
-        if indexed is not None:
-            for w, ix in zip(writes, got, strict=True):
-                indexed[w[0]] = ix
-        return out
+        conn.send_commit(commits, index, writer)
+        statuses, codes = conn.finish_commits([len(commits)])
+        return out + [
+            (w[0], PUT_STATUS[s], c) for w, s, c in zip(writes, statuses, codes, strict=True)
+        ]
 
     def _get_batch(
         self, conn: ControlConnection, peer: _Peer, batch: list[GetWork]

@@ -47,6 +47,7 @@ from kvdepot.connector.transport.arena import (
     MISMATCH,
     ArenaTransport,
     ArenaUnusable,
+    PutOutcome,
     check_lease,
 )
 from kvdepot.connector.transport.base import GetOutcome, GetStatus, PutStatus
@@ -347,9 +348,9 @@ class ShmTransport(ArenaTransport[_Mapping]):
         conn: ControlConnection,
         m: _Mapping,
         batch: list[PutWork],
-        indexed: list[IndexCode] | None,
+        index: bool,
         writer: int = 0,
-    ) -> list[tuple[int, PutStatus]]:
+    ) -> list[PutOutcome]:
         sizes = [e.size for _, e, _, _ in batch]
         if conn.info.flags & AttachFlags.GRANTS and sum(sizes) <= conn.grant_limit:
             conn.settle()  # a late commit's answer brings the grants of this put
@@ -358,16 +359,15 @@ class ShmTransport(ArenaTransport[_Mapping]):
                 conn.grant(sizes)
                 offsets = conn.take_grants(sizes)
             if offsets is not None:
-                return self._put_granted(conn, m, batch, offsets, indexed, writer)
+                return self._put_granted(conn, m, batch, offsets, index, writer)
         replies = conn.reserve([PutEntry(e.key, e.size, 0) for _, e, _, _ in batch])
-        index = indexed is not None
-        out: list[tuple[int, PutStatus]] = []
+        out: list[PutOutcome] = []
         arena = m.view
         placed: list[tuple[int, PutEntry, int | None]] = []
         jobs: list[tuple[memoryview, memoryview, bool]] = []
         for (i, entry, view, trailed), reply in zip(batch, replies, strict=True):
             if reply.status is not PutCode.OK:
-                out.append((i, PUT_STATUS[reply.status]))
+                out.append((i, PUT_STATUS[reply.status], IndexCode.NOT_INDEXED))
                 continue
             if reply.offset + entry.size > arena.nbytes:
                 raise ProtocolError(ErrorCode.MALFORMED, "reservation outside the arena")
@@ -392,7 +392,7 @@ class ShmTransport(ArenaTransport[_Mapping]):
                 if given is not None and given != ck:
                     # The caller's checksum does not describe its bytes: store neither.
                     wrong.append(entry.key)
-                    out.append((i, PutStatus.CORRUPT))
+                    out.append((i, PutStatus.CORRUPT, IndexCode.NOT_INDEXED))
                     continue
                 group.append(CommitEntry(entry.key, ck))
                 committed.append(i)
@@ -401,24 +401,18 @@ class ShmTransport(ArenaTransport[_Mapping]):
                     conn.send_commit(group, index, writer)
                     counts.append(len(group))
                     group, group_bytes = [], 0
-        if group and not counts and not wrong and writer and indexed is not None:
+        if group and not counts and not wrong and writer and index:
             # A deferring writer's batch in one COMMIT: its answer is read
             # by the connection's next exchange, as in granted room.
             conn.commit_late(group, [e.size for _, e, _ in placed], writer, granted=False)
-            out.extend(_pending(committed, indexed))
-            return out
+            return out + _pending(committed)
         if group:
             conn.send_commit(group, index, writer)
             counts.append(len(group))
-        got: list[IndexCode] = []
-        codes = conn.finish_commits(counts, got)
+        statuses, codes = conn.finish_commits(counts)
         if wrong:
             conn.abort(wrong)
-        out.extend((i, PUT_STATUS[c]) for i, c in zip(committed, codes, strict=True))
-        if indexed is not None:
-            for i, ix in zip(committed, got, strict=True):
-                indexed[i] = ix
-        return out
+        return out + _outcomes(committed, statuses, codes)
 
     def _put_granted(
         self,
@@ -426,9 +420,9 @@ class ShmTransport(ArenaTransport[_Mapping]):
         m: _Mapping,
         batch: list[PutWork],
         offsets: list[int],
-        indexed: list[IndexCode] | None,
+        index: bool,
         writer: int,
-    ) -> list[tuple[int, PutStatus]]:
+    ) -> list[PutOutcome]:
         """Copy a batch into room the store granted ahead, then COMMIT it: one
         round trip. A chunk the store holds already is copied for nothing
         (the store frees its grant and answers EXISTS): a local copy of at
@@ -444,7 +438,7 @@ class ShmTransport(ArenaTransport[_Mapping]):
             (arena[off : off + e.size], view, False)
             for (_, e, view, _), off in zip(batch, offsets, strict=True)
         ]
-        out: list[tuple[int, PutStatus]] = []
+        out: list[PutOutcome] = []
         entries: list[CommitEntry] = []
         committed: list[int] = []
         sizes: list[int] = []
@@ -453,7 +447,7 @@ class ShmTransport(ArenaTransport[_Mapping]):
             for (i, e, _, trailed), off, ck in zip(batch, offsets, sums, strict=True):
                 if not trailed and e.checksum != ck:
                     # The caller's checksum does not describe its bytes: store neither.
-                    out.append((i, PutStatus.CORRUPT))
+                    out.append((i, PutStatus.CORRUPT, IndexCode.NOT_INDEXED))
                     conn.give_back(e.size, off)
                     continue
                 entries.append(CommitEntry(e.key, ck, off))
@@ -461,17 +455,11 @@ class ShmTransport(ArenaTransport[_Mapping]):
                 sizes.append(e.size)
         if not entries:
             return out
-        if writer and indexed is not None:
+        if writer and index:
             conn.commit_late(entries, sizes, writer)
-            out.extend(_pending(committed, indexed))
-            return out
-        got: list[IndexCode] = []
-        codes = conn.commit_granted(entries, sizes, indexed is not None, writer, got)
-        out.extend((i, PUT_STATUS[c]) for i, c in zip(committed, codes, strict=True))
-        if indexed is not None:
-            for i, ix in zip(committed, got, strict=True):
-                indexed[i] = ix
-        return out
+            return out + _pending(committed)
+        statuses, codes = conn.commit_granted(entries, sizes, index, writer)
+        return out + _outcomes(committed, statuses, codes)
 
     def _get_batch(
         self, conn: ControlConnection, m: _Mapping, batch: list[GetWork]
@@ -508,9 +496,14 @@ class ShmTransport(ArenaTransport[_Mapping]):
             self._maps.clear()
 
 
-def _pending(committed: list[int], indexed: list[IndexCode]) -> list[tuple[int, PutStatus]]:
+def _pending(committed: list[int]) -> list[PutOutcome]:
     """Chunks a deferring writer's COMMIT carries without waiting for its
     answer: OK now, PENDING in the index."""
-    for i in committed:
-        indexed[i] = IndexCode.PENDING
-    return [(i, PutStatus.OK) for i in committed]
+    return [(i, PutStatus.OK, IndexCode.PENDING) for i in committed]
+
+
+def _outcomes(
+    committed: list[int], statuses: list[PutCode], codes: list[IndexCode]
+) -> list[PutOutcome]:
+    """The outcomes of the items ``committed`` from a COMMIT's answer."""
+    return [(i, PUT_STATUS[s], c) for i, s, c in zip(committed, statuses, codes, strict=True)]

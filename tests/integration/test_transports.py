@@ -296,7 +296,7 @@ def test_a_wrong_shm_commit_is_never_served(
         (r,) = conn.reserve([p.PutEntry(key, len(data), 0)])
         mapping.view[r.offset : r.offset + len(data)] = data
         conn.send_commit([p.CommitEntry(key, checksum(data) ^ 1)])
-        assert conn.finish_commits([1]) == [p.PutCode.CORRUPT if verify else p.PutCode.OK]
+        assert conn.finish_commits([1])[0] == [p.PutCode.CORRUPT if verify else p.PutCode.OK]
         conn.close()
         buf = bytearray(len(data))
         (out,) = t.get_into(address, [GetItem(key, memoryview(buf))])
