@@ -128,7 +128,8 @@ class Stalls:
                     with self._cond:
                         since = self._since.pop(address, None)
                     if since is not None:
-                        logger.warning(
+                        # The end of an outage already warned about is news, not a warning.
+                        logger.info(
                             "data plane %s is no longer stalled (after %.1f s)",
                             address,
                             time.monotonic() - since,
