@@ -1,7 +1,7 @@
 """The client API as a user meets it, against real metadata and store daemons.
 
-The README's example runs as written (a partial hit included); a buffer too
-small for its chunk is a miss that says why; wrong arguments, a closed
+(The README's example runs as written: tests/integration/test_readme.py.) A
+buffer too small for its chunk is a miss that says why; wrong arguments, a closed
 client and a metadata service that stops mid-call raise kvdepot's own errors
 (``InvalidArgument``, ``ClientClosed``, ``Unavailable``), never grpc's
 ``ValueError``/``TypeError``/``AttributeError`` or a bare ``CANCELLED``; an
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import threading
 import time
 from pathlib import Path
@@ -36,46 +35,12 @@ from kvdepot.proto.gen import metadata_pb2
 
 pytestmark = pytest.mark.integration
 
-README = Path(__file__).resolve().parents[2] / "README.md"
 NS = Namespace("test/client-api", chunk_tokens=16)
 CHUNK = 4096
 
 
-def readme_client_example() -> str:
-    text = README.read_text()
-    section = text[text.index("## Using the client") :]
-    match = re.search(r"```python\n(.*?)```", section, re.S)
-    assert match, "README's 'Using the client' has no python example"
-    return match.group(1)
-
-
 def kv_of_chunk(i: int) -> np.ndarray:
     return np.full(CHUNK, i + 1, dtype=np.uint8)
-
-
-def test_readme_client_example_runs_on_a_partial_hit(cluster: LocalCluster) -> None:
-    code = readme_client_example()
-    # The example's own chunks are 32 MiB (Llama-3.1-8B); the test's are 4 KiB.
-    code, n = re.subn(r"(?m)^CHUNK_BYTES = .*$", f"CHUNK_BYTES = {CHUNK}", code)
-    assert n == 1, "the example no longer defines CHUNK_BYTES on one line"
-    code = code.replace('"127.0.0.1:7700"', repr(cluster.metadata_address))
-    assert cluster.metadata_address in code
-    rng = np.random.default_rng(7)
-    prompt = rng.integers(0, 50_000, 256 * 3 + 100).tolist()  # 3 whole chunks and a tail
-    later = prompt[: 256 * 2] + rng.integers(0, 50_000, 256 * 2).tolist()
-    env: dict[str, Any] = {
-        "prompt_token_ids": prompt,
-        "later_token_ids": later,
-        "kv_of_chunk": kv_of_chunk,
-    }
-    exec(compile(code, str(README), "exec"), env)
-    assert len(env["keys"]) == 3, "the 100 trailing tokens got a key"
-    assert env["n"] == 2  # the shared first two chunks, not the later prompt's own
-    result = env["result"]
-    assert env["usable"] == 2 and result.loaded == (True, True)
-    assert result.reasons == ("", "")
-    for i in range(2):
-        assert np.array_equal(env["out_buffers"][i], kv_of_chunk(i))
 
 
 def test_buffer_smaller_than_its_chunk_is_a_miss_that_says_why(
