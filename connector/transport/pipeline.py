@@ -21,8 +21,9 @@ from kvdepot.wire.protocol import IndexCode, PutCode
 from kvdepot.wire.settled import IndexSettled
 
 SETTLE_SLICE_S = 0.005
-"""How often a reader waiting for answers reads those of idle connections
-again (a connection checked in while it waited holds some)."""
+"""Longest a reader waiting for answers waits on one set of idle connections
+before it looks again (a connection checked in meanwhile may hold some);
+answers that arrive end the wait at once."""
 
 
 class Pipeline:
@@ -102,11 +103,15 @@ class Pipeline:
         with self._cond:
             return self._cond.wait_for(lambda: not any(t <= ticket for t in self._open), timeout_s)
 
-    def settle(self, read_idle: Callable[[], None], timeout_s: float) -> bool:
+    def settle(self, read_idle: Callable[[float], bool], timeout_s: float) -> bool:
         """Wait (at most ``timeout_s``) until every ticket issued so far is
-        answered, calling ``read_idle`` (which reads the answers idle
-        connections hold) first and again each :data:`SETTLE_SLICE_S`;
-        whether they all are."""
+        answered; whether they all are.
+
+        ``read_idle(wait_s)`` reads the answers idle connections hold, waiting
+        up to ``wait_s`` for one to arrive, and says whether any idle
+        connection awaits one; answers read by connections in use (another
+        thread's exchange) are waited for here. Each wait lasts at most
+        :data:`SETTLE_SLICE_S`: a connection may go idle meanwhile."""
         if not self._open:
             # Every put that returned before this call took its ticket before
             # returning: nothing open means nothing to wait for (a dict's
@@ -117,11 +122,16 @@ class Pipeline:
             return True
         deadline = time.monotonic() + timeout_s
         while True:
-            read_idle()
+            left = deadline - time.monotonic()
+            # Waiting on the sockets wakes at an answer's arrival; polling
+            # them every slice cost a sync after a put 5 ms.
+            idle_owe = read_idle(max(0.0, min(left, SETTLE_SLICE_S)))
+            if not self.open_until(upto):
+                return True
             left = deadline - time.monotonic()
             if left <= 0:
-                return not self.open_until(upto)
-            if self.wait(upto, min(left, SETTLE_SLICE_S)):
+                return False
+            if not idle_owe and self.wait(upto, min(left, SETTLE_SLICE_S)):
                 return True
 
     def take_outcomes(self) -> IndexSettled:

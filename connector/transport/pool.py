@@ -15,6 +15,7 @@ handed out, and no wait for it begins, until it answers again.
 from __future__ import annotations
 
 import contextlib
+import select
 import socket
 import threading
 from typing import Generic, TypeVar
@@ -141,23 +142,32 @@ class IdlePool(Generic[C]):
         reads its own before its next exchange.
         """
         wait = 0.0 if self.stalls.stalled(address) else self._io_timeout_s
-        done = self.pipeline(address).settle(lambda: self._settle_idle(address), wait)
+        done = self.pipeline(address).settle(lambda s: self._settle_idle(address, s), wait)
         if not done and wait:
             self.stalls.record(address)
         return done
 
-    def _settle_idle(self, address: str) -> None:
+    def _settle_idle(self, address: str, wait_s: float) -> bool:
+        """Read the answers the idle connections to ``address`` hold, waiting
+        up to ``wait_s`` for one to arrive; whether one still awaits some."""
         # Only answers that arrived: the caller's wait is the one bound, not
         # the I/O timeout of each idle connection in turn.
         with self._lock:
             idle = self._idle.pop(address, [])
+        awaiting = [conn.sock for conn in idle if conn.awaits]
+        if awaiting and wait_s > 0:
+            with contextlib.suppress(OSError, ValueError):  # a closed socket: read below
+                select.select(awaiting, [], [], wait_s)
+        still = False
         for conn in idle:
             try:
                 conn.settle_arrived()
             except (KVDepotError, OSError):
                 conn.close()
                 continue
+            still = still or conn.awaits > 0
             self.checkin(address, conn)
+        return still
 
     def close(self) -> None:
         """Close every idle connection once it read the answers it awaits;

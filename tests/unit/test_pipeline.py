@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
-from kvdepot.connector.transport.pipeline import Pipeline, with_outcomes
+from kvdepot.connector.transport.pipeline import SETTLE_SLICE_S, Pipeline, with_outcomes
 from kvdepot.wire.protocol import IndexCode, IndexSettled, PutCode
 
 
@@ -31,32 +32,56 @@ def test_a_withdrawn_put_is_neither_open_nor_counted() -> None:
     assert p.take_outcomes() == IndexSettled()
 
 
-def test_settle_reads_idle_answers_and_is_bounded() -> None:
-    p = Pipeline()
-    t = p.sent(1)
-    calls: list[int] = []
+class _Recording(Pipeline):
+    def __init__(self) -> None:
+        super().__init__()
+        self.slices: list[float] = []
 
-    def read_idle() -> None:
-        calls.append(1)
-        if len(calls) == 3:
+    def wait(self, ticket: int, timeout_s: float) -> bool:
+        self.slices.append(timeout_s)
+        return super().wait(ticket, timeout_s)
+
+
+def test_settle_reads_idle_answers_and_is_bounded() -> None:
+    p = _Recording()
+    t = p.sent(1)
+    waits: list[float] = []
+
+    def read_idle(wait_s: float) -> bool:
+        # An idle connection owes the answer: settle waits on it (the socket
+        # wakes it at arrival), never on a slice of its own in between.
+        waits.append(wait_s)
+        if len(waits) == 3:
             p.answered(t, [PutCode.OK], [IndexCode.PENDING])
+        return len(waits) < 3
 
     assert p.settle(read_idle, 5.0)
-    assert len(calls) == 3  # read again until the answer came
+    assert p.slices == []  # no slice waited on the condition
+    assert len(waits) == 3 and all(0 < w <= SETTLE_SLICE_S for w in waits)
     p.sent(1)
     t0 = time.monotonic()
-    assert not p.settle(lambda: None, 0.05)  # never answered: gives up in time
+    assert not p.settle(lambda _: False, 0.05)  # never answered: gives up in time
     assert time.monotonic() - t0 < 1.0
-    assert p.settle(lambda: None, 0.0) is False
+    assert p.settle(lambda _: True, 0.0) is False
+
+
+def test_an_answer_read_by_a_connection_in_use_ends_the_wait() -> None:
+    p = Pipeline()
+    t = p.sent(1)
+    threading.Timer(0.05, p.answered, (t, [PutCode.OK], [])).start()
+    t0 = time.monotonic()
+    assert p.settle(lambda _: False, 5.0)  # no idle connection owes it
+    assert time.monotonic() - t0 < 1.0
 
 
 def test_a_later_put_is_not_waited_for() -> None:
     p = Pipeline()
     first = p.sent(1)
 
-    def read_idle() -> None:
+    def read_idle(wait_s: float) -> bool:
         p.sent(1)  # another thread's put, sent after the wait began
         p.answered(first, [PutCode.OK], [])
+        return True
 
     assert p.settle(read_idle, 1.0)
 
