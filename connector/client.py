@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvdepot.config import InvalidSetting, Number, Parsed, positive, setting, validate
+from kvdepot.connector.fallback import Fallback
 from kvdepot.connector.put_plan import PutPlan, Route, plan_put
 from kvdepot.connector.results import (
     DeferredCommits,
@@ -66,6 +67,9 @@ class ClientConfig:
             or one of ``tcp``, ``shm``, ``nixl`` for every store.
         tokens_per_chunk: Tokens a chunk covers, for hit-rate statistics.
         rpc_timeout_s: Deadline of each metadata call.
+        fallback_wait_s: Longest a counted ``get_into`` waits for its lookup
+            where one store served the last read whole, before reading that
+            store (at most ``rpc_timeout_s``; docs/client.md, "Outages").
         connect_timeout_s: Deadline to connect to a store.
         io_timeout_s: Deadline for a stalled data-plane transfer.
         replicate_on_read: After pulling chunks from another node, also store
@@ -97,6 +101,7 @@ class ClientConfig:
     transport: str = "auto"
     tokens_per_chunk: int = setting(0, Number(low=0))
     rpc_timeout_s: float = setting(10.0, positive())
+    fallback_wait_s: float = setting(0.5, positive())
     connect_timeout_s: float = setting(5.0, positive())
     io_timeout_s: float = setting(30.0, positive())
     replicate_on_read: bool = False
@@ -204,6 +209,8 @@ class KVDepotClient:
         # counts this client's by, and whether any may still be pending.
         self._writer = int.from_bytes(os.urandom(4), "little") or 1
         self._deferred = DeferredCommits()
+        # Answers from the stores it knows, without the metadata service.
+        self._fallback = Fallback(self._transport)
 
     def __enter__(self) -> KVDepotClient:
         return self
@@ -258,12 +265,14 @@ class KVDepotClient:
 
         Returns:
             Counts of chunks stored, skipped as already present, pending
-            (deferred), and failed.
+            (deferred; or, ``PutStart`` failing, owed to the index by this
+            node's store: connector/fallback.py), and failed.
 
         Raises:
             InvalidArgument: mismatched keys and buffers, or bad keys.
             ClientClosed: the client was closed.
-            Unavailable: the metadata service cannot be reached.
+            Unavailable: the metadata service cannot be reached, and this
+                client has no node's store that took the chunks.
         """
         self._check_open()
         ckeys = _check_keys(keys)
@@ -302,15 +311,21 @@ class KVDepotClient:
         # (the connection resends the same message): if a replica allocated
         # the keys and died before answering, the next one hands the same
         # allocations back instead of reporting them pending until they expire.
-        reply = self._metadata.put_start(
-            metadata_pb2.PutStartRequest(
-                keys=ckeys,
-                sizes=sizes,
-                writer_node_id=self.config.node_id,
-                request_id=os.urandom(16),
-                written=written,
-            ),
+        request = metadata_pb2.PutStartRequest(
+            keys=ckeys,
+            sizes=sizes,
+            writer_node_id=self.config.node_id,
+            request_id=os.urandom(16),
+            written=written,
         )
+        try:
+            reply = self._metadata.put_start(request)
+        except Unavailable as exc:
+            # This node's store takes them and owes their index commits.
+            local = self._local_address
+            self._fallback.put(exc, self._indexing, local, ckeys, views, written, tally)
+            return
+        self._fallback.answered()
         self._learn_local(a.node for a in reply.allocations)
         if written and not reply.written_committed:
             # This node is no live node of the index: its store's copies are
@@ -455,7 +470,7 @@ class KVDepotClient:
             raise InvalidArgument("key_tokens must be integers") from None
         if any(not 0 <= t < 2**32 for t in tokens):
             raise InvalidArgument("key_tokens must be in [0, 2**32)")
-        return self._metadata.lookup(
+        reply: metadata_pb2.LookupResponse = self._metadata.lookup(
             metadata_pb2.LookupRequest(
                 keys=ckeys,
                 client_node_id=self.config.node_id,
@@ -466,6 +481,8 @@ class KVDepotClient:
             ),
             timeout_s=timeout_s,
         )
+        self._fallback.answered()
+        return reply
 
     def lookup_locations(
         self, keys: Sequence[bytes], *, count: LookupCount = "all"
@@ -495,6 +512,9 @@ class KVDepotClient:
     ) -> int:
         """Number of leading keys that are stored somewhere in the cluster.
 
+        Without the metadata service, those this node's store holds
+        (connector/fallback.py).
+
         Args:
             keys: Chunk keys in prompt order.
             key_tokens: Tokens each key covers, where they differ (for the
@@ -506,7 +526,10 @@ class KVDepotClient:
         self._check_open()
         if not len(_sequence(keys, "keys")):
             return 0
-        return int(self._lookup(keys, key_tokens, count, timeout_s).hits)
+        try:
+            return int(self._lookup(keys, key_tokens, count, timeout_s).hits)
+        except Unavailable as exc:
+            return self._fallback.lookup(exc, self._local_address, _check_keys(keys))
 
     # -- pull ---------------------------------------------------------------------
     def get_into(
@@ -525,12 +548,15 @@ class KVDepotClient:
         read that no single store served, the next one asks the metadata
         service first (its answer lists this node's replicas first).
         ``count`` is passed to the lookup it makes (``none`` when the caller
-        counted the prompt already).
+        counted the prompt already). A counted read waits for its lookup
+        ``fallback_wait_s`` at most where a store served the last read
+        whole, then reads that store; without the metadata service, this
+        node's store serves what it holds (connector/fallback.py).
 
         Raises:
             InvalidArgument: mismatched keys and buffers, or bad keys.
             ClientClosed: the client was closed.
-            Unavailable: the metadata service cannot be reached.
+            Unavailable: the metadata service cannot be reached (nor the stores above).
         """
         self._check_open()
         ckeys = _check_keys(keys)
@@ -540,7 +566,8 @@ class KVDepotClient:
         local = self._local_address
         # Another store is read first only for a caller that counted the
         # prompt already: a counted read always reaches the index, so the
-        # cluster's hits agree with what was read.
+        # cluster's hits agree with what was read (and hot chunks' readers
+        # spread over their replicas).
         sticky = self._sticky if count == "none" else None
         first = sticky or (None if self._lookup_first else local)
         early = None
@@ -556,17 +583,12 @@ class KVDepotClient:
                     )
                 return whole(early)
         try:
-            reply = self.lookup_locations(ckeys, count=count)
-        except Unavailable:
-            if first == local or local is None:
-                raise
-            # The metadata service is unreachable: this node's own chunks
-            # stay readable without it, as when its store is read first.
-            outcomes = self._read_all(local, ckeys, views)
-            if all(o.ok for o in outcomes):
-                self._sticky, self._lookup_first = None, False
-                return whole(outcomes)
-            raise
+            reply = self._read_lookup(ckeys, views, count, first)
+        except Unavailable as exc:
+            # This node's store serves what it holds.
+            return self._fallback.read(exc, ckeys, views, local, first, early)
+        if isinstance(reply, GetResult):
+            return reply  # the store that served the last read, without the index
         self._learn_local(r for loc in reply.locations for r in loc.replicas)
         pull = Pull(len(ckeys), reply)
         if early is not None and first is not None:
@@ -586,6 +608,21 @@ class KVDepotClient:
         if remote:
             self._replicate([ckeys[i] for i in remote], [views[i][: pull.sizes[i]] for i in remote])
         return pull.result()
+
+    def _read_lookup(
+        self, keys: list[ChunkKey], views: list[memoryview], count: LookupCount, first: str | None
+    ) -> LookupResult | GetResult:
+        """A read's lookup. Where no store was read first but one served the
+        last read whole, it is not waited for long: that store is read then."""
+        last = self._sticky if first is None else None
+        if last is None:
+            return unpack_lookup(self._lookup(keys, count=count))
+        return self._fallback.lookup_or_read(
+            lambda t: unpack_lookup(self._lookup(keys, count=count, timeout_s=t)),
+            (last, keys, views),
+            self.config.fallback_wait_s,
+            self.config.rpc_timeout_s,
+        )
 
     def _read_all(
         self, address: str, keys: list[ChunkKey], views: list[memoryview]

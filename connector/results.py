@@ -23,7 +23,11 @@ class PutResult:
         bytes_skipped: Bytes of ``skipped``.
         pending: Chunks written into this node's store whose index commit
             follows the store's answer (``ClientConfig.defer_index_commit``);
-            :meth:`KVDepotClient.sync_index` says what became of them.
+            :meth:`KVDepotClient.sync_index` says what became of them. Also
+            chunks this node's store took while ``PutStart`` failed (the
+            metadata service or its index down): the store owes their index
+            commits and makes them once the service answers again
+            (:mod:`kvdepot.connector.fallback`); ``sync_index`` does not count those.
         bytes_pending: Bytes of ``pending``.
     """
 

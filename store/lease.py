@@ -30,6 +30,7 @@ from kvdepot.metadata_client import AsyncMetadataClient
 from kvdepot.proto.gen import common_pb2, metadata_pb2
 from kvdepot.repeat_log import RepeatLog
 from kvdepot.retry import Backoff
+from kvdepot.rpc.errors import error_type_name
 from kvdepot.rpc.health import HealthState
 from kvdepot.types import LEASE_REMAINING_KEY, TIER_BY_CODE
 
@@ -388,7 +389,15 @@ class MetadataLease:
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             self._fail_over()
         self._failures += 1
-        return self.client.delay(self._failures)
+        delay = self.client.delay(self._failures)
+        if code == grpc.StatusCode.UNAVAILABLE and error_type_name(exc) == "Unavailable":
+            # The service answered: its index is down. Asked again at the
+            # heartbeats' pace (no more calls than a lease makes anyway), not
+            # backed off: an index back empty learns of this store within a
+            # heartbeat, not up to RETRY_CAP_S later, when puts fail for want
+            # of a registered store.
+            delay = min(delay, self.heartbeat_s)
+        return delay
 
     def _answered(self) -> None:
         self._last_ok = time.monotonic()
