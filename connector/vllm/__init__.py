@@ -47,9 +47,11 @@ from kvdepot.connector.codec import create_codec
 from kvdepot.connector.vllm.layout import (
     KVLayout,
     cache_groups,
+    describe_namespace,
     layout_from_config,
     namespace_for,
 )
+from kvdepot.connector.vllm.model_identity import model_identity as _identity_of
 from kvdepot.connector.vllm.plan import KVDepotConnectorMetadata
 from kvdepot.connector.vllm.scheduler import PD_TOKENS_PARAM, SchedulerSide
 from kvdepot.connector.vllm.settings import ConnectorSettings
@@ -150,6 +152,12 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
         )
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        # The scheduler keys in rank 0's namespace (see shard_key).
+        # (_identity_of: the package's attribute model_identity stays the module.)
+        identity = _identity_of(vllm_config, s.model_id)
+        ns = namespace_for(
+            vllm_config, s, self.layout, 0 if scheduler else _tp_rank(), self.groups, identity
+        )
         if scheduler:
             if s.force_recompute_on_load_error and self.is_consumer:
                 # The scheduler reads the policy right after creating us: a
@@ -158,7 +166,7 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = SchedulerSide(
                 s,
                 self.layout,
-                namespace_for(vllm_config, s, self.layout, 0, self.groups),
+                ns,
                 self._client,
                 kv_role=str(tc.kv_role),
                 is_producer=self.is_producer,
@@ -172,21 +180,19 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
                 self.layout,
                 create_codec(s.codec_spec()),
                 self._client,
-                namespace=namespace_for(vllm_config, s, self.layout, _tp_rank(), self.groups),
+                namespace=ns,
                 is_producer=self.is_producer,
                 counters=self._counters,
                 groups=self.groups,
             )
             _WORKERS.add(self._worker)
         logger.info(
-            "KVDepotConnector (%s, %s): metadata %s, %d-token chunks, layout %s, "
-            "KV cache groups: %s",
+            "KVDepotConnector (%s, %s): metadata %s, KV cache groups: %s; %s",
             role.name,
             tc.kv_role,
             s.metadata,
-            s.chunk_tokens,
-            self.layout.signature(),
             self.groups.describe(),
+            describe_namespace(ns, identity, s.cache_salt),
         )
 
     # ------------------------------------------------------------ checks

@@ -16,9 +16,11 @@ of the namespace, and so is the codec.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
+from kvdepot.connector.vllm.model_identity import ModelIdentity, model_identity
 from kvdepot.connector.vllm.settings import ConnectorSettings
 from kvdepot.errors import InvalidArgument
 from kvdepot.keys import Namespace
@@ -94,9 +96,17 @@ def namespace_for(
     layout: KVLayout,
     tp_rank: int,
     groups: CacheGroups | None = None,
+    identity: ModelIdentity | None = None,
 ) -> Namespace:
-    """The key namespace of one tensor-parallel rank of this engine."""
-    model = settings.model_id or str(vllm_config.model_config.model)
+    """The key namespace of one tensor-parallel rank of this engine.
+
+    Its model is the model's identity (``identity``, else derived from
+    ``vllm_config``): ``model_id`` when set, else a digest of the model's
+    files, never the path the engine was given (see ``model_identity``).
+    """
+    if identity is None:
+        identity = model_identity(vllm_config, settings.model_id)
+    model = identity.value
     extra = (settings.cache_salt,) if settings.cache_salt else ()
     if groups is not None and groups.count > 1:
         # An engine with vLLM's hybrid manager and one without it are kept
@@ -116,6 +126,21 @@ def namespace_for(
         tp_rank=tp_rank,
         chunk_tokens=layout.chunk_tokens,
         extra=extra,
+    )
+
+
+def describe_namespace(
+    ns: Namespace, identity: ModelIdentity | None = None, cache_salt: str = ""
+) -> str:
+    """``ns`` in one line: its digest, then every field that went into it
+    (``cache_salt``, which may be a tenant's secret, by a digest of it)."""
+    model = f"{ns.model} ({identity.source})" if identity is not None else ns.model
+    hidden = f"cache_salt sha256:{hashlib.sha256(cache_salt.encode()).hexdigest()[:8]}"
+    extra = ", ".join(hidden if cache_salt and e == cache_salt else e for e in ns.extra)
+    return (
+        f"namespace {ns.digest().hex()} = model {model}, kv dtype {ns.kv_dtype}, "
+        f"layout {ns.kv_layout}, tp rank {ns.tp_rank}/{ns.tp_size}, "
+        f"{ns.chunk_tokens}-token chunks, extra: {extra or 'none'}"
     )
 
 

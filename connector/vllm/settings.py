@@ -26,8 +26,10 @@ class ConnectorSettings(PluginSecurity):
         transport: Data-plane transport: ``auto`` (the client's default: shm
             on this host, nixl where RDMA devices exist, tcp otherwise),
             ``tcp``, ``shm`` or ``nixl``.
-        model_id: Overrides the model path in the namespace (engines that load
-            the same weights from different paths can then share KV).
+        model_id: The model's identity in the namespace, verbatim, in place of
+            the one derived from the model's files (a digest of its config and
+            weights, or the hub id and revision: see ``model_identity``).
+            Engines with the same ``model_id`` share KV whatever they run.
         cache_salt: Extra namespace salt (tenant, LoRA, …).
         force_recompute_on_load_error: Make vLLM recompute blocks whose load
             failed instead of failing the request (the connector's contract:
