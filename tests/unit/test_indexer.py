@@ -400,7 +400,7 @@ class _Replica:
 
 def _client(*replicas: _Replica) -> MetadataClient:
     spec = ",".join(f"127.0.0.1:{7700 + i}" for i in range(len(replicas)))
-    client = MetadataClient(spec, 5.0, retry=INDEX_RETRY)
+    client = MetadataClient(spec, 5.0, retry=INDEX_RETRY, frames=False)  # stubs: gRPC's
     stubs: list[Any] = list(replicas)
     client._stubs = stubs
     return client
