@@ -30,6 +30,7 @@ from kvdepot.rpc.auth import (
     RefusalLog,
     tenant_key,
 )
+from kvdepot.shutdown import cancel_and_wait
 from kvdepot.wire import frames
 from kvdepot.wire.frames import Method
 
@@ -94,11 +95,7 @@ class FrameServer:
         if self._server is not None:
             self._server.close()
             self._server = None
-        for task in list(self._tasks):
-            task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_and_wait(list(self._tasks), "metadata frames connections")
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
@@ -110,16 +107,25 @@ class FrameServer:
             sock = writer.get_extra_info("socket")
             if sock is not None:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            principal = await asyncio.wait_for(self._handshake(reader, writer), HANDSHAKE_TIMEOUT_S)
+            # Not asyncio.wait_for: in Python 3.11 it swallows a cancellation
+            # that lands as the handshake completes, and a closed server served on.
+            async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
+                principal = await self._handshake(reader, writer)
             if principal is not None:
                 await self._serve(reader, writer, principal)
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
             pass  # the client went away (or never proved itself): nothing to answer
+        except asyncio.CancelledError:
+            # The service is stopping. Ended quietly: asyncio's stream callback
+            # logs a connection task that ends cancelled as an ERROR with its
+            # traceback (Python 3.11), one per open connection.
+            writer.close()
+            return
         finally:
             self._tasks.discard(task)
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+        writer.close()
+        with contextlib.suppress(Exception):
+            await writer.wait_closed()
 
     async def _handshake(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -36,6 +35,7 @@ from kvdepot.rpc.health import HealthState
 from kvdepot.rpc.request_guard import abort_with
 from kvdepot.rpc.security import add_port, aio_server
 from kvdepot.rpc.security_config import NO_SECURITY, SecurityConfig
+from kvdepot.shutdown import cancel_and_wait
 from kvdepot.types import (
     COUNT_NONE,
     LEASE_REMAINING_KEY,
@@ -617,9 +617,10 @@ class MetadataServer:
             if grace.holds(now):
                 continue
             try:
-                dead, reclaimed = await asyncio.wait_for(
-                    self.index.expire(now), max(2.0, self.config.lease_ttl_s)
-                )
+                # Not asyncio.wait_for: in Python 3.11 it swallows a cancellation
+                # that lands as the pass completes, and the reaper, stopped, went on.
+                async with asyncio.timeout(max(2.0, self.config.lease_ttl_s)):
+                    dead, reclaimed = await self.index.expire(now)
                 if dead and self.events is not None:
                     live = await self.index.stats(time.monotonic())
                     self.events.nodes_gone(n.info.node_id for n in live.nodes)
@@ -654,9 +655,7 @@ class MetadataServer:
             await asyncio.to_thread(self.metrics.close)
             self.metrics = None
         if self._reaper is not None:
-            self._reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reaper
+            await cancel_and_wait([self._reaper], "the metadata service's reaper")
         if self.frames is not None:
             await self.frames.close()
         if self._server is not None:

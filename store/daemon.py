@@ -27,7 +27,7 @@ from kvdepot.proto.gen import common_pb2, metadata_pb2, store_pb2, store_pb2_grp
 from kvdepot.rpc.health import HealthState
 from kvdepot.rpc.security import add_port, aio_channel, aio_server
 from kvdepot.rpc.security_config import NO_SECURITY, SecurityConfig
-from kvdepot.shutdown import finish, uninterrupted
+from kvdepot.shutdown import cancel_and_wait, finish, uninterrupted
 from kvdepot.store.chunks import ChunkStore
 from kvdepot.store.config import StoreConfig
 from kvdepot.store.dataplane import DataPlaneServer
@@ -379,14 +379,8 @@ class StoreDaemon:
         if self.metrics is not None:
             await asyncio.to_thread(self.metrics.close)
             self.metrics = None
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            if task.done() and not task.cancelled():
-                task.exception()  # what ended it was raised by wait() already
-                continue
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        # What ended one before was raised by wait() already.
+        await cancel_and_wait(self._tasks, f"store {self.node_id}")
         if self._server is not None:
             await self._server.stop(0.5)
             self._server = None

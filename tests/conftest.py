@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from kvdepot.apps.cluster import LocalCluster
+from kvdepot.apps.cluster import LocalCluster, kill_explained
 from kvdepot.connector.client import ClientConfig, KVDepotClient
 
 
@@ -74,6 +76,38 @@ def free_port() -> int:
         return port
 
 
+def stderr_tail(log: Path, chars: int = 6000) -> str:
+    """The end of a daemon's stderr file (where its stacks go when it hangs)."""
+    try:
+        return log.read_text(errors="replace")[-chars:]
+    except OSError as exc:
+        return f"(cannot read {log}: {exc})"
+
+
+def stop_daemon(proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 20.0) -> str:
+    """SIGTERM a daemon whose stderr goes to ``log`` and reap it: ``""`` if
+    it exited 0 within ``timeout_s``, else what it did and the end of ``log``.
+
+    One still running at ``timeout_s`` writes its stacks to ``log``
+    (SIGUSR1) and is killed. Give the daemon a ``--stop-timeout`` below
+    ``timeout_s``: past it, it writes them itself and exits 1.
+    """
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        status = proc.wait(timeout=timeout_s)
+        what = "" if status == 0 else f"exited with status {status} after SIGTERM"
+    except subprocess.TimeoutExpired:
+        kill_explained(proc, f"did not stop within {timeout_s:g} s of SIGTERM")
+        what = f"did not exit within {timeout_s:g} s of SIGTERM"
+    finally:
+        if proc.stdout is not None:
+            proc.stdout.close()
+    if not what:
+        return ""
+    return f"pid {proc.pid} {what}; the end of its stderr ({log}):\n{stderr_tail(log)}"
+
+
 @pytest.fixture()
 def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
     """Metadata + two stores with a short lease, logs under the test's tmp dir."""
@@ -103,8 +137,6 @@ def client(cluster: LocalCluster) -> Iterator[KVDepotClient]:
 # Real redis-server processes for the `redis` index backend. Session-scoped
 # (a cluster takes seconds to form): tests keep apart by using their own key
 # prefix, e.g. ``?prefix=<test-unique>`` in the index URL.
-
-import subprocess  # noqa: E402 - kept with the fixtures that use it
 
 
 def _redis_binaries(*names: str) -> dict[str, str]:

@@ -502,7 +502,24 @@ def _end(proc: subprocess.Popen[bytes], timeout_s: float, signalled: bool = Fals
     try:
         proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+        kill_explained(proc, f"did not stop within {timeout_s:.1f} s of SIGTERM")
     if proc.stdout is not None:
         proc.stdout.close()
+
+
+DUMP_WAIT_S = 2.0
+"""How long a daemon is given to write its stacks before its SIGKILL."""
+
+
+def kill_explained(proc: subprocess.Popen[Any], why: str) -> None:
+    """SIGKILL a daemon, after SIGUSR1: it writes where it is (its threads'
+    stacks, its asyncio tasks) to its stderr first (:mod:`kvdepot.shutdown`)."""
+    if proc.poll() is None:
+        logger.warning("pid %d %s: its stacks go to its stderr, then SIGKILL", proc.pid, why)
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGUSR1)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=DUMP_WAIT_S)
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()

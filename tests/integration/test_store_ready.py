@@ -24,7 +24,7 @@ import pytest
 
 from kvdepot.apps.cluster import LocalCluster, wait_ready, wait_registered
 from kvdepot.errors import Unavailable
-from tests.conftest import free_port
+from tests.conftest import free_port, stop_daemon
 from tests.integration.hostile import wait_for
 
 pytestmark = pytest.mark.integration
@@ -114,19 +114,20 @@ def token_file(path: Path, token: str) -> Path:
 def guarded(tmp_path: Path) -> Iterator[str]:
     """A metadata service that requires a token."""
     token = token_file(tmp_path / "cluster", "c" * 40)
-    proc = subprocess.Popen(
-        [*KVDEPOT, "metadata", "--port", "0", "--auth-token-file", str(token)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        stdin=subprocess.DEVNULL,
-    )
+    log = tmp_path / "guarded-metadata.log"
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(
+            [*KVDEPOT, "metadata", "--port", "0", "--auth-token-file", str(token),
+             "--stop-timeout", "10"],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+        )  # fmt: skip
     try:
         yield f"127.0.0.1:{wait_ready(proc, 'metadata', 60)['port']}"
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        assert proc.stdout is not None
-        proc.stdout.close()
+        stopped = stop_daemon(proc, log)
+    assert not stopped, stopped
 
 
 def test_a_wrong_or_missing_token_ends_the_store(guarded: str, tmp_path: Path) -> None:
@@ -151,27 +152,26 @@ def test_not_ready_until_registered(tmp_path: Path) -> None:
             stdin=subprocess.DEVNULL,
         )  # fmt: skip
     meta = None
+    meta_log = tmp_path / "metadata.log"
+    stops = []
     try:
         with pytest.raises(Unavailable, match="did not become ready"):
             wait_ready(store, "store", 6)
         assert store.poll() is None, "the store gave up"
-        meta = subprocess.Popen(
-            [*KVDEPOT, "metadata", "--port", str(port)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            stdin=subprocess.DEVNULL,
-        )
+        with open(meta_log, "wb") as meta_err:
+            meta = subprocess.Popen(
+                [*KVDEPOT, "metadata", "--port", str(port), "--stop-timeout", "10"],
+                stdout=subprocess.PIPE,
+                stderr=meta_err,
+                stdin=subprocess.DEVNULL,
+            )
         md = f"127.0.0.1:{wait_ready(meta, 'metadata', 60)['port']}"
         info = wait_ready(store, "store", 60)
         # READY means registered: the service lists it at once.
         wait_registered(md, "patient", str(info["grpc_address"]), timeout_s=1)
     finally:
-        for p in (store, meta):
-            if p is not None:
-                p.terminate()
-                p.wait(timeout=30)
-                assert p.stdout is not None
-                p.stdout.close()
+        stops = [stop_daemon(p, p_log) for p, p_log in ((store, log), (meta, meta_log)) if p]
+    assert not any(stops), "\n".join(stops)
     text = log.read_text()
     # The service's reason, once (the outage was shorter than the interval).
     assert text.count(f"metadata 127.0.0.1:{port} unreachable (UNAVAILABLE: ") == 1, text
@@ -221,12 +221,10 @@ def test_an_outage_is_logged_with_backoff_and_a_count(tmp_path: Path) -> None:
         assert store.poll() is None
     finally:
         # The store first: its log ends with the outage it came back from.
-        for p in [*([store] if store else []), *metas]:
-            if p.poll() is None:
-                p.terminate()
-            p.wait(timeout=30)
-            assert p.stdout is not None
-            p.stdout.close()
+        pairs = [(store, tmp_path / "store.log")] if store else []
+        pairs += [(m, tmp_path / f"meta{i}.log") for i, m in enumerate(metas)]
+        stops = [stop_daemon(p, p_log) for p, p_log in pairs]
+    assert not any(stops), "\n".join(stops)
     lines = log.read_text().splitlines()[before:]
     failover = [x for x in lines if "failing over to metadata" in x]
     unreachable = [x for x in lines if "unreachable (UNAVAILABLE" in x]
