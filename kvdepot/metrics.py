@@ -213,11 +213,26 @@ class ClusterCollector(_StatsCollector):
             "Seconds until the node's lease runs out without a heartbeat.",
             labels=_NODE,
         )
+        held = GaugeMetricFamily(
+            "kvdepot_cluster_node_chunks_held",
+            "Chunks the node reported holding at its last heartbeat.",
+            labels=_NODE,
+        )
+        in_sync = GaugeMetricFamily(
+            "kvdepot_cluster_node_in_sync",
+            "1 where the index's digest of the node equalled the node's at its last heartbeat.",
+            labels=_NODE,
+        )
         for n in s.nodes:
             indexed.add_metric((n.node_id,), n.chunks_indexed)
             lease.add_metric((n.node_id,), n.lease_remaining_s)
+            if n.HasField("chunks_held"):
+                held.add_metric((n.node_id,), n.chunks_held)
+                in_sync.add_metric((n.node_id,), 1 if n.in_sync else 0)
         yield indexed
         yield lease
+        yield held
+        yield in_sync
         yield from _tier_gauges(
             "kvdepot_cluster_node_tier", [(n.node_id, t) for n in s.nodes for t in n.tiers]
         )

@@ -147,6 +147,10 @@ class NodeStatus:
     info: NodeInfo
     chunks_indexed: int
     lease_remaining_s: float
+    # What the node reported at its last heartbeat (None: no digest), and
+    # whether the index's digest of it was equal then.
+    chunks_held: int | None = None
+    in_sync: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ from kvdepot.errors import (
     Unavailable,
 )
 from kvdepot.keys import KEY_BYTES, ChunkKey, validate_keys
+from kvdepot.metadata import reconcile
 from kvdepot.metadata.config import MetadataConfig
 from kvdepot.metadata.events import EventsConfig, KVEventPublisher
 from kvdepot.metadata.frames import FrameServer
@@ -94,6 +95,8 @@ def stats_to_proto(s: IndexStats) -> metadata_pb2.ClusterStats:
                 chunks_indexed=n.chunks_indexed,
                 lease_remaining_s=n.lease_remaining_s,
                 transfer=transfer_to_proto(n.info.transfer),
+                chunks_held=n.chunks_held,
+                in_sync=n.in_sync,
             )
             for n in s.nodes
         ],
@@ -307,9 +310,8 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
                 check_transfer(t)
                 transfer = transfer_from_proto(t)
             tiers = tier_stats_from_proto(request.tiers)
-            known = await self._index.heartbeat(
-                node_id, tiers, time.monotonic(), transfer, request.epoch
-            )
+            # With the node's inventory digest, compared with the index's.
+            known, reply = await reconcile.heartbeat(self._index, request, tiers, transfer)
         except StaleRegistration as exc:
             logger.warning("refused a heartbeat: %s", exc)
             await self._guard(context, exc)
@@ -317,7 +319,26 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
             await self._guard(context, exc)
         if not known:
             await abort_with(context, NotFound(f"node {node_id} is not registered"))
-        return metadata_pb2.HeartbeatResponse(lease_ttl_ms=int(self._config.lease_ttl_s * 1000))
+        reply.lease_ttl_ms = int(self._config.lease_ttl_s * 1000)
+        return reply
+
+    async def ReconcileDigests(
+        self, request: metadata_pb2.ReconcileDigestsRequest, context: grpc.aio.ServicerContext
+    ) -> metadata_pb2.ReconcileDigestsResponse:
+        try:
+            reply = await reconcile.reconcile_digests(self._index, request)
+        except KVDepotError as exc:
+            await self._guard(context, exc)
+        return reply
+
+    async def ReconcileBuckets(
+        self, request: metadata_pb2.ReconcileBucketsRequest, context: grpc.aio.ServicerContext
+    ) -> metadata_pb2.ReconcileBucketsResponse:
+        try:
+            reply = await reconcile.reconcile_buckets(self._index, request, self._events)
+        except KVDepotError as exc:
+            await self._guard(context, exc)
+        return reply
 
     async def ReportRemoved(
         self, request: metadata_pb2.ReportRemovedRequest, context: grpc.aio.ServicerContext

@@ -69,6 +69,7 @@ from kvdepot.store.tiering import Mover
 from kvdepot.store.tiers.base import Tier, TierLimits
 from kvdepot.store.tiers.cpu import CpuTier
 from kvdepot.store.tiers.policy import TieringOptions
+from kvdepot.wire.digest import I64, U64
 from kvdepot.wire.xxh3 import checksum
 
 __all__ = [
@@ -173,6 +174,7 @@ class ChunkStore:
                 entry = Entry(rc.key, rc.size, rc.checksum, copy)
                 entry.state = State.COMMITTED
                 self._entries[rc.key] = entry
+                self._placement.inventory.add(rc.key)
                 self._placement.attach(entry, copy)
                 found += 1
             self._placement.corrupt += getattr(level.tier, "dropped_on_open", 0)
@@ -302,6 +304,7 @@ class ChunkStore:
                 entry.key = key
                 self._entries[key] = entry
             entry.state = State.COMMITTED
+            self._placement.inventory.add(entry.key)
             if checksum is not None:
                 entry.checksum = checksum
             self._placement.attach(entry, entry.copy)
@@ -687,6 +690,27 @@ class ChunkStore:
                 if (e := entries.get(k)) is not None and e.committed
             ]
 
+    def inventory_digest(self) -> tuple[int, int]:
+        """(committed chunks, their digest): what a heartbeat reports
+        (:mod:`kvdepot.wire.digest`)."""
+        with self._lock:
+            inv = self._placement.inventory
+            return inv.count, inv.total
+
+    def inventory_cells(self) -> tuple[I64, U64]:
+        """The digest cells (counts, sums) of every bucket, now."""
+        with self._lock:
+            return self._placement.inventory.cells()
+
+    def bucket_holdings(self, buckets: Sequence[int]) -> list[list[Holding]]:
+        """Per digest bucket, the committed chunks in it, with sizes and tiers."""
+        with self._lock:
+            inv, entries = self._placement.inventory, self._entries
+            return [
+                [Holding(k, (e := entries[k]).size, e.copy.level.name) for k in inv.bucket(b)]
+                for b in buckets
+            ]
+
     def stats(self) -> ChunkStoreStats:
         """A consistent snapshot of the DRAM tier's counters and the error counts."""
         with self._lock:
@@ -731,6 +755,7 @@ class ChunkStore:
         with self._lock:
             self._placement.closed = True
             self._entries.clear()
+            self._placement.inventory.clear()
             self._leases.clear()
         for level in self._levels:
             try:

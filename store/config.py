@@ -90,6 +90,13 @@ class StoreConfig:
             for the store to commit its chunks into the index (the writer asks
             for it in its data-plane request); after it, the reply says "not
             indexed" and the writer commits them itself.
+        reconcile_keys: Most keys the store sends per heartbeat to reconcile
+            its inventory with the index (a bucket larger than this goes alone).
+        reconcile_scrub_s: Seconds between two buckets the store sends to the
+            index even though their digests agree (a slow scrub that finds
+            chunks lost from the index behind its back, e.g. a Redis shard's);
+            a full pass over 4096 buckets takes 4096 times this (34 hours at
+            the default 30 s, a bucket's keys each time). 0: none.
         force_node_id: Take ``node_id`` over at start even while another live
             store instance holds it (its heartbeats are refused from then on
             and it stops). Off (the default), such a registration is refused
@@ -187,6 +194,8 @@ class StoreConfig:
     )
     register_retry_s: float = setting(0.5, positive())
     index_commit_timeout_s: float = setting(2.0, positive())
+    reconcile_keys: int = setting(4096, Number(low=1, high=65536))
+    reconcile_scrub_s: float = setting(30.0, Number(low=0))
     force_node_id: bool = setting(
         False,
         flag="--force-node-id",

@@ -35,6 +35,7 @@ from kvdepot.store.identity import instance_identity
 from kvdepot.store.indexer import INDEX_RETRY, IndexCommitter, Indexer, WriterId
 from kvdepot.store.lease import InventoryColumns, MetadataLease
 from kvdepot.store.nixl_agent import StoreNixlAgent
+from kvdepot.store.reconcile import Reconciler
 from kvdepot.store.table_factory import build_chunk_store
 from kvdepot.store.throughput import ThroughputMeter
 from kvdepot.types import TIER_RANK
@@ -160,6 +161,7 @@ class StoreDaemon:
         self._channels: list[grpc.aio.Channel] = []
         self._tasks: list[asyncio.Task[None]] = []
         self.lease: MetadataLease | None = None  # from start()
+        self.reconciler: Reconciler | None = None  # from start()
         self._meter = ThroughputMeter(RATE_WINDOW_S)
         self._removed_count = 0  # since the last summary line
         self._removed_since = 0.0  # when the first of them left
@@ -210,6 +212,12 @@ class StoreDaemon:
         if not self._removed_count:
             self._removed_since = time.monotonic()
         self._removed_count += len(keys)
+        self._removed_event.set()
+
+    def _queue_unheld(self, keys: list[ChunkKey]) -> None:
+        # Named by the index for this node, not held (reconciliation): reported
+        # as removals are, not counted as chunks that left.
+        self._removed.update(keys)
         self._removed_event.set()
 
     # -- lifecycle ------------------------------------------------------------
@@ -270,12 +278,15 @@ class StoreDaemon:
             retry_s=self.config.register_retry_s,
             force=self.config.force_node_id,
             answered=self._index_answered,
+            heartbeat_answered=self._heartbeat_answered,
         )
+        self.reconciler = self._reconciler(self.lease)
         self._start_indexer()
         self._tasks = [
             asyncio.create_task(self.lease.run()),
             asyncio.create_task(self._report_forever()),
             asyncio.create_task(self._sample_forever()),
+            asyncio.create_task(self.reconciler.run()),
         ]
         logger.info(
             "store %s: data plane %s, gRPC %s, arena %d bytes, tiers %s",
@@ -301,6 +312,23 @@ class StoreDaemon:
             holds=self.chunks.contains,
         )
         self._index.target = self._indexer
+
+    def _reconciler(self, lease: MetadataLease) -> Reconciler:
+        """Reconciles this store's inventory with the index after heartbeats."""
+        return Reconciler(
+            node_id=self.node_id,
+            chunks=self.chunks,
+            lease=lease,
+            channels=self._channels,
+            removed=self._queue_unheld,
+            max_keys=self.config.reconcile_keys,
+            scrub_s=self.config.reconcile_scrub_s,
+        )
+
+    def _heartbeat_answered(self, reply: metadata_pb2.HeartbeatResponse) -> None:
+        # Its inventory digest check: a round of reconciliation may follow.
+        if self.reconciler is not None:
+            self.reconciler.observe(reply)
 
     def _index_answered(self) -> None:
         # The lease's heartbeat went through: the index takes commits again.
@@ -418,7 +446,10 @@ class StoreDaemon:
 
     def _heartbeat(self) -> metadata_pb2.HeartbeatRequest:
         return metadata_pb2.HeartbeatRequest(
-            node_id=self.node_id, tiers=self._tiers(), transfer=self._transfer()
+            node_id=self.node_id,
+            tiers=self._tiers(),
+            transfer=self._transfer(),
+            held=self.reconciler.held() if self.reconciler is not None else None,
         )
 
     async def _sample_forever(self) -> None:
@@ -563,6 +594,7 @@ class StoreDaemon:
             tier_read_errors=c.read_errors,
             # Still SERVING: the tiers left serve. This says what it lost.
             degraded=c.degraded,
+            reconcile=self.reconciler.stats_proto() if self.reconciler is not None else None,
         )
 
 

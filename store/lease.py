@@ -108,6 +108,9 @@ class MetadataLease:
         answered: Called (on the loop) each time the service answered a
             registration or heartbeat: what waited for it to answer again
             (the index commits the store owes) goes on. Must not block.
+        heartbeat_answered: Called (on the loop) with each heartbeat's answer
+            (its inventory digest check: :mod:`kvdepot.store.reconcile`).
+            Must not block.
     """
 
     def __init__(
@@ -123,6 +126,7 @@ class MetadataLease:
         retry_s: float,
         force: bool = False,
         answered: Callable[[], None] | None = None,
+        heartbeat_answered: Callable[[metadata_pb2.HeartbeatResponse], None] | None = None,
     ) -> None:
         self.node_id = node_id
         self.client = AsyncMetadataClient(
@@ -137,6 +141,7 @@ class MetadataLease:
         # never again once registered, so two forcing stores cannot flap.
         self._force = force
         self._on_answered = answered
+        self._on_heartbeat = heartbeat_answered
         # The epoch of this instance's registration (0 before the first);
         # heartbeats carry it, so that a replaced registration is never renewed.
         self.epoch = 0
@@ -206,6 +211,8 @@ class MetadataLease:
             reply = await self.client.heartbeat(request, max(1.0, self.heartbeat_s * 2))
             if reply.lease_ttl_ms:
                 self.lease_s = reply.lease_ttl_ms / 1000
+            if self._on_heartbeat is not None:
+                self._on_heartbeat(reply)
             return
         if self._pages is None:
             await self._begin()

@@ -39,6 +39,7 @@ from kvdepot.errors import CapacityExceeded, Corrupt, InvalidArgument, KVDepotEr
 from kvdepot.keys import ChunkKey
 from kvdepot.records import TierStats
 from kvdepot.repeat_log import RepeatLog
+from kvdepot.store.inventory import Inventory
 from kvdepot.store.tiers.base import Tier
 from kvdepot.store.tiers.faults import TierIOError
 from kvdepot.store.tiers.policy import TieringOptions, create_policy
@@ -201,6 +202,7 @@ class TierPlacement:
         levels: The tiers as the table sees them, fastest first.
         cpu: The DRAM tier's level.
         entries: Every chunk's record, committed or being written.
+        inventory: The committed keys by digest bucket, and their digest.
         lock: Guards all of the above and every record in it.
         moved_cv: Notified (under the lock) whenever a move ends.
         options: How chunks move between tiers.
@@ -226,6 +228,10 @@ class TierPlacement:
         self.levels = [Level(t, rank, options.policy) for rank, t in enumerate(ordered)]
         self.cpu = next(lv for lv in self.levels if lv.name == "cpu")
         self.entries: dict[ChunkKey, Entry] = {}
+        # The committed keys by digest bucket (what heartbeats and
+        # reconciliation with the index report): told of every commit here
+        # (by the table) and of every drop.
+        self.inventory = Inventory()
         self.lock = threading.Lock()
         self.moved_cv = threading.Condition(self.lock)
         self.write_errors = 0
@@ -504,6 +510,7 @@ class TierPlacement:
         """Remove a committed chunk from the table; its copies go when unheld."""
         copy = self.detach(entry)
         del self.entries[entry.key]
+        self.inventory.remove(entry.key)
         copy.orphan = True
         self.release_copy(copy)
         if entry.shadow is not None:

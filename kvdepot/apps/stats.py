@@ -39,10 +39,15 @@ def stats_to_dict(s: metadata_pb2.ClusterStats) -> dict[str, Any]:
                 "node_id": n.node_id,
                 "address": n.address,
                 "grpc_address": n.grpc_address,
-                # What the node holds (its tiers' report) next to what the
-                # index names it for: a gap shows chunks lookups cannot reach.
-                "chunks_held": sum(t.chunks for t in n.tiers),
+                # What the node holds (its last heartbeat's count, else its
+                # tiers' report) next to what the index names it for: a gap
+                # shows chunks lookups cannot reach, or name in vain, until
+                # reconciliation closes it; in_sync: the digests were equal.
+                "chunks_held": (
+                    n.chunks_held if n.HasField("chunks_held") else sum(t.chunks for t in n.tiers)
+                ),
                 "chunks_indexed": n.chunks_indexed,
+                "in_sync": n.in_sync if n.HasField("chunks_held") else None,
                 "lease_remaining_s": round(n.lease_remaining_s, 3),
                 "tiers": [_tier(t) for t in n.tiers],
                 "transfer": _transfer(n.transfer),
@@ -82,6 +87,17 @@ def gb_per_s(bytes_per_s: float) -> str:
     return f"{bytes_per_s / 1e9:.3f}"
 
 
+_NO_TIER = {
+    "name": "-",
+    "capacity_bytes": 0,
+    "used_bytes": 0,
+    "chunks": 0,
+    "hits": 0,
+    "misses": 0,
+    "evictions": 0,
+}
+
+
 def render_table(d: dict[str, Any]) -> str:
     """A fixed-width table of the nodes and the cluster counters."""
     rows = [
@@ -94,6 +110,7 @@ def render_table(d: dict[str, Any]) -> str:
             "use%",
             "chunks",
             "indexed",
+            "sync",
             "hits",
             "misses",
             "evict",
@@ -104,25 +121,13 @@ def render_table(d: dict[str, Any]) -> str:
         )
     ]
     for n in d["nodes"]:
-        for i, t in enumerate(
-            n["tiers"]
-            or [
-                {
-                    "name": "-",
-                    "capacity_bytes": 0,
-                    "used_bytes": 0,
-                    "chunks": 0,
-                    "hits": 0,
-                    "misses": 0,
-                    "evictions": 0,
-                }
-            ]
-        ):
+        for i, t in enumerate(n["tiers"] or [_NO_TIER]):
             cap = t["capacity_bytes"]
             # Transfer rates and the chunks the index names the node for are
             # the node's, shown on its first tier's row.
             xfer = n.get("transfer") if i == 0 else None
             indexed = str(n.get("chunks_indexed", "")) if i == 0 else ""
+            sync = "" if i or n.get("in_sync") is None else ("yes" if n["in_sync"] else "no")
             rows.append(
                 (
                     n["node_id"],
@@ -133,6 +138,7 @@ def render_table(d: dict[str, Any]) -> str:
                     f"{100 * t['used_bytes'] / cap:.0f}%" if cap else "-",
                     str(t["chunks"]),
                     indexed,
+                    sync,
                     str(t["hits"]),
                     str(t["misses"]),
                     str(t["evictions"]),

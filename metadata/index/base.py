@@ -51,6 +51,9 @@ class IndexConfig:
             raise InvalidArgument("lease and allocation TTLs must be positive")
 
 
+Digest = tuple[int, int]
+"""The count of a set of chunk keys and the sum of their hashes (:mod:`kvdepot.wire.digest`)."""
+
 MAX_PAGE_CHUNKS = 65536
 """Chunks in one inventory page at most: about 1.5 MB on the wire, and a
 bounded amount of index work per call."""
@@ -245,6 +248,50 @@ class IndexBackend(abc.ABC):
             StaleRegistration: The node is registered under another epoch (its
                 id was registered again since): the lease is not renewed.
         """
+
+    async def heartbeat_held(
+        self,
+        node_id: NodeId,
+        tiers: Sequence[TierStats],
+        now: float,
+        transfer: TransferRate | None,
+        epoch: int,
+        held: Digest,
+    ) -> tuple[bool, Digest | None]:
+        """:meth:`heartbeat` of a node that reports its inventory digest
+        ``held`` (count, sum: :mod:`kvdepot.wire.digest`), kept for statistics.
+
+        Returns:
+            Whether the node is known, and the index's digest of the node's
+            replicas (None: this index keeps no digests; the node does not
+            reconcile).
+        """
+        return await self.heartbeat(node_id, tiers, now, transfer, epoch), None
+
+    async def reconcile_digests(
+        self, node_id: NodeId, epoch: int, groups: bytes
+    ) -> tuple[list[int], bytes]:
+        """The groups whose cells differ from the node's ``groups`` (64
+        packed cells), and the index's cells of their buckets, packed.
+
+        Raises:
+            NotFound, StaleRegistration: As :meth:`register_page`.
+        """
+        raise InvalidArgument("this index backend keeps no inventory digests")
+
+    async def reconcile_buckets(
+        self, node_id: NodeId, epoch: int, buckets: Sequence[tuple[int, InventoryPage]]
+    ) -> tuple[bytes, bytes]:
+        """Per bucket, every key the node holds in it: index those it is not
+        indexed for; return the keys whose replicas were added, and the keys
+        it is indexed for in these buckets besides (each concatenated), which
+        the node checks and reports removed. Work bounded by the keys given
+        and by 1/4096 of the index per bucket, with pauses between buckets.
+
+        Raises:
+            NotFound, StaleRegistration: As :meth:`register_page`.
+        """
+        raise InvalidArgument("this index backend keeps no inventory digests")
 
     @abc.abstractmethod
     async def remove_replicas(self, node_id: NodeId, keys: Sequence[ChunkKey]) -> int:

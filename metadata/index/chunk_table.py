@@ -381,23 +381,29 @@ class ChunkTable:
         ``sizes`` and ``tiers`` are per key (``tiers`` may be one scalar). Of
         keys repeated in the batch, the last wins. Returns the number of new rows.
         """
+        return len(self.upsert_new(keys, sizes, tiers, node))
+
+    def upsert_new(
+        self, keys: U64, sizes: U64, tiers: npt.NDArray[np.uint8] | int, node: int
+    ) -> U64:
+        """:meth:`upsert_many`, returning the keys whose rows are new (``(m, 2)``)."""
         node = int(node)
         self._check_writer(node)
         k0, k1, metas = _batch(keys, sizes, tiers, node)
         n = len(k0)
         if n == 0:
-            return 0
+            return np.zeros((0, 2), np.uint64)
         self._make_room(n)
-        moved = 0
+        moved: npt.NDArray[np.bool_] = np.zeros(n, bool)
         old = self._old
         if old is not None:
             # A row still in the old table moves to the new one with its update.
             pos, _ = old.locate(k0, k1, node)
-            pos = pos[pos >= 0]
+            moved = pos >= 0
+            pos = pos[moved]
             old.meta[pos] = _DEAD
-            moved = len(pos)
-            old.live -= moved
-            old.tomb += moved
+            old.live -= len(pos)
+            old.tomb += len(pos)
         t = self._t
         pos, free = t.locate(k0, k1, node)
         hit = pos >= 0
@@ -408,7 +414,19 @@ class ChunkTable:
         t.k1[slots] = k1[miss]
         t.live += len(slots)
         t.tomb -= reused
-        return len(slots) - moved
+        new = miss & ~moved
+        return np.stack((k0[new], k1[new]), axis=1)
+
+    def node_keys(self, node: int, match: int, mask: int) -> U64:
+        """The keys of ``node``'s rows whose ``k0 & mask == match`` (``(m, 2)``).
+
+        ``mask`` keeps bits of ``k0``; with its low byte set, the rows are
+        found on the chains from the homes whose bits agree with ``match``
+        (1/256 of the table or less), not by a scan of the whole table.
+        """
+        tables = [t for t in (self._t, self._old) if t is not None]
+        out = [_rows_of(t, int(node), int(match), mask) for t in tables]
+        return np.concatenate(out) if out else np.zeros((0, 2), np.uint64)
 
     def upsert(self, key: bytes, size: int, node: int, tier: int) -> bool:
         """Insert or update one row; True if it is new."""
@@ -697,6 +715,27 @@ class ChunkTable:
         self._sweep = b & t.mask
         for n, left in self._purge_left.items():
             self._purge_left[n] = left - (b - a)
+
+
+def _rows_of(t: _Table, node: int, match: int, mask: int) -> U64:
+    """:meth:`ChunkTable.node_keys` in one table: walk the chains from every
+    home whose bits (under ``mask``) agree with ``match``."""
+    low = mask & t.mask & 0xFF
+    homes = np.arange(match & low, t.cap, low + 1, dtype=np.int64)
+    keep = t.mask & mask & ~low
+    homes = homes[(homes & keep) == (match & keep)]
+    slots: list[I64] = []
+    p = homes
+    while p.size:
+        idx = (p[:, None] + _AR) & t.mask
+        meta = t.meta[idx]
+        empty = meta == 0
+        end = np.where(empty.any(axis=1), empty.argmax(axis=1), _WINDOW)
+        slots.append(idx[(end[:, None] > _AR) & ((meta >> _NODE) == node)])
+        p = (p[end == _WINDOW] + _WINDOW) & t.mask
+    found = np.unique(np.concatenate(slots)) if slots else np.zeros(0, np.int64)
+    found = found[(t.k0[found] & np.uint64(mask)) == np.uint64(match)]
+    return np.stack((t.k0[found], t.k1[found]), axis=1)
 
 
 def _debt_chunk(cap: int) -> int:

@@ -6,7 +6,11 @@ gets its own small *slot* number, written into its rows: a lookup counts a
 row only while its slot belongs to a live registration, so a node that
 expires or registers again loses its old replicas at once, and the rows are
 purged afterwards in bounded steps, interleaved with requests, before the
-slot is used again.
+slot is used again. Each registration also keeps the digest of its rows' keys
+(:class:`~kvdepot.wire.digest.Cells`), updated by every write that adds or
+drops one of them, so that a heartbeat compares it with the node's in O(1);
+reconciling a bucket lists the registration's rows of it from the table's
+chains (:meth:`~kvdepot.metadata.index.chunk_table.ChunkTable.node_keys`).
 
 All methods run on the metadata service's event loop. Work proportional to
 a request (a lookup, a commit) is done in one go; work proportional to a
@@ -34,6 +38,7 @@ from kvdepot.errors import NotFound, Unavailable
 from kvdepot.keys import ChunkKey
 from kvdepot.metadata.admission import ABSENT, KeyState, admit
 from kvdepot.metadata.index.base import (
+    Digest,
     IndexBackend,
     IndexConfig,
     InventoryPage,
@@ -59,6 +64,7 @@ from kvdepot.types import (
     NodeStatus,
     Replica,
 )
+from kvdepot.wire.digest import Cells, bucket_k0, differing_groups, key_set
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +94,9 @@ class _Node:
     instance: str = ""  # the store instance that owns the id
     epoch: int = 0  # of its registration
     chunks: int = 0  # rows of this registration
+    cells: Cells = field(default_factory=Cells)  # the digest of its rows' keys
+    held: int | None = None  # chunks it reported holding at its last heartbeat
+    in_sync: bool = False  # whether its digest then equalled the index's
 
 
 @dataclass(slots=True)
@@ -252,11 +261,12 @@ class MemoryIndex(IndexBackend, ReplicaTierIndex):
                 # a row written under it now could outlive the purge.
                 entry = self._registration(node_id, epoch)
             end = start + SLICE_ROWS
-            n = self._table.upsert_many(
+            new = self._table.upsert_new(
                 keys[start:end], page.sizes[start:end], page.tiers[start:end], entry.slot
             )
-            entry.chunks += n
-            added += n
+            entry.cells.add_words(new)
+            entry.chunks += len(new)
+            added += len(new)
         if self._table.migrating:
             self._wake_sweeper()
         # The time spent here does not count against the lease.
@@ -283,6 +293,53 @@ class MemoryIndex(IndexBackend, ReplicaTierIndex):
             entry.info = replace(entry.info, transfer=transfer)
         return True
 
+    async def heartbeat_held(
+        self,
+        node_id: NodeId,
+        tiers: Sequence[TierStats],
+        now: float,
+        transfer: TransferRate | None,
+        epoch: int,
+        held: Digest,
+    ) -> tuple[bool, Digest | None]:
+        if not await self.heartbeat(node_id, tiers, now, transfer, epoch):
+            return False, None
+        entry = self._nodes[node_id]
+        indexed = (entry.cells.count, entry.cells.total)
+        entry.held, entry.in_sync = held[0], indexed == held
+        return True, indexed
+
+    async def reconcile_digests(
+        self, node_id: NodeId, epoch: int, groups: bytes
+    ) -> tuple[list[int], bytes]:
+        cells = self._registration(node_id, epoch).cells
+        differ = differing_groups(cells.groups(), groups)
+        return differ, cells.buckets(differ)
+
+    async def reconcile_buckets(
+        self, node_id: NodeId, epoch: int, buckets: Sequence[tuple[int, InventoryPage]]
+    ) -> tuple[bytes, bytes]:
+        added: list[bytes] = []
+        extra: list[bytes] = []
+        for i, (bucket, page) in enumerate(buckets):
+            started = time.monotonic()
+            entry = self._registration(node_id, epoch)  # again after each pause
+            have = key_set(self._table.node_keys(entry.slot, *bucket_k0(bucket)))
+            sent = {page.key(j): j for j in range(len(page))}
+            extra.extend(k for k in have if k not in sent)
+            rows = [j for k, j in sent.items() if k not in have]
+            if rows:
+                keys = np.frombuffer(page.keys, "<u8").reshape(-1, 2)[rows]
+                new = self._table.upsert_new(keys, page.sizes[rows], page.tiers[rows], entry.slot)
+                entry.cells.add_words(new)
+                entry.chunks += len(new)
+                added.append(np.ascontiguousarray(new, dtype="<u8").tobytes())
+            if i + 1 < len(buckets):
+                await _pause(started)
+        if self._table.migrating:
+            self._wake_sweeper()
+        return b"".join(added), b"".join(extra)
+
     async def set_replica_tier(self, node_id: NodeId, keys: Sequence[ChunkKey], tier: str) -> int:
         entry = self._nodes.get(node_id)
         if entry is None:
@@ -294,7 +351,11 @@ class MemoryIndex(IndexBackend, ReplicaTierIndex):
         entry = self._nodes.get(node_id)
         if entry is None:
             return 0
-        removed = sum(1 for key in dict.fromkeys(keys) if self._table.remove(key, entry.slot))
+        removed = 0
+        for key in dict.fromkeys(keys):
+            if self._table.remove(key, entry.slot):
+                entry.cells.add(key, -1)
+                removed += 1
         entry.chunks -= removed
         return removed
 
@@ -350,6 +411,7 @@ class MemoryIndex(IndexBackend, ReplicaTierIndex):
             if entry is None:
                 continue  # the node died meanwhile: its bytes are gone with it
             if self._table.upsert(key, size, entry.slot, _CPU):
+                entry.cells.add(key)
                 entry.chunks += 1
                 committed += 1
                 self._c.puts_committed += 1
@@ -430,7 +492,8 @@ class MemoryIndex(IndexBackend, ReplicaTierIndex):
     async def stats(self, now: float) -> IndexStats:
         c = self._c
         nodes = tuple(
-            NodeStatus(n.info, n.chunks, max(0.0, n.expires_at - now)) for n in self._nodes.values()
+            NodeStatus(n.info, n.chunks, max(0.0, n.expires_at - now), n.held, n.in_sync)
+            for n in self._nodes.values()
         )
         return IndexStats(
             nodes=nodes,

@@ -19,9 +19,12 @@ Cluster hash tag, so that what one script touches is on one slot)::
     P:p:{<bucket hex>}<key hex>  string  pending allocation "<batch>:<deadline ms>:<node>";
                                  the batch is a uuid, "-<request id hex>" added if given
     P:n:{<node>}         hash    the node's lease (PX lease TTL): epoch, address, grpc, tiers,
-                                 xfer (transfer rates), inst (the store instance owning the id)
+                                 xfer (transfer rates), inst (the store instance owning the id),
+                                 held, sync (the node's count and digest check, last heartbeat)
     P:n:{<node>}:reg     hash    its last registration: epoch, chunks (its replica count;
                                  deleted once a reaper counted the registration dead)
+    P:n:{<node>}:dg      string  the registration's inventory digest: int64 cells
+                                 (BITFIELD), see :mod:`~kvdepot.metadata.index.redis_inventory`
     P:r:{P}:last         string  the last registration epoch handed out (to any node)
     P:r:{P}:map          hash    epoch -> node, of the registrations that may hold replicas
     P:r:{P}:dead         hash    epoch -> "<ended ms> <replicas then> <node>": ended
@@ -83,7 +86,6 @@ from kvdepot.metadata.index.base import (
     IndexConfig,
     InventoryPage,
     node_id_taken,
-    stale_registration,
 )
 from kvdepot.metadata.index.redis_client import (
     Connection,
@@ -94,6 +96,7 @@ from kvdepot.metadata.index.redis_client import (
     split_options,
     split_url,
 )
+from kvdepot.metadata.index.redis_inventory import RedisInventory
 from kvdepot.metadata.index.redis_layout import (
     DEFAULT_BUCKET_BITS,
     EPOCH_BYTES,
@@ -117,13 +120,11 @@ from kvdepot.metadata.index.redis_layout import (
     tier_code,
     tiers_json,
     tiers_parse,
-    transfer_json,
     transfer_parse,
     wall_ms,
 )
 from kvdepot.metadata.placement import Placement
 from kvdepot.metadata.replica_tiers import ReplicaTierIndex
-from kvdepot.records import TierStats, TransferRate
 from kvdepot.types import (
     TIER_RANK,
     Action,
@@ -137,6 +138,7 @@ from kvdepot.types import (
     NodeStatus,
     Replica,
 )
+from kvdepot.wire.digest import words
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +161,7 @@ SWEEP_BUDGET_S = 0.2
 _CPU = bytes((TIER_RANK["cpu"],))
 
 
-class RedisIndex(IndexBackend, ReplicaTierIndex):
+class RedisIndex(RedisInventory, IndexBackend, ReplicaTierIndex):
     """The index in Redis or Redis Cluster, shared by any number of metadata replicas.
 
     Args:
@@ -211,7 +213,9 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
         self._counters = Counters(
             self._db,
             self._k_stats,
-            lambda nid, epoch, n: scripts.PAGE.cmd(self._node_keys(nid), [epoch, 0, n]),
+            lambda nid, epoch, n, cells: scripts.NODE_DELTA.cmd(
+                self._node_keys(nid), [epoch, n, *cells]
+            ),
             logger,
         )
         self._count = self._counters.add
@@ -221,8 +225,7 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
         return f"{self._p}:n:{{{tag(node_id)}}}{part}"
 
     def _node_keys(self, node_id: NodeId) -> list[str]:
-        n = self._node(node_id)
-        return [n, n + ":reg"]
+        return self._keys3(node_id)  # lease, registration record, digest
 
     def _bits_cmd(self) -> tuple[Any, ...]:
         bits = self._b.bits if self._b is not None else self._want_bits or DEFAULT_BUCKET_BITS
@@ -354,45 +357,14 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
             )
             # One round trip of at most _ITEMS_PER_TRIP chunks, under a deadline.
             out = await self._db.exec([renew, *calls])
-            added += sum(r & 1 for r in flat(out[1:]))
+            new = [i for i, r in enumerate(flat(out[1:])) if r & 1]
+            added += len(new)
+            self._counters.add_keys(node_id, epoch, words(page.keys)[start:end][new])
             if int(out[0][0]) != 1:
                 break  # the lease ran out or was replaced: the PAGE below says which
         delta = added + self._counters.take_node(node_id, epoch)
         reply = await self._db.one(scripts.PAGE.cmd(keys, [epoch, self._lease_ms, delta]))
         return added, registration_reply(node_id, epoch, reply)
-
-    @guarded
-    async def heartbeat(
-        self,
-        node_id: NodeId,
-        tiers: Sequence[TierStats],
-        now: float,
-        transfer: TransferRate | None = None,
-        epoch: int = 0,
-    ) -> bool:
-        # A lease that ran out is not revived even if no reaper ran yet: its
-        # registration has ended, so the node registers again with its
-        # inventory, exactly as after an index loss.
-        args = [
-            self._lease_ms,
-            tiers_json(tiers) if tiers else "",
-            transfer_json(transfer) if transfer is not None else "",
-            epoch,
-        ]
-        current = int(await self._db.one(scripts.HEARTBEAT.cmd([self._node(node_id)], args)) or 0)
-        if current < 0:
-            raise stale_registration(node_id, epoch, -current)
-        if not current:
-            return False
-        # Re-assert the registry entry and the epoch's node: on a cluster they
-        # may sit on shards that lost their data while this node's did not.
-        await self._db.exec(
-            [
-                scripts.NODES_SET.cmd([self._k_nodes], [node_id, current]),
-                ("HSETNX", self._k_map, current, node_id),
-            ]
-        )
-        return True
 
     async def _live_epoch(self, node_id: NodeId) -> int | None:
         epoch = await self._db.one(("HGET", self._node(node_id), "epoch"))
@@ -433,6 +405,8 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
         )
         out = flat(await self._db.exec(calls))
         self._counters.add_node(node_id, epoch, -sum(1 for r in out if r))
+        gone = b"".join(k for k, r in zip(uniq, out, strict=True) if r)
+        self._counters.add_keys(node_id, epoch, words(gone), -1)
         # As many as it held, a key named twice counted twice.
         return sum(times[k] for k, r in zip(uniq, out, strict=True) if r)
 
@@ -597,12 +571,15 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
             ],
         )
         committed = nbytes = 0
-        for r, size in zip(flat(await self._db.exec(calls)), sizes, strict=True):
+        new = []
+        for i, (r, size) in enumerate(zip(flat(await self._db.exec(calls)), sizes, strict=True)):
             if r & 1:
                 committed += 1
                 nbytes += size
+                new.append(keys[i])
         self._count(puts_committed=committed, bytes_committed=nbytes)
         self._counters.add_node(node_id, epoch, committed)
+        self._counters.add_keys(node_id, epoch, words(b"".join(new)))
         return committed
 
     @guarded
@@ -776,7 +753,16 @@ class RedisIndex(IndexBackend, ReplicaTierIndex):
                 transfer_parse(lease.get(b"xfer")),
             )
             chunks = int(count or 0) if epoch == lease.get(b"epoch") else 0
-            nodes.append(NodeStatus(info, max(0, chunks), max(0.0, int(pttl) / 1000)))
+            held = lease.get(b"held")
+            nodes.append(
+                NodeStatus(
+                    info,
+                    max(0, chunks),
+                    max(0.0, int(pttl) / 1000),
+                    int(held) if held is not None else None,
+                    lease.get(b"sync") == b"1",
+                )
+            )
         c: dict[str, Any] = {n: int(counters.get(n.encode(), 0)) for n in _COUNTERS}
         # As the memory index: the replicas of the live registrations.
         c["chunks"] = sum(n.chunks_indexed for n in nodes)

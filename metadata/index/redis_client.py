@@ -30,6 +30,7 @@ from kvdepot.errors import InvalidArgument, KVDepotError, Unavailable
 from kvdepot.metadata.index import redis_scripts as scripts
 from kvdepot.metadata.index.redis_scripts import Cmd
 from kvdepot.repeat_log import RepeatLog
+from kvdepot.wire.digest import U64, Cells, flat_deltas
 
 # Deadline of one round trip: a stuck server must not hang an RPC for ever.
 _ROUND_TRIP_TIMEOUT_S = 10.0
@@ -299,8 +300,8 @@ class Counters:
     Args:
         db: The connection.
         key: The hash of cluster-wide counters (HINCRBY).
-        node_cmd: The command adding to a registration's replica count
-            (node id, epoch, delta).
+        node_cmd: The command adding to a registration's replica count and
+            to its digest cells (node id, epoch, delta, cell/delta pairs).
         log: The logger of a failed flush.
     """
 
@@ -308,7 +309,7 @@ class Counters:
         self,
         db: Connection,
         key: str,
-        node_cmd: Callable[[str, int, int], Cmd],
+        node_cmd: Callable[[str, int, int, list[int]], Cmd],
         log: logging.Logger,
     ) -> None:
         self._db = db
@@ -316,6 +317,8 @@ class Counters:
         self._node_cmd = node_cmd
         self._deltas: Counter[str] = Counter()
         self._nodes: Counter[tuple[str, int]] = Counter()  # replicas, by registration
+        # Digest deltas, by registration (kvdepot.wire.digest).
+        self._cells: dict[tuple[str, int], Cells] = {}
         self._flusher: asyncio.Task[None] | None = None
         self._flush_now = asyncio.Event()
         # A flush follows every counted call: one line per failed one would
@@ -334,13 +337,20 @@ class Counters:
             self._nodes[node_id, epoch] += n
             self._flush_soon()
 
+    def add_keys(self, node_id: str, epoch: int, keys: U64, sign: int = 1) -> None:
+        """Count keys (:func:`~kvdepot.wire.digest.words`) into (1) or out of
+        (-1) the digest of the node's registration ``epoch``."""
+        if len(keys):
+            self._cells.setdefault((node_id, epoch), Cells()).add_words(keys, sign)
+            self._flush_soon()
+
     def take_node(self, node_id: str, epoch: int) -> int:
         """What :meth:`add_node` holds for a registration, not flushed: the
         caller adds it itself."""
         return self._nodes.pop((node_id, epoch), 0)
 
     def _flush_soon(self) -> None:
-        pending = self._deltas or self._nodes
+        pending = self._deltas or self._nodes or self._cells
         if pending and (self._flusher is None or self._flusher.done()):
             self._flusher = asyncio.get_running_loop().create_task(self._flush_later())
 
@@ -351,11 +361,15 @@ class Counters:
         await self._flush()
 
     async def _flush(self) -> None:
-        while self._deltas or self._nodes:
+        while self._deltas or self._nodes or self._cells:
             deltas, self._deltas = self._deltas, Counter()
             nodes, self._nodes = self._nodes, Counter()
+            cells, self._cells = self._cells, {}
+            regs = list(dict.fromkeys([*nodes, *cells]))
             cmds = [("HINCRBY", self._key, k, v) for k, v in deltas.items()]
-            cmds += [self._node_cmd(nid, epoch, n) for (nid, epoch), n in nodes.items()]
+            cmds += [
+                self._node_cmd(r[0], r[1], nodes.get(r, 0), flat_deltas(cells.get(r))) for r in regs
+            ]
             try:
                 out = await self._db.exec(cmds, raise_errors=False)
             except Exception as exc:  # kept for the next flush, never lost silently
@@ -365,9 +379,11 @@ class Counters:
                 for (k, v), r in zip(deltas.items(), out, strict=False):
                     if isinstance(r, BaseException):
                         self._deltas[k] += v
-                for (nk, n), r in zip(nodes.items(), out[len(deltas) :], strict=True):
+                for nk, r in zip(regs, out[len(deltas) :], strict=True):
                     if isinstance(r, BaseException):
-                        self._nodes[nk] += n
+                        self._nodes[nk] += nodes.get(nk, 0)
+                        if nk in cells:
+                            self._cells.setdefault(nk, Cells()).merge(cells[nk])
                 self._failures.warn(
                     "flush",
                     "redis index: counters not flushed: %s; kept for the next flush",

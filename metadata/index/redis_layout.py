@@ -37,6 +37,7 @@ from kvdepot.metadata.index.base import stale_registration
 from kvdepot.metadata.index.redis_client import Connection
 from kvdepot.records import TierStats, TransferRate
 from kvdepot.types import TIER_BY_CODE, TIER_RANK, Replica
+from kvdepot.wire.digest import BUCKET_BITS
 
 logger = logging.getLogger(__name__)
 
@@ -266,6 +267,17 @@ class Buckets:
 
     def field(self, key: bytes) -> bytes:
         return key[self.skip :]
+
+    def of_digest_bucket(self, bucket: int) -> list[tuple[str, bytes]]:
+        """The buckets holding the keys of a digest bucket (a key's first 12
+        bits: :mod:`kvdepot.wire.digest`), each with the bytes its keys start
+        with before their field. With fewer than 12 bits, one bucket holds
+        other digest buckets' keys too."""
+        shift = self.bits - BUCKET_BITS
+        ids = range(bucket << shift, (bucket + 1) << shift) if shift >= 0 else [bucket >> -shift]
+        return [
+            (self._cached(i), (i << (24 - self.bits)).to_bytes(3, "big")[: self.skip]) for i in ids
+        ]
 
     def columns(self, keys: bytes) -> tuple[list[str], bytes]:
         """The buckets of ``keys`` (16 bytes each, concatenated) and their

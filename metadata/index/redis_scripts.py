@@ -111,7 +111,7 @@ return {d, n}
 
 # -- node scripts: KEYS are one node's lease and registration record (one slot) ----
 
-# KEYS: lease, record. ARGV: lease ms, address, grpc address, tiers json,
+# KEYS: lease, record, digest. ARGV: lease ms, address, grpc address, tiers json,
 # instance, force ('1' or '0'), the new epoch (from REG_NEW). A live lease of
 # another instance refuses the registration (unless forced): {0, its address,
 # its lease's PTTL}, nothing changed. An epoch not above the node's last one:
@@ -119,6 +119,7 @@ return {d, n}
 # registration's epoch or '', its replica count, ''} ({2, …, old address}
 # where a live lease of another instance was taken over). The replicas of
 # the ended registration stop counting at once: their epoch is not the lease's.
+# The node's digest starts again from nothing.
 REGISTER = Script(
     """
 local held = redis.call('HMGET', KEYS[1], 'inst', 'address')
@@ -133,6 +134,7 @@ local old, count = '', '0'
 if rec[1] and rec[2] then old, count = rec[1], rec[2] end
 redis.call('HSET', KEYS[2], 'epoch', ARGV[7], 'chunks', '0')
 redis.call('DEL', KEYS[1])
+if KEYS[3] then redis.call('DEL', KEYS[3]) end
 redis.call('HSET', KEYS[1], 'epoch', ARGV[7], 'address', ARGV[2], 'grpc', ARGV[3],
   'tiers', ARGV[4], 'inst', ARGV[5])
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
@@ -141,11 +143,14 @@ return {1, old, count, ''}
 """
 )
 
-# KEYS: lease. ARGV: lease ms, tiers json ('' keeps them), transfer rates json
-# ('' keeps them), the heartbeating registration's epoch ('' or '0': not
-# checked). The epoch, 0 if the lease is gone (it is never revived: the node
+# KEYS: lease[, digest]. ARGV: lease ms, tiers json ('' keeps them), transfer
+# rates json ('' keeps them), the heartbeating registration's epoch ('' or
+# '0': not checked)[, the node's held chunks and its digest's whole cell (16
+# bytes)]. The epoch, 0 if the lease is gone (it is never revived: the node
 # must register again), or minus the lease's epoch where that is not the one
-# given (another instance registered since; the lease is not renewed).
+# given (another instance registered since; the lease is not renewed). With
+# the digest: {the epoch, the index's whole cell of the node}, and the lease
+# keeps the held count and whether the cells were equal ('held', 'sync').
 HEARTBEAT = Script(
     """
 local e = redis.call('HGET', KEYS[1], 'epoch')
@@ -154,7 +159,11 @@ if ARGV[4] and ARGV[4] ~= '' and ARGV[4] ~= '0' and ARGV[4] ~= e then return -to
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 if ARGV[2] ~= '' then redis.call('HSET', KEYS[1], 'tiers', ARGV[2]) end
 if ARGV[3] and ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'xfer', ARGV[3]) end
-return tonumber(e)
+if not KEYS[2] then return tonumber(e) end
+local d = redis.call('GETRANGE', KEYS[2], 0, 15)
+if #d < 16 then d = d .. string.rep('\\0', 16 - #d) end
+redis.call('HSET', KEYS[1], 'held', ARGV[5], 'sync', d == ARGV[6] and '1' or '0')
+return {tonumber(e), d}
 """
 )
 
@@ -173,15 +182,17 @@ return {1, n}
 """
 )
 
-# KEYS: lease, record. ARGV: dead epoch (from the registry). Where that
-# registration's lease is gone and it was not reaped yet: marks it reaped and
-# returns its replica count; else -1 (reaped already, or registered again).
+# KEYS: lease, record[, digest]. ARGV: dead epoch (from the registry). Where
+# that registration's lease is gone and it was not reaped yet: marks it reaped
+# (and deletes its digest) and returns its replica count; else -1 (reaped
+# already, or registered again).
 REAP = Script(
     """
 if redis.call('HGET', KEYS[1], 'epoch') == ARGV[1] then return -1 end
 local rec = redis.call('HMGET', KEYS[2], 'epoch', 'chunks')
 if rec[1] ~= ARGV[1] or not rec[2] then return -1 end
 redis.call('HDEL', KEYS[2], 'chunks')
+if KEYS[3] then redis.call('DEL', KEYS[3]) end
 return tonumber(rec[2])
 """
 )
@@ -456,6 +467,116 @@ return out
 """
 )
 
+# -- inventory digests (kvdepot.wire.digest): KEYS on one node's slot -------------
+# A node's digest is a string of int64 cells (BITFIELD, big-endian): its whole
+# count and sum, then each group's, then each bucket's (16 bytes a cell pair).
+# Cells are only ever added to (OVERFLOW WRAP: sums are modulo 2^64): Lua's
+# numbers are doubles, so the scripts pass int64s through as strings and
+# compare cells as bytes.
+
+_CELLS = """
+local function cells(k, at, n)
+  local s = redis.call('GETRANGE', k, at, at + n - 1)
+  if #s < n then s = s .. string.rep('\\0', n - #s) end
+  return s
+end
+local function incr(k, ops)
+  for i = 1, #ops, 400 do
+    redis.call('BITFIELD', k, 'OVERFLOW', 'WRAP', unpack(ops, i, math.min(#ops, i + 399)))
+  end
+end
+"""
+
+# KEYS: lease, record, digest. ARGV: epoch, replicas gained (or lost), then
+# (cell index, delta) pairs. Where the lease carries that epoch: adds to the
+# registration's count and to the cells; 1, else 0 (the deltas are dropped
+# with the registration).
+NODE_DELTA = Script(
+    _CELLS
+    + """
+if redis.call('HGET', KEYS[1], 'epoch') ~= ARGV[1] then return 0 end
+if ARGV[2] ~= '0' then redis.call('HINCRBY', KEYS[2], 'chunks', ARGV[2]) end
+local ops = {}
+for i = 3, #ARGV, 2 do
+  ops[#ops + 1] = 'INCRBY'
+  ops[#ops + 1] = 'i64'
+  ops[#ops + 1] = '#' .. ARGV[i]
+  ops[#ops + 1] = ARGV[i + 1]
+end
+incr(KEYS[3], ops)
+return 1
+"""
+)
+
+# KEYS: lease, digest. ARGV: epoch, the node's 64 group cells (1024 bytes),
+# offset of the groups' cells, of the buckets'. Where the lease carries that
+# epoch: {1, the groups (from 0) whose cells differ, those groups' bucket
+# cells concatenated}; else {0} (lease gone) or {-1, the lease's epoch}.
+DIGEST_DIFF = Script(
+    _CELLS
+    + """
+local e = redis.call('HGET', KEYS[1], 'epoch')
+if not e then return {0} end
+if e ~= ARGV[1] then return {-1, e} end
+local mine, theirs, out, found = cells(KEYS[2], tonumber(ARGV[3]), 1024), ARGV[2], {}, {}
+for g = 0, 63 do
+  if string.sub(mine, g * 16 + 1, g * 16 + 16) ~= string.sub(theirs, g * 16 + 1, g * 16 + 16) then
+    found[#found + 1] = g
+    out[#out + 1] = cells(KEYS[2], tonumber(ARGV[4]) + g * 1024, 1024)
+  end
+end
+return {1, found, table.concat(out)}
+"""
+)
+
+# KEYS: lease, record, digest. ARGV: epoch, the cell indexes of a bucket's
+# count, of its group's count, the bucket's cell pair as it was read (16
+# bytes), then the count and sum deltas that make it right. Where the lease
+# carries that epoch and the bucket's cells are still as read: adds the
+# deltas to the bucket's, its group's and the whole cells and the count to
+# the registration's; 1, else 0.
+DIGEST_FIX = Script(
+    _CELLS
+    + """
+if redis.call('HGET', KEYS[1], 'epoch') ~= ARGV[1] then return 0 end
+if cells(KEYS[3], tonumber(ARGV[2]) * 8, 16) ~= ARGV[4] then return 0 end
+local ops = {}
+for _, at in ipairs({tonumber(ARGV[2]), tonumber(ARGV[3]), 0}) do
+  for _, v in ipairs({{at, ARGV[5]}, {at + 1, ARGV[6]}}) do
+    ops[#ops + 1] = 'INCRBY'
+    ops[#ops + 1] = 'i64'
+    ops[#ops + 1] = '#' .. string.format('%d', v[1])
+    ops[#ops + 1] = v[2]
+  end
+end
+incr(KEYS[3], ops)
+redis.call('HINCRBY', KEYS[2], 'chunks', ARGV[5])
+return 1
+"""
+)
+
+# KEYS: buckets. ARGV: epoch (6 bytes). Per bucket, the fields of the chunks
+# that registration has a replica of.
+BUCKET_KEYS = Script(
+    """
+local reg, out = ARGV[1], {}
+for k = 1, #KEYS do
+  local h, mine = redis.call('HGETALL', KEYS[k]), {}
+  for j = 1, #h, 2 do
+    local v = h[j + 1]
+    for i = 7, #v, 7 do
+      if string.sub(v, i, i + 5) == reg then
+        mine[#mine + 1] = h[j]
+        break
+      end
+    end
+  end
+  out[k] = mine
+end
+return out
+"""
+)
+
 ALL = (
     REG_NEW,
     DEAD_ADD,
@@ -476,4 +597,8 @@ ALL = (
     REVOKE,
     EXPIRE_ALLOC,
     READ_BATCH,
+    NODE_DELTA,
+    DIGEST_DIFF,
+    DIGEST_FIX,
+    BUCKET_KEYS,
 )

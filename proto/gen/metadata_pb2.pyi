@@ -67,23 +67,81 @@ class RegisterInventoryResponse(_message.Message):
     chunks: int
     def __init__(self, added: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., chunks: _Optional[int] = ...) -> None: ...
 
+class InventoryDigest(_message.Message):
+    __slots__ = ("chunks", "digest")
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    chunks: int
+    digest: int
+    def __init__(self, chunks: _Optional[int] = ..., digest: _Optional[int] = ...) -> None: ...
+
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "tiers", "transfer", "epoch")
+    __slots__ = ("node_id", "tiers", "transfer", "epoch", "held")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     tiers: _containers.RepeatedCompositeFieldContainer[_common_pb2.TierStats]
     transfer: _common_pb2.TransferRate
     epoch: int
-    def __init__(self, node_id: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierStats, _Mapping]]] = ..., transfer: _Optional[_Union[_common_pb2.TransferRate, _Mapping]] = ..., epoch: _Optional[int] = ...) -> None: ...
+    held: InventoryDigest
+    def __init__(self, node_id: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierStats, _Mapping]]] = ..., transfer: _Optional[_Union[_common_pb2.TransferRate, _Mapping]] = ..., epoch: _Optional[int] = ..., held: _Optional[_Union[InventoryDigest, _Mapping]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("lease_ttl_ms",)
+    __slots__ = ("lease_ttl_ms", "indexed", "reconcile")
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    INDEXED_FIELD_NUMBER: _ClassVar[int]
+    RECONCILE_FIELD_NUMBER: _ClassVar[int]
     lease_ttl_ms: int
-    def __init__(self, lease_ttl_ms: _Optional[int] = ...) -> None: ...
+    indexed: InventoryDigest
+    reconcile: bool
+    def __init__(self, lease_ttl_ms: _Optional[int] = ..., indexed: _Optional[_Union[InventoryDigest, _Mapping]] = ..., reconcile: bool = ...) -> None: ...
+
+class ReconcileDigestsRequest(_message.Message):
+    __slots__ = ("node_id", "epoch", "groups")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    epoch: int
+    groups: bytes
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., groups: _Optional[bytes] = ...) -> None: ...
+
+class ReconcileDigestsResponse(_message.Message):
+    __slots__ = ("groups", "buckets")
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    groups: _containers.RepeatedScalarFieldContainer[int]
+    buckets: bytes
+    def __init__(self, groups: _Optional[_Iterable[int]] = ..., buckets: _Optional[bytes] = ...) -> None: ...
+
+class ReconcileBucketsRequest(_message.Message):
+    __slots__ = ("node_id", "epoch", "buckets", "counts", "keys", "sizes", "tiers")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    epoch: int
+    buckets: _containers.RepeatedScalarFieldContainer[int]
+    counts: _containers.RepeatedScalarFieldContainer[int]
+    keys: bytes
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    tiers: bytes
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., buckets: _Optional[_Iterable[int]] = ..., counts: _Optional[_Iterable[int]] = ..., keys: _Optional[bytes] = ..., sizes: _Optional[_Iterable[int]] = ..., tiers: _Optional[bytes] = ...) -> None: ...
+
+class ReconcileBucketsResponse(_message.Message):
+    __slots__ = ("added", "extra")
+    ADDED_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_FIELD_NUMBER: _ClassVar[int]
+    added: int
+    extra: bytes
+    def __init__(self, added: _Optional[int] = ..., extra: _Optional[bytes] = ...) -> None: ...
 
 class ReportRemovedRequest(_message.Message):
     __slots__ = ("node_id", "keys")
@@ -244,7 +302,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeStats(_message.Message):
-    __slots__ = ("node_id", "address", "grpc_address", "tiers", "chunks_indexed", "lease_remaining_s", "transfer")
+    __slots__ = ("node_id", "address", "grpc_address", "tiers", "chunks_indexed", "lease_remaining_s", "transfer", "chunks_held", "in_sync")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -252,6 +310,8 @@ class NodeStats(_message.Message):
     CHUNKS_INDEXED_FIELD_NUMBER: _ClassVar[int]
     LEASE_REMAINING_S_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_HELD_FIELD_NUMBER: _ClassVar[int]
+    IN_SYNC_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     grpc_address: str
@@ -259,7 +319,9 @@ class NodeStats(_message.Message):
     chunks_indexed: int
     lease_remaining_s: float
     transfer: _common_pb2.TransferRate
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., grpc_address: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierStats, _Mapping]]] = ..., chunks_indexed: _Optional[int] = ..., lease_remaining_s: _Optional[float] = ..., transfer: _Optional[_Union[_common_pb2.TransferRate, _Mapping]] = ...) -> None: ...
+    chunks_held: int
+    in_sync: bool
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., grpc_address: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierStats, _Mapping]]] = ..., chunks_indexed: _Optional[int] = ..., lease_remaining_s: _Optional[float] = ..., transfer: _Optional[_Union[_common_pb2.TransferRate, _Mapping]] = ..., chunks_held: _Optional[int] = ..., in_sync: bool = ...) -> None: ...
 
 class ClusterStats(_message.Message):
     __slots__ = ("nodes", "chunks", "lookups", "hit_keys", "miss_keys", "hit_tokens", "miss_tokens", "puts_committed", "chunks_deduplicated", "bytes_saved", "bytes_committed", "nodes_expired", "allocations_expired")

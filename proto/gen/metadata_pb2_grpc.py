@@ -51,6 +51,16 @@ class MetadataStub(object):
                 request_serializer=kvdepot_dot_v1_dot_metadata__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=kvdepot_dot_v1_dot_metadata__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.ReconcileDigests = channel.unary_unary(
+                '/kvdepot.v1.Metadata/ReconcileDigests',
+                request_serializer=kvdepot_dot_v1_dot_metadata__pb2.ReconcileDigestsRequest.SerializeToString,
+                response_deserializer=kvdepot_dot_v1_dot_metadata__pb2.ReconcileDigestsResponse.FromString,
+                _registered_method=True)
+        self.ReconcileBuckets = channel.unary_unary(
+                '/kvdepot.v1.Metadata/ReconcileBuckets',
+                request_serializer=kvdepot_dot_v1_dot_metadata__pb2.ReconcileBucketsRequest.SerializeToString,
+                response_deserializer=kvdepot_dot_v1_dot_metadata__pb2.ReconcileBucketsResponse.FromString,
+                _registered_method=True)
         self.ReportRemoved = channel.unary_unary(
                 '/kvdepot.v1.Metadata/ReportRemoved',
                 request_serializer=kvdepot_dot_v1_dot_metadata__pb2.ReportRemovedRequest.SerializeToString,
@@ -117,6 +127,25 @@ class MetadataServicer(object):
 
     def Heartbeat(self, request, context):
         """Renews a node's lease and reports its usage. NOT_FOUND: register again.
+        With `held`, also compares the node's inventory digest with the index's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReconcileDigests(self, request, context):
+        """Inventory reconciliation, after a heartbeat answered `reconcile`: the
+        index's digests of the node's buckets in the groups whose digests differ.
+        NOT_FOUND / FAILED_PRECONDITION: as for RegisterInventory.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReconcileBuckets(self, request, context):
+        """Every key the node holds in some buckets: the index adds those it lacks
+        and answers those it names the node for besides (the node reports the
+        ones it does not hold as removed).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -196,6 +225,16 @@ def add_MetadataServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=kvdepot_dot_v1_dot_metadata__pb2.HeartbeatRequest.FromString,
                     response_serializer=kvdepot_dot_v1_dot_metadata__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'ReconcileDigests': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReconcileDigests,
+                    request_deserializer=kvdepot_dot_v1_dot_metadata__pb2.ReconcileDigestsRequest.FromString,
+                    response_serializer=kvdepot_dot_v1_dot_metadata__pb2.ReconcileDigestsResponse.SerializeToString,
+            ),
+            'ReconcileBuckets': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReconcileBuckets,
+                    request_deserializer=kvdepot_dot_v1_dot_metadata__pb2.ReconcileBucketsRequest.FromString,
+                    response_serializer=kvdepot_dot_v1_dot_metadata__pb2.ReconcileBucketsResponse.SerializeToString,
             ),
             'ReportRemoved': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportRemoved,
@@ -320,6 +359,60 @@ class Metadata(object):
             '/kvdepot.v1.Metadata/Heartbeat',
             kvdepot_dot_v1_dot_metadata__pb2.HeartbeatRequest.SerializeToString,
             kvdepot_dot_v1_dot_metadata__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReconcileDigests(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvdepot.v1.Metadata/ReconcileDigests',
+            kvdepot_dot_v1_dot_metadata__pb2.ReconcileDigestsRequest.SerializeToString,
+            kvdepot_dot_v1_dot_metadata__pb2.ReconcileDigestsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReconcileBuckets(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvdepot.v1.Metadata/ReconcileBuckets',
+            kvdepot_dot_v1_dot_metadata__pb2.ReconcileBucketsRequest.SerializeToString,
+            kvdepot_dot_v1_dot_metadata__pb2.ReconcileBucketsResponse.FromString,
             options,
             channel_credentials,
             insecure,

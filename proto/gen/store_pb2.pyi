@@ -59,7 +59,7 @@ class StoreStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StoreStats(_message.Message):
-    __slots__ = ("node_id", "address", "tiers", "puts", "gets", "get_misses", "bytes_in", "bytes_out", "put_rejected", "corrupt_puts", "protocol_errors", "connections", "transfer", "chunks_corrupt", "chunks_recovered", "tier_write_errors", "tier_read_errors", "degraded")
+    __slots__ = ("node_id", "address", "tiers", "puts", "gets", "get_misses", "bytes_in", "bytes_out", "put_rejected", "corrupt_puts", "protocol_errors", "connections", "transfer", "chunks_corrupt", "chunks_recovered", "tier_write_errors", "tier_read_errors", "degraded", "reconcile")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class StoreStats(_message.Message):
     TIER_WRITE_ERRORS_FIELD_NUMBER: _ClassVar[int]
     TIER_READ_ERRORS_FIELD_NUMBER: _ClassVar[int]
     DEGRADED_FIELD_NUMBER: _ClassVar[int]
+    RECONCILE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     tiers: _containers.RepeatedCompositeFieldContainer[_common_pb2.TierStats]
@@ -96,4 +97,27 @@ class StoreStats(_message.Message):
     tier_write_errors: int
     tier_read_errors: int
     degraded: str
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierStats, _Mapping]]] = ..., puts: _Optional[int] = ..., gets: _Optional[int] = ..., get_misses: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., put_rejected: _Optional[int] = ..., corrupt_puts: _Optional[int] = ..., protocol_errors: _Optional[int] = ..., connections: _Optional[int] = ..., transfer: _Optional[_Union[_common_pb2.TransferRate, _Mapping]] = ..., chunks_corrupt: _Optional[int] = ..., chunks_recovered: _Optional[int] = ..., tier_write_errors: _Optional[int] = ..., tier_read_errors: _Optional[int] = ..., degraded: _Optional[str] = ...) -> None: ...
+    reconcile: ReconcileStats
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierStats, _Mapping]]] = ..., puts: _Optional[int] = ..., gets: _Optional[int] = ..., get_misses: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., put_rejected: _Optional[int] = ..., corrupt_puts: _Optional[int] = ..., protocol_errors: _Optional[int] = ..., connections: _Optional[int] = ..., transfer: _Optional[_Union[_common_pb2.TransferRate, _Mapping]] = ..., chunks_corrupt: _Optional[int] = ..., chunks_recovered: _Optional[int] = ..., tier_write_errors: _Optional[int] = ..., tier_read_errors: _Optional[int] = ..., degraded: _Optional[str] = ..., reconcile: _Optional[_Union[ReconcileStats, _Mapping]] = ...) -> None: ...
+
+class ReconcileStats(_message.Message):
+    __slots__ = ("chunks", "mismatches", "rounds", "buckets", "keys_sent", "max_round_keys", "added", "removed", "scrubbed")
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    MISMATCHES_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    KEYS_SENT_FIELD_NUMBER: _ClassVar[int]
+    MAX_ROUND_KEYS_FIELD_NUMBER: _ClassVar[int]
+    ADDED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    SCRUBBED_FIELD_NUMBER: _ClassVar[int]
+    chunks: int
+    mismatches: int
+    rounds: int
+    buckets: int
+    keys_sent: int
+    max_round_keys: int
+    added: int
+    removed: int
+    scrubbed: int
+    def __init__(self, chunks: _Optional[int] = ..., mismatches: _Optional[int] = ..., rounds: _Optional[int] = ..., buckets: _Optional[int] = ..., keys_sent: _Optional[int] = ..., max_round_keys: _Optional[int] = ..., added: _Optional[int] = ..., removed: _Optional[int] = ..., scrubbed: _Optional[int] = ...) -> None: ...

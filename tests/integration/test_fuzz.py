@@ -456,7 +456,27 @@ REQUESTS = {
         inventory=refs,
     ),
     "Heartbeat": st.builds(
-        metadata_pb2.HeartbeatRequest, node_id=node_ids, tiers=tiers, transfer=rates
+        metadata_pb2.HeartbeatRequest,
+        node_id=node_ids,
+        tiers=tiers,
+        transfer=rates,
+        held=st.one_of(st.none(), st.builds(metadata_pb2.InventoryDigest, chunks=u64, digest=u64)),
+    ),
+    "ReconcileDigests": st.builds(
+        metadata_pb2.ReconcileDigestsRequest,
+        node_id=node_ids,
+        epoch=u64,
+        groups=st.one_of(st.binary(max_size=64), st.just(bytes(1024))),
+    ),
+    "ReconcileBuckets": st.builds(
+        metadata_pb2.ReconcileBucketsRequest,
+        node_id=node_ids,
+        epoch=u64,
+        buckets=st.lists(u32, max_size=4),
+        counts=st.lists(u32, max_size=4),
+        keys=st.one_of(st.binary(max_size=48), st.just(bytes(16))),
+        sizes=u64s,
+        tiers=st.binary(max_size=4),
     ),
     "ReportRemoved": st.builds(
         metadata_pb2.ReportRemovedRequest, node_id=node_ids, keys=key_batches
