@@ -226,7 +226,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
-        cluster.start()  # stops what it started if it fails
+        cluster.start(abort=lambda: stop)  # stops what it started if it fails
     except KVDepotError:
         if stop:  # interrupted: a daemon stopped by the signal is no error
             return 130

@@ -99,12 +99,14 @@ def _wait_listed(
     listed: Callable[[Sequence[metadata_pb2.NodeStats]], bool],
     timeout_s: float,
     security: SecurityConfig | None,
+    abort: Callable[[], bool] | None = None,
 ) -> bool:
-    """Poll the metadata service's node list until ``listed`` holds; whether it did."""
+    """Poll the metadata service's node list until ``listed`` holds (or
+    ``abort()`` is true); whether it did."""
     deadline = time.monotonic() + timeout_s
     with secure_channel(metadata, security) as channel:
         stub = metadata_pb2_grpc.MetadataStub(channel)
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not (abort is not None and abort()):
             try:
                 if listed(stub.GetStats(metadata_pb2.GetStatsRequest(), timeout=2).nodes):
                     return True
@@ -115,16 +117,23 @@ def _wait_listed(
 
 
 def wait_nodes(
-    metadata: str, count: int, timeout_s: float = 30.0, security: SecurityConfig | None = None
+    metadata: str,
+    count: int,
+    timeout_s: float = 30.0,
+    security: SecurityConfig | None = None,
+    abort: Callable[[], bool] | None = None,
 ) -> None:
-    """Wait until the metadata service at ``metadata`` lists ``count`` nodes."""
+    """Wait until the metadata service at ``metadata`` lists ``count`` nodes
+    (raises once ``abort()`` is true)."""
     seen = [0]
 
     def enough(nodes: Sequence[metadata_pb2.NodeStats]) -> bool:
         seen[0] = len(nodes)
         return len(nodes) >= count
 
-    if not _wait_listed(metadata, enough, timeout_s, security):
+    if not _wait_listed(metadata, enough, timeout_s, security, abort):
+        if abort is not None and abort():
+            raise Unavailable("the wait for the stores to register was interrupted")
         raise Unavailable(f"only {seen[0]} of {count} stores registered within {timeout_s:.0f} s")
 
 
@@ -250,24 +259,37 @@ class LocalCluster:
             *metrics,
         ]  # fmt: skip
 
-    def start(self) -> LocalCluster:
+    def start(self, abort: Callable[[], bool] | None = None) -> LocalCluster:
+        """Start the metadata service and the stores; return once every store
+        registered. ``abort()`` true ends the start early (raises
+        ``Unavailable``): an interrupted ``kvdepot up`` must not wait for a
+        store started after the signal that stopped the metadata service.
+        What was started is stopped when it fails."""
         try:
             metrics_port = 0 if self.metrics else None
             args = self._metadata_args(self.metadata_port, metrics_port)
             self.metadata = self._spawn("metadata", args)
-            self.metadata.info = wait_ready(self.metadata.proc, "metadata", self.ready_timeout_s)
+            self.metadata.info = wait_ready(
+                self.metadata.proc, "metadata", self.ready_timeout_s, abort
+            )
             # A restart binds the ports it got (a store keeps the address it knows).
             info = self.metadata.info
             self.metadata.args = self._metadata_args(info["port"], info.get("metrics_port"))
             for i in range(self.nodes):
-                self.add_store(f"store-{i}")
-            wait_nodes(self.metadata_address, self.nodes, self.ready_timeout_s, self.security)
+                if abort is not None and abort():
+                    raise Unavailable("the start was interrupted")
+                self.add_store(f"store-{i}", abort=abort)
+            wait_nodes(
+                self.metadata_address, self.nodes, self.ready_timeout_s, self.security, abort
+            )
         except BaseException:
             self.stop()
             raise
         return self
 
-    def add_store(self, name: str, *extra: str) -> DaemonProcess:
+    def add_store(
+        self, name: str, *extra: str, abort: Callable[[], bool] | None = None
+    ) -> DaemonProcess:
         """Start a store ``name`` with ``extra`` flags; return once it is
         registered (its READY line), so that puts can be placed on it.
 
@@ -292,7 +314,7 @@ class LocalCluster:
             ],
         )  # fmt: skip
         self.stores.append(store)
-        store.info = wait_ready(store.proc, name, self.ready_timeout_s)
+        store.info = wait_ready(store.proc, name, self.ready_timeout_s, abort)
         return store
 
     def daemons(self) -> list[DaemonProcess]:

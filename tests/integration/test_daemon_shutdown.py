@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from kvdepot.apps.cluster import wait_ready
+from kvdepot.apps.cluster import LocalCluster, wait_ready
+from kvdepot.errors import Unavailable
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.integration
@@ -199,6 +200,32 @@ def test_ctrl_c_while_up_starts_stops_everything_quietly() -> None:
         assert "ERROR" not in stderr, stderr[-3000:]
         assert not arenas_of(sorted(daemons)), f"an arena was left behind (at {delay} s)"
         assert not [p for p in daemons if alive(p)], "a daemon outlived kvdepot up"
+
+
+def test_a_start_interrupted_between_two_stores_ends_at_once(tmp_path: Path) -> None:
+    # As when Ctrl-C reaches `kvdepot up` after its first store registered:
+    # the signal stopped the metadata service and that store, and the next
+    # store, started after it, would wait for a registration that never
+    # comes. The start ends at once instead, and stops what it started.
+    cluster = LocalCluster(nodes=2, capacity="16MiB", log_dir=tmp_path, ready_timeout_s=60)
+    interrupted = False
+
+    def abort() -> bool:
+        nonlocal interrupted
+        if not interrupted and cluster.stores and cluster.stores[0].info:
+            assert cluster.metadata is not None
+            for d in (cluster.metadata, cluster.stores[0]):
+                os.kill(d.pid, signal.SIGINT)
+            interrupted = True
+        return interrupted
+
+    t0 = time.monotonic()
+    with pytest.raises(Unavailable, match="interrupted"):
+        cluster.start(abort=abort)
+    assert time.monotonic() - t0 < 20, "the start waited for a store that could not register"
+    daemons = cluster.daemons()
+    assert daemons and all(d.proc.poll() is not None for d in daemons)
+    assert not arenas_of([d.pid for d in daemons]), "an arena was left behind"
 
 
 HANGING_CLEANUP = """
