@@ -22,9 +22,11 @@ from typing import Any
 
 import grpc
 
+from kvdepot.errors import Unavailable
 from kvdepot.rpc.auth import PROOF_BYTES, dataplane_proof
 from kvdepot.rpc.errors import ERROR_TYPE_KEY
 from kvdepot.wire import frames
+from kvdepot.wire.sockets import TimedOut, recv_exact
 
 MAX_IDLE = 8
 """Idle connections a link keeps (more concurrent callers open and close theirs)."""
@@ -99,9 +101,9 @@ class FrameLink:
             sock.sendall(frames.pack_request(frames.METHOD_BY_NAME[method], payload))
             status, error_type, body = self._read_reply(sock)
             ok = True
-        except TimeoutError:
+        except (TimeoutError, TimedOut):
             raise FrameError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
-        except OSError as exc:
+        except (OSError, Unavailable) as exc:
             self._down()
             raise FrameDown(str(exc)) from None
         finally:
@@ -129,9 +131,9 @@ class FrameLink:
                 return self._idle.pop()
         try:
             return self._connect(timeout_s)
-        except TimeoutError:
+        except (TimeoutError, TimedOut):
             raise FrameError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
-        except (OSError, FrameDown) as exc:
+        except (OSError, Unavailable, FrameDown) as exc:
             self._down()
             raise FrameDown(str(exc)) from None
 
@@ -152,17 +154,17 @@ class FrameLink:
         sock = socket.create_connection((self.host, self.port), timeout=max(timeout_s, 0.001))
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            magic, version, auth = frames.HELLO.unpack(_recv_exact(sock, frames.HELLO.size))
+            magic, version, auth = frames.HELLO.unpack(recv_exact(sock, frames.HELLO.size))
             if magic != frames.MAGIC or version != frames.VERSION:
                 raise FrameDown(f"not a kvdepot metadata socket (version {version})")
             if auth:
-                nonce = _recv_exact(sock, frames.NONCE_BYTES)
+                nonce = recv_exact(sock, frames.NONCE_BYTES)
                 if not self._token:
                     raise FrameDown("the service wants a token")
                 proof = dataplane_proof(self._token, nonce)
                 assert len(proof) == PROOF_BYTES
                 sock.sendall(proof)
-                if _recv_exact(sock, 1) != frames.ACCEPTED:
+                if recv_exact(sock, 1) != frames.ACCEPTED:
                     raise FrameDown("token refused")
         except BaseException:
             sock.close()
@@ -171,19 +173,9 @@ class FrameLink:
 
     @staticmethod
     def _read_reply(sock: socket.socket) -> tuple[grpc.StatusCode, str, bytes]:
-        length, status, name_len = frames.REPLY.unpack(_recv_exact(sock, frames.REPLY.size))
+        length, status, name_len = frames.REPLY.unpack(recv_exact(sock, frames.REPLY.size))
         if length > frames.MAX_FRAME or status not in _CODES:
             raise OSError(f"malformed reply frame (status {status}, {length} bytes)")
-        name = _recv_exact(sock, name_len).decode("ascii", "replace") if name_len else ""
-        return _CODES[status], name, _recv_exact(sock, length)
+        name = recv_exact(sock, name_len).decode("ascii", "replace") if name_len else ""
+        return _CODES[status], name, recv_exact(sock, length)
 
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise ConnectionResetError("the metadata socket closed")
-        got += k
-    return bytes(buf)

@@ -30,6 +30,7 @@ from kvdepot.rpc.auth import (
     RefusalLog,
     tenant_key,
 )
+from kvdepot.rpc.errors import ERROR_TYPE_KEY
 from kvdepot.shutdown import cancel_and_wait
 from kvdepot.wire import frames
 from kvdepot.wire.frames import Method
@@ -59,7 +60,7 @@ class _Context:
         details: str = "",
         trailing_metadata: tuple[tuple[str, str], ...] = (),
     ) -> NoReturn:
-        error_type = next((v for k, v in trailing_metadata if k == "kvdepot-error"), "")
+        error_type = next((v for k, v in trailing_metadata if k == ERROR_TYPE_KEY), "")
         raise _Aborted(code, details, error_type)
 
     def set_trailing_metadata(self, _: Any) -> None:
