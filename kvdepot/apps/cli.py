@@ -7,6 +7,7 @@ is built here from CLI flags > ``KVDEPOT_*`` environment > ``--config`` file.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import os
@@ -16,6 +17,7 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
+import kvdepot.apps.early_interrupt as early_interrupt  # first: see the module
 from kvdepot.apps.cli_settings import (
     EXIT_BROKEN_PIPE,
     OneLineParser,
@@ -225,6 +227,9 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    # As the daemons do: SIGUSR1 writes where each thread is (a supervisor
+    # about to give up on a hung `up` asks first).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         cluster.start(abort=lambda: stop)  # stops what it started if it fails
     except KVDepotError:
@@ -640,6 +645,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    early_interrupt.restore()
     try:
         # Building the parser imports the configs (and grpc with the security one).
         parser = build_parser()
