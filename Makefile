@@ -59,6 +59,7 @@ system-deps:
 	command -v dockerd >/dev/null 2>&1 || missing="$$missing docker.io"; \
 	command -v docker-compose >/dev/null 2>&1 || missing="$$missing docker-compose"; \
 	command -v debootstrap >/dev/null 2>&1 || missing="$$missing debootstrap"; \
+	command -v prometheus >/dev/null 2>&1 || missing="$$missing prometheus"; \
 	if [ -n "$$missing" ]; then \
 		echo "installing$$missing"; \
 		nostart=""; \
@@ -71,9 +72,11 @@ system-deps:
 			echo "could not install$$missing: the tests that need them are skipped"; \
 		[ -z "$$nostart" ] || $$SUDO rm -f /usr/sbin/policy-rc.d; \
 	fi
-	@# Debian starts a system redis on 6379, and docker.io a system dockerd; the tests use their own.
+	@# Debian starts a system redis on 6379, docker.io a system dockerd and prometheus
+	@# a system server on 9090 (scraping its node exporter); the tests use their own.
 	@-service redis-server stop >/dev/null 2>&1 || true
 	@-service docker stop >/dev/null 2>&1 || true
+	@-service prometheus stop >/dev/null 2>&1 || true
 
 test: install $(VENV)/.installed-vllm $(VENV)/.installed-nixl system-deps
 	$(BIN)/python -m pytest -q -ra --durations=30

@@ -98,7 +98,8 @@ def kv_error(model: str, metadata: str, prompts: list[list[int]], block: int) ->
         layout = layout_from_config(cfg, settings)
         ns = namespace_for(cfg, settings, layout, 0)
         codec = create_codec(settings.codec_spec())
-        values = CHUNK * layout.num_kv_heads * 2 * layout.head_size
+        # KV head 0's object of each chunk (stored under the chunk's key).
+        values = CHUNK * 2 * layout.head_size
         layer = codec.encoded_bytes(values, torch.bfloat16)
         hb = header_bytes(layout.num_layers)
         keys = [k for ids in prompts for k in chunk_keys(ns, ids)]

@@ -7,6 +7,7 @@ transport straight from and into caller-owned buffers.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -17,6 +18,7 @@ from typing import Any, Literal
 
 from kvdepot.config import InvalidSetting, Number, Parsed, positive, setting, validate
 from kvdepot.connector.fallback import Fallback
+from kvdepot.connector.namespace_calls import NamespaceCalls
 from kvdepot.connector.put_plan import PutPlan, Route, plan_put
 from kvdepot.connector.results import (
     DeferredCommits,
@@ -155,7 +157,7 @@ def _views(buffers: Sequence[Buffer], n: int, writable: bool) -> list[memoryview
     return [_as_view(b, writable, i) for i, b in enumerate(buffers)]
 
 
-class KVDepotClient:
+class KVDepotClient(NamespaceCalls):
     """Publish chunks, look up prefixes and pull chunks into caller buffers.
 
     Thread-safe: one client may be shared by the threads of an engine.
@@ -211,6 +213,7 @@ class KVDepotClient:
         self._deferred = DeferredCommits()
         # Answers from the stores it knows, without the metadata service.
         self._fallback = Fallback(self._transport)
+        self._init_namespaces()
 
     def __enter__(self) -> KVDepotClient:
         return self
@@ -224,6 +227,8 @@ class KVDepotClient:
             if self._closed:
                 return
             self._closed = True
+        with contextlib.suppress(KVDepotError):
+            self.flush_usage()
         self._transport.close()
         self._metadata.close()
 
@@ -297,7 +302,9 @@ class KVDepotClient:
             self._place([ckeys[i] for i in rest], [views[i] for i in rest], written, tally)
         if tally.pending:
             self._deferred.made()
-        return tally.result()
+        result = tally.result()
+        self.add_usage(stored_chunks=result.stored + result.pending)
+        return result
 
     def _place(
         self, ckeys: list[ChunkKey], views: list[memoryview], written: list[bool], tally: PutTally
@@ -478,6 +485,7 @@ class KVDepotClient:
                 packed=True,
                 key_tokens=tokens,
                 count=_COUNT[count],
+                namespace=self.namespace,
             ),
             timeout_s=timeout_s,
         )

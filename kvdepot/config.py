@@ -26,9 +26,22 @@ from kvdepot.errors import InvalidArgument
 
 T = TypeVar("T")
 
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
-          "mb": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30,
-          "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kb": 1 << 10,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mb": 1 << 20,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gb": 1 << 30,
+    "gib": 1 << 30,
+    "t": 1 << 40,
+    "tb": 1 << 40,
+    "tib": 1 << 40,
+}
 
 RULE = "kvdepot.rule"
 """Key of a field's :class:`Rule` in its ``dataclasses.field`` metadata."""
@@ -102,8 +115,7 @@ class Number(Rule):
         if self.low is not None and (value < self.low or (self.low_open and value == self.low)):
             return False
         return not (
-            self.high is not None
-            and (value > self.high or (self.high_open and value == self.high))
+            self.high is not None and (value > self.high or (self.high_open and value == self.high))
         )
 
     def describe(self) -> str:
@@ -256,8 +268,10 @@ def _type_problem(value: Any, typ: Any) -> str | None:
     if typ is bool:
         return None if isinstance(value, bool) else "must be true or false"
     if typ is int:
-        return None if isinstance(value, int) and not isinstance(value, bool) else (
-            "must be an integer"
+        return (
+            None
+            if isinstance(value, int) and not isinstance(value, bool)
+            else ("must be an integer")
         )
     if typ is float:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -319,7 +333,7 @@ def parse_size(text: str | int | float) -> int:
         raise InvalidArgument(f"bad size {text!r}: use e.g. 512MiB, 4GiB or a byte count")
     s = text.strip().lower().replace("_", "")
     num = s.rstrip("abcdefghijklmnopqrstuvwxyz ")
-    unit = s[len(num):].strip()
+    unit = s[len(num) :].strip()
     if unit not in _UNITS or not num:
         raise InvalidArgument(f"bad size {text!r}: use e.g. 512MiB, 4GiB or a byte count")
     try:

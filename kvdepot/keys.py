@@ -204,3 +204,23 @@ def shard_key(namespace: Namespace, key: ChunkKey) -> ChunkKey:
     if namespace.tp_rank == 0:
         return key
     return ChunkKey(xxhash.xxh3_128_digest(_RANK_TAG + namespace.digest() + key))
+
+
+def seeded_chunk_keys(
+    seed: bytes, chunk_tokens: int, tokens: Sequence[int] | np.ndarray
+) -> list[ChunkKey]:
+    """:func:`chunk_keys` in the namespace whose digest is ``seed``: what a
+    tool that knows a namespace only by its digest (e.g. ``kvdepot explain``)
+    needs to recompute a prompt's keys in it."""
+    if len(seed) != KEY_BYTES:
+        raise InvalidArgument(f"a namespace digest is {KEY_BYTES} bytes, not {len(seed)}")
+    if chunk_tokens < 1:
+        raise InvalidArgument("chunk_tokens must be positive")
+    data = encode_tokens(tokens)
+    step = chunk_tokens * 4
+    keys: list[ChunkKey] = []
+    prev = bytes(seed)
+    for i in range(len(data) // step):
+        prev = xxhash.xxh3_128_digest(prev + data[i * step : (i + 1) * step])
+        keys.append(ChunkKey(prev))
+    return keys

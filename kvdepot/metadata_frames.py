@@ -178,4 +178,3 @@ class FrameLink:
             raise OSError(f"malformed reply frame (status {status}, {length} bytes)")
         name = recv_exact(sock, name_len).decode("ascii", "replace") if name_len else ""
         return _CODES[status], name, recv_exact(sock, length)
-

@@ -8,8 +8,13 @@ service, ``StoreStats`` on a store), so the exposition can never drift from
 Names are prefixed ``kvdepot_``: ``kvdepot_cluster_*`` from a metadata
 service (cluster-wide; several replicas sharing one Redis index report the
 same values), ``kvdepot_store_*`` from a store (its own node). Counters end in
-``_total``; labels are ``node``, ``tier``, ``result`` (hit, miss) and
-``direction`` (in: received by the store, out: sent by it).
+``_total``; labels are ``node``, ``tier``, ``result`` (hit, miss),
+``direction`` (in: received by the store, out: sent by it), and ``namespace``
+(its digest) with ``model`` on the per-namespace series.
+
+The vLLM connector's own counters are on each engine's ``/metrics``
+(``vllm:kvdepot_*``, see :mod:`kvdepot.connector.vllm.stats`); alerting
+rules over both are in ``deploy/prometheus/``.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any, TypeVar
 from wsgiref.simple_server import WSGIServer
 
@@ -38,7 +43,11 @@ _NODE_DIRECTION = ("node", "direction")
 # (metric, help, StoreStats field) of the store's own counters.
 _STORE_COUNTERS = (
     ("kvdepot_store_puts", "Chunks stored by data-plane puts.", "puts"),
-    ("kvdepot_store_gets", "Chunk reads served.", "gets"),
+    (
+        "kvdepot_store_gets",
+        "Reads served over the data plane (each range of a chunk read range by range).",
+        "gets",
+    ),
     ("kvdepot_store_get_misses", "Chunk reads that found nothing.", "get_misses"),
     (
         "kvdepot_store_put_rejected",
@@ -71,8 +80,12 @@ _STORE_COUNTERS = (
 
 # (metric suffix, help, TierStats field) of per-tier counters.
 _TIER_COUNTERS = (
-    ("hits", "Reads that found their chunk in the tier.", "hits"),
-    ("misses", "Reads that did not find their chunk in the tier.", "misses"),
+    (
+        "hits",
+        "Chunk reads that found their chunk in the tier (once per read, whatever its ranges).",
+        "hits",
+    ),
+    ("misses", "Chunk reads that did not find their chunk in the tier.", "misses"),
     ("evictions", "Chunks dropped from the store to make room in the tier.", "evictions"),
     ("promotions", "Chunks moved from the tier to a faster one.", "promotions"),
     ("demotions", "Chunks moved from the tier to a slower one.", "demotions"),
@@ -166,6 +179,14 @@ class StoreCollector(_StatsCollector):
         c.add_metric((node, "in"), s.bytes_in)
         c.add_metric((node, "out"), s.bytes_out)
         yield c
+        g = GaugeMetricFamily(
+            "kvdepot_store_degraded",
+            "1 while the store runs on fewer tiers than it started with (a tier's device "
+            "failed; `kvdepot stats` says why), else 0.",
+            labels=_NODE,
+        )
+        g.add_metric((node,), 1 if s.degraded else 0)
+        yield g
         yield _rate_gauge("kvdepot_store_transfer_bytes_per_second", [(node, s.transfer)])
 
 
@@ -199,12 +220,19 @@ class ClusterCollector(_StatsCollector):
         yield keys
         tokens = CounterMetricFamily(
             "kvdepot_cluster_lookup_tokens",
-            "Prompt tokens looked up, by result (hits are the leading cached run).",
+            "Prompt tokens looked up, by result: hits are the leading run kvdepot held when "
+            "asked, not what engines loaded (vllm:kvdepot_loaded_tokens_total).",
             labels=("result",),
         )
         tokens.add_metric(("hit",), s.hit_tokens)
         tokens.add_metric(("miss",), s.miss_tokens)
         yield tokens
+        yield CounterMetricFamily(
+            "kvdepot_cluster_served_tokens",
+            "Prompt tokens engines reported loading from kvdepot (served, not just held).",
+            value=s.served_tokens,
+        )
+        yield from _namespace_families(s.namespaces)
         indexed = GaugeMetricFamily(
             "kvdepot_cluster_node_chunks", "Chunks the index places on the node.", labels=_NODE
         )
@@ -240,6 +268,49 @@ class ClusterCollector(_StatsCollector):
             "kvdepot_cluster_node_transfer_bytes_per_second",
             [(n.node_id, n.transfer) for n in s.nodes],
         )
+
+
+def _namespace_families(
+    namespaces: Sequence[metadata_pb2.NamespaceStats],
+) -> Iterator[Metric]:
+    """Per-namespace counters: a namespace's hit rate falling alone says its
+    engines' settings changed, where the cluster's would hide it."""
+    labels = ("namespace", "model")
+    rows = [
+        (n, (n.name, next((f.value for f in n.fields if f.name == "model"), "")))
+        for n in namespaces
+    ]
+    lookups = CounterMetricFamily(
+        "kvdepot_cluster_namespace_lookups", "Lookups in the namespace.", labels=labels
+    )
+    chunks = CounterMetricFamily(
+        "kvdepot_cluster_namespace_lookup_chunks",
+        "Chunk keys looked up in the namespace, by result.",
+        labels=(*labels, "result"),
+    )
+    held = CounterMetricFamily(
+        "kvdepot_cluster_namespace_hit_tokens",
+        "Prompt tokens of the namespace kvdepot held when asked.",
+        labels=labels,
+    )
+    served = CounterMetricFamily(
+        "kvdepot_cluster_namespace_served_tokens",
+        "Prompt tokens of the namespace engines reported loading.",
+        labels=labels,
+    )
+    stored = CounterMetricFamily(
+        "kvdepot_cluster_namespace_chunks_stored",
+        "Chunks clients reported publishing in the namespace.",
+        labels=labels,
+    )
+    for n, lv in rows:
+        lookups.add_metric(lv, n.lookups)
+        chunks.add_metric((*lv, "hit"), n.hit_chunks)
+        chunks.add_metric((*lv, "miss"), n.miss_chunks)
+        held.add_metric(lv, n.hit_tokens)
+        served.add_metric(lv, n.served_tokens)
+        stored.add_metric(lv, n.chunks_stored)
+    yield from (lookups, chunks, held, served, stored)
 
 
 def _tier_gauges(prefix: str, rows: list[tuple[str, common_pb2.TierStats]]) -> Iterator[Metric]:

@@ -48,6 +48,10 @@ class MetadataConfig:
             round trip. Never with TLS (the socket is not encrypted).
         frames_port: Its port, bound on ``host``; 0 (the default) picks a free
             one, which the gRPC replies advertise to clients.
+        departures_per_node: Chunk departures (evictions, losses, ...) the
+            index keeps per node for ``kvdepot explain``; 0 keeps none.
+        departure_nodes: Nodes whose departures are kept (the most recent).
+        max_namespaces: Namespaces the index keeps (the most recently seen).
         stop_timeout_s: Longest the process takes to exit after SIGTERM or
             SIGINT; past it, it writes its threads' stacks to stderr and exits
             with status 1 (see :mod:`kvdepot.shutdown`).
@@ -101,6 +105,14 @@ class MetadataConfig:
     frames_port: int = setting(
         0, Port(), flag="--frames-port", help="port of the framed Lookup/PutStart socket (0: any)"
     )
+    departures_per_node: int = setting(
+        65536,
+        Number(low=0, high=1 << 24),
+        flag="--departures-per-node",
+        help="chunk departures kept per node for explain (default 65536; 0: none)",
+    )
+    departure_nodes: int = setting(256, Number(low=1))
+    max_namespaces: int = setting(1024, Number(low=1))
     stop_timeout_s: float = setting(
         30.0, positive(), flag="--stop-timeout", help="seconds a stop may take (default 30)"
     )

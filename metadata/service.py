@@ -22,10 +22,19 @@ from kvdepot.keys import KEY_BYTES, ChunkKey, validate_keys
 from kvdepot.metadata import reconcile
 from kvdepot.metadata.config import MetadataConfig
 from kvdepot.metadata.events import EventsConfig, KVEventPublisher
+from kvdepot.metadata.explain import ExplainRPCs
 from kvdepot.metadata.frames import FrameServer
 from kvdepot.metadata.hot_keys import HotKeys, HotKeysConfig
 from kvdepot.metadata.index import IndexBackend, IndexConfig, create_backend
 from kvdepot.metadata.index.base import InventoryPage
+from kvdepot.metadata.index.departures import DepartureConfig, check_reason
+from kvdepot.metadata.namespaces import (
+    NamespaceRPCs,
+    NamespaceTally,
+    check_namespace,
+    lookup_deltas,
+    namespace_stats,
+)
 from kvdepot.metadata.placement import PlacementConfig
 from kvdepot.metadata.replica_tiers import record_moves
 from kvdepot.metadata.routing import Candidate, RoutingWeights, best, score_candidates
@@ -84,7 +93,9 @@ def _replica_pb(r: Replica) -> common_pb2.Replica:
     return common_pb2.Replica(node_id=r.node_id, address=r.address, tier=r.tier)
 
 
-def stats_to_proto(s: IndexStats) -> metadata_pb2.ClusterStats:
+def stats_to_proto(
+    s: IndexStats, namespaces: Sequence[metadata_pb2.NamespaceStats] = ()
+) -> metadata_pb2.ClusterStats:
     return metadata_pb2.ClusterStats(
         nodes=[
             metadata_pb2.NodeStats(
@@ -112,10 +123,12 @@ def stats_to_proto(s: IndexStats) -> metadata_pb2.ClusterStats:
         bytes_committed=s.bytes_committed,
         nodes_expired=s.nodes_expired,
         allocations_expired=s.allocations_expired,
+        served_tokens=sum(n.served_tokens for n in namespaces),
+        namespaces=namespaces,
     )
 
 
-class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
+class MetadataServicer(NamespaceRPCs, ExplainRPCs, metadata_pb2_grpc.MetadataServicer):
     """Validates requests, calls the index, maps errors to gRPC statuses."""
 
     def __init__(
@@ -125,6 +138,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
         events: KVEventPublisher | None = None,
     ) -> None:
         self._index = index
+        self.tally = NamespaceTally(index)
         self._events = events
         self._config = config
         self._hot = HotKeys(
@@ -346,9 +360,13 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
         try:
             node_id = self._node_id(request.node_id)
             gone = self._keys(request.keys)
+            reason = check_reason(request.reason)
+            tier = check_tier(request.tier) if request.tier else ""
             removed = await self._index.remove_replicas(node_id, gone)
             if removed and self._events is not None:
                 self._events.removed(node_id, gone)
+            if removed:
+                await self._index.departures.record(node_id, gone, reason, tier)
         except KVDepotError as exc:
             await self._guard(context, exc)
         return metadata_pb2.ReportRemovedResponse(removed=removed)
@@ -454,9 +472,12 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
             counting = LookupCounting(
                 request.tokens_per_key, tuple(request.key_tokens), int(request.count)
             )
+            namespace = check_namespace(request.namespace)
             result = self._hot.observe(
                 keys, await self._index.lookup(keys, client, counting), client
             )
+            if namespace:
+                self.tally.add(namespace, lookup_deltas(counting.deltas(len(keys), result.hits)))
         except KVDepotError as exc:
             await self._guard(context, exc)
         if self.advertised:
@@ -479,9 +500,10 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
     ) -> metadata_pb2.ClusterStats:
         try:
             stats = await self._index.stats(time.monotonic())
+            namespaces = await namespace_stats(self._index, self.tally)
         except KVDepotError as exc:
             await self._guard(context, exc)
-        return stats_to_proto(stats)
+        return stats_to_proto(stats, namespaces)
 
     async def Route(
         self, request: metadata_pb2.RouteRequest, context: grpc.aio.ServicerContext
@@ -577,6 +599,8 @@ class MetadataServer:
                     warmup_share=config.placement_warmup_share,
                     backoff_s=config.placement_backoff_s,
                 ),
+                departures=DepartureConfig(config.departures_per_node, config.departure_nodes),
+                max_namespaces=config.max_namespaces,
             )
         )
         self._server: grpc.aio.Server | None = None
@@ -642,6 +666,8 @@ class MetadataServer:
                 # that lands as the pass completes, and the reaper, stopped, went on.
                 async with asyncio.timeout(max(2.0, self.config.lease_ttl_s)):
                     dead, reclaimed = await self.index.expire(now)
+                    if self.servicer is not None:
+                        await self.servicer.tally.flush()
                 if dead and self.events is not None:
                     live = await self.index.stats(time.monotonic())
                     self.events.nodes_gone(n.info.node_id for n in live.nodes)
@@ -665,7 +691,10 @@ class MetadataServer:
 
     async def cluster_stats(self) -> metadata_pb2.ClusterStats:
         """What ``GetStats`` answers (raises when the index backend fails)."""
-        return stats_to_proto(await self.index.stats(time.monotonic()))
+        stats = await self.index.stats(time.monotonic())
+        if self.servicer is None:
+            return stats_to_proto(stats)
+        return stats_to_proto(stats, await namespace_stats(self.index, self.servicer.tally))
 
     async def wait(self) -> None:
         assert self._server is not None

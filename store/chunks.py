@@ -357,12 +357,22 @@ class ChunkStore:
         return self.acquire_many([key], in_arena=in_arena)[0]
 
     def acquire_many(
-        self, keys: Sequence[ChunkKey], *, in_arena: bool = False
+        self,
+        keys: Sequence[ChunkKey],
+        *,
+        in_arena: bool = False,
+        continued: Sequence[bool] = (),
     ) -> list[ReadLease | None]:
         """:meth:`acquire` of each key; the reads from slow tiers run in parallel.
 
         Chunks on SSD are read on the SSD tier's threads, all at once, so a
         batch costs about one device round trip rather than one per chunk.
+
+        ``continued[i]`` (when given) marks a read that continues one begun
+        by an earlier request: a later range of a chunk read range by range
+        (a header, then a layer at a time). It is served like any read but
+        not counted again, as a hit or a miss or towards promotion, so a
+        chunk read counts once whatever number of ranges it took.
 
         Raises:
             Unavailable: If the store is closed (leases already taken are
@@ -378,18 +388,20 @@ class ChunkStore:
             with self._lock:
                 self._placement.check_open()
                 dram = self._cpu if self._cpu.rank == 0 else None
-                for key in keys:
+                for i, key in enumerate(keys):
                     if key in seen:
                         out.append(None)  # a repeat: taken after the first is done
                         continue
                     seen.add(key)
+                    count = not (continued and continued[i])
                     entry = self._entries.get(key)
                     if entry is not None and entry.copy.level is dram and entry.committed:
                         # In DRAM, the fastest tier: _begin_read's common case, inline.
-                        self._count_hit(entry)
+                        if count:
+                            self._count_hit(entry)
                         out.append(self._lease(entry, entry.copy))
                     else:
-                        out.append(self._begin_read(key, in_arena, removed, moved))
+                        out.append(self._begin_read(key, in_arena, removed, moved, count))
             reads = [r for r in out if isinstance(r, _Read)]
             if not reads and len(seen) == len(keys):
                 return cast(list[ReadLease | None], out)  # all in DRAM, or misses
@@ -399,7 +411,8 @@ class ChunkStore:
                 first = {key: i for i, key in reversed(list(enumerate(keys)))}
                 for i, key in enumerate(keys):
                     if first[key] != i:
-                        done[i] = self.acquire(key, in_arena=in_arena)
+                        again = continued[i : i + 1] if continued else ()
+                        done[i] = self.acquire_many([key], in_arena=in_arena, continued=again)[0]
             return done
         except BaseException as exc:
             for r in out:
@@ -418,10 +431,11 @@ class ChunkStore:
         in_arena: bool,
         removed: list[ChunkKey],
         moved: list[tuple[ChunkKey, str]],
+        count: bool = True,
     ) -> ReadLease | _Read | None:
         # Under the lock (the caller's): a lease on DRAM, a miss, or a read
         # that needs I/O (its source held, its DRAM room taken if it is promoted).
-        counted = False
+        counted = not count
         while True:
             self._placement.check_open()
             entry = self._entries.get(key)
@@ -653,6 +667,12 @@ class ChunkStore:
         with self._lock:
             entry = self._entries.get(key)
             return entry is not None and entry.committed
+
+    def removal_reasons(self, keys: Iterable[ChunkKey]) -> dict[ChunkKey, tuple[str, str]]:
+        """Why each of ``keys`` left, where known: (reason, tier); forgotten after."""
+        with self._lock:
+            reasons = self._placement.reasons
+            return {k: r for k in keys if (r := reasons.pop(k, None)) is not None}
 
     def tier_of(self, key: ChunkKey) -> str | None:
         """The tier a committed chunk is in, or ``None`` if it is not held."""

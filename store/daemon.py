@@ -46,6 +46,17 @@ from kvdepot.wire.records import tier_stats_to_proto, transfer_to_proto
 
 logger = logging.getLogger(__name__)
 
+
+def group_removed(
+    keys: list[ChunkKey], reasons: dict[ChunkKey, tuple[str, str]]
+) -> list[tuple[tuple[str, str], list[ChunkKey]]]:
+    """Removed keys by (reason, tier), for one report each (("", ""): not known)."""
+    groups: dict[tuple[str, str], list[ChunkKey]] = {}
+    for key in keys:
+        groups.setdefault(reasons.get(key, ("", "")), []).append(key)
+    return list(groups.items())
+
+
 _REPORT_GATHER_S = 0.02
 """Evictions and tier moves gathered into one report to the metadata service."""
 
@@ -487,14 +498,18 @@ class StoreDaemon:
             assert self.lease is not None
             await self.lease.settled.wait()
             # A key written again since its eviction is still held.
+            reasons = self.chunks.removal_reasons(self._removed)
             keys = [k for k in self._removed if not self.chunks.contains(k)]
             self._removed.clear()
             try:
-                if keys:
+                for why, group in group_removed(keys, reasons):
                     await self.lease.client.report_removed(
-                        metadata_pb2.ReportRemovedRequest(node_id=self.node_id, keys=keys), 5
+                        metadata_pb2.ReportRemovedRequest(
+                            node_id=self.node_id, keys=group, reason=why[0], tier=why[1]
+                        ),
+                        5,
                     )
-                    keys = []
+                keys = []
                 await self._report_moved()
             except grpc.aio.AioRpcError as exc:
                 logger.debug("removal or move report failed (%s); will retry", exc.code())

@@ -386,8 +386,12 @@ class RequestHandlers:
             replies: list[bytes] = []
             payloads: list[memoryview] = []
             misses = 0
-            # Chunks on SSD are read in parallel, off this thread.
-            acquired = self._chunks.acquire_many([session.key(key) for key, _, _ in entries])
+            # Chunks on SSD are read in parallel, off this thread. A range
+            # past a chunk's start continues a read counted at its first range.
+            acquired = self._chunks.acquire_many(
+                [session.key(key) for key, _, _ in entries],
+                continued=[offset > 0 for _, offset, _ in entries],
+            )
             leases = [lease for lease in acquired if lease is not None]
             for (_, offset, asked), lease in zip(entries, acquired, strict=True):
                 if lease is None:

@@ -347,7 +347,12 @@ class Session:
         added = 0
         # These clients read the arena themselves: a chunk in another tier
         # is promoted into DRAM first (or is a miss).
-        acquired = self._chunks.acquire_many([self.key(e.key) for e in entries], in_arena=True)
+        acquired = self._chunks.acquire_many(
+            [self.key(e.key) for e in entries],
+            in_arena=True,
+            # A range past a chunk's start continues a read counted at its first.
+            continued=[e.offset > 0 for e in entries],
+        )
         for e, lease in zip(entries, acquired, strict=True):
             if lease is None:
                 out.append(LeaseReplyEntry(GetCode.NOT_FOUND))

@@ -47,6 +47,9 @@ from kvdepot.types import TIER_RANK
 
 logger = logging.getLogger(__name__)
 
+_MAX_REASONS = 1 << 20
+"""Removal reasons kept until reported; past it they are forgotten (reported as removed)."""
+
 RemovedListener = Callable[[list[ChunkKey]], None]
 """Told the keys of committed chunks that left the store."""
 
@@ -242,6 +245,8 @@ class TierPlacement:
         self.closed = False
         self._on_removed = on_removed
         self._on_moved = on_moved
+        # Why chunks left (reason, tier), until their removal is reported.
+        self.reasons: dict[ChunkKey, tuple[str, str]] = {}
 
     def check_open(self) -> None:
         """Raise ``Unavailable`` once the table is closed."""
@@ -306,7 +311,7 @@ class TierPlacement:
         below = self.below(level)
         if below is not None and self._demote_now(entry, below, removed, moved):
             return
-        self.drop(entry)
+        self.drop(entry, "evicted")
         level.evictions += 1
         removed.append(entry.key)
 
@@ -402,7 +407,7 @@ class TierPlacement:
                     copy.orphan = True  # freed below
                 else:
                     self.lost(entry, copy.level, "write", error)
-                    self.drop(entry)
+                    self.drop(entry, "tier_failed")
                     removed.append(entry.key)
             if copy.orphan:
                 self.release_copy(copy)
@@ -444,7 +449,7 @@ class TierPlacement:
             self.losses.warn("read", "cannot read chunk %s: %s", entry.key.hex(), error)
             return
         if current:
-            self.drop(entry)
+            self.drop(entry, "corrupt" if isinstance(error, Corrupt) else "tier_failed")
             removed.append(entry.key)
 
     def take_out(self, level: Level, removed: list[ChunkKey], limit: int) -> int:
@@ -456,7 +461,7 @@ class TierPlacement:
             level.failed = level.tier.failure or f"{level.name} tier failed"
         keys = list(itertools.islice(level.policy.coldest(), limit))
         for key in keys:
-            self.drop(self.entries[key])
+            self.drop(self.entries[key], "tier_failed")
             removed.append(key)
         shadows = 0
         while shadows < limit - len(keys) and self.shed_shadow(level):
@@ -506,8 +511,13 @@ class TierPlacement:
         old.orphan = True
         self.release_copy(old)
 
-    def drop(self, entry: Entry) -> None:
-        """Remove a committed chunk from the table; its copies go when unheld."""
+    def drop(self, entry: Entry, reason: str = "") -> None:
+        """Remove a committed chunk from the table; its copies go when unheld.
+        ``reason`` (evicted, corrupt, tier_failed) is reported with its removal."""
+        if reason:
+            if len(self.reasons) >= _MAX_REASONS:
+                self.reasons.clear()  # unreported for long: the metadata service is away
+            self.reasons[entry.key] = (reason, entry.copy.level.name)
         copy = self.detach(entry)
         del self.entries[entry.key]
         self.inventory.remove(entry.key)

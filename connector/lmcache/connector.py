@@ -38,6 +38,7 @@ from kvdepot.connector.lmcache.encoding import (
     release,
 )
 from kvdepot.connector.lmcache.engine_keys import chunk_key
+from kvdepot.connector.lmcache.namespace import register as register_namespace
 from kvdepot.connector.lmcache.settings import PluginSettings, resolve
 from kvdepot.errors import InvalidArgument, KVDepotError
 from kvdepot.keys import ChunkKey
@@ -121,6 +122,7 @@ class KVDepotLMCacheConnector(RemoteConnector):
             self.settings.io_threads, thread_name_prefix="kvdepot-lmcache"
         )
         self._closed = False
+        self._pool.submit(register_namespace, self._client, metadata, config, self.chunks.encoding)
         self._warned: dict[str, float] = {}
         self._warn_lock = threading.Lock()
         logger.info(

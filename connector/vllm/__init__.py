@@ -40,7 +40,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
 
 from kvdepot.connector.client import ClientConfig, KVDepotClient
 from kvdepot.connector.codec import create_codec
@@ -52,6 +57,11 @@ from kvdepot.connector.vllm.layout import (
     namespace_for,
 )
 from kvdepot.connector.vllm.model_identity import model_identity as _identity_of
+from kvdepot.connector.vllm.namespace_report import (
+    flush_reports,
+    register_namespace,
+    use_namespace,
+)
 from kvdepot.connector.vllm.plan import KVDepotConnectorMetadata
 from kvdepot.connector.vllm.scheduler import PD_TOKENS_PARAM, SchedulerSide
 from kvdepot.connector.vllm.settings import ConnectorSettings
@@ -60,6 +70,7 @@ from kvdepot.connector.vllm.stats import (
     PROCESS_STATS,
     Counters,
     KVDepotConnectorStats,
+    KVDepotPromMetrics,
     attach_to_vllm_logging,
 )
 from kvdepot.connector.vllm.worker import WorkerSide
@@ -84,7 +95,9 @@ def wait_published(timeout_s: float = 30.0) -> bool:
     done: publishing runs behind the engine.
     """
     deadline = time.monotonic() + timeout_s
-    return all(w.wait_published(max(0.0, deadline - time.monotonic())) for w in list(_WORKERS))
+    done = all(w.wait_published(max(0.0, deadline - time.monotonic())) for w in list(_WORKERS))
+    flush_reports()  # and what the scheduler owes the cluster's counters
+    return done
 
 
 def check_config(vllm_config: Any) -> tuple[ConnectorSettings, KVLayout]:
@@ -152,12 +165,11 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
         )
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
-        # The scheduler keys in rank 0's namespace (see shard_key).
+        # Every rank has the same namespace: the chunk format does not depend
+        # on the rank (see chunk_format).
         # (_identity_of: the package's attribute model_identity stays the module.)
         identity = _identity_of(vllm_config, s.model_id)
-        ns = namespace_for(
-            vllm_config, s, self.layout, 0 if scheduler else _tp_rank(), self.groups, identity
-        )
+        ns = namespace_for(vllm_config, s, self.layout, 0, self.groups, identity)
         if scheduler:
             if s.force_recompute_on_load_error and self.is_consumer:
                 # The scheduler reads the policy right after creating us: a
@@ -174,6 +186,7 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
                 counters=self._counters,
                 groups=self.groups,
             )
+            register_namespace(self._client, ns, s, identity)
         else:
             self._worker = WorkerSide(
                 s,
@@ -184,7 +197,9 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
                 is_producer=self.is_producer,
                 counters=self._counters,
                 groups=self.groups,
+                tp_rank=_tp_rank(),
             )
+            use_namespace(self._client, ns)
             _WORKERS.add(self._worker)
         logger.info(
             "KVDepotConnector (%s, %s): metadata %s, KV cache groups: %s; %s",
@@ -209,6 +224,18 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
         return KVDepotConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        # vLLM's log line of an interval is DEBUG once the engine idles:
+        # these series are where the counters always show.
+        return KVDepotPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ===================================================== scheduler side
     def _sched(self) -> SchedulerSide:

@@ -5,13 +5,13 @@ workers, which move the bytes) must derive the very same key namespace, so
 everything here is computed from the ``VllmConfig`` alone. The workers then
 check that the KV tensors they are given match it.
 
-A chunk is ``chunk_tokens`` tokens = ``blocks_per_chunk`` paged blocks, laid out
-layer-major: for each attention layer in order, that layer's blocks of the
-chunk as they sit in the paged cache, passed through the namespace's KV codec
-(``none``: the bytes unchanged; ``fp8_e4m3``: quantized, see
-``kvdepot.connector.codec``). Blocks are treated as opaque arrays of values
-(the CPU backend packs K and V per kernel path), so the kernel path is part
-of the namespace, and so is the codec.
+A chunk is ``chunk_tokens`` tokens stored in kvdepot's canonical format
+(:mod:`kvdepot.connector.vllm.chunk_format`): one object per KV head,
+layer-major, K and V token-major, through the namespace's KV codec. The
+bytes do not depend on the engine's tensor-parallel size or rank, block size
+or kernel path, so none of those is in the namespace: what is, is what
+changes the bytes' meaning (model, KV dtype, layers, KV heads of the whole
+model, head size, attention kind, codec, chunk size).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
+from kvdepot.connector.vllm.chunk_format import FORMAT_NAME, HeadMap
 from kvdepot.connector.vllm.model_identity import ModelIdentity, model_identity
 from kvdepot.connector.vllm.settings import ConnectorSettings
 from kvdepot.errors import InvalidArgument
@@ -39,8 +40,17 @@ class KVLayout:
     kernel: str
     chunk_tokens: int
     sliding_window: int = 0
+    total_kv_heads: int = 0  # the model's (0: num_kv_heads, one rank's)
+    tp_size: int = 1
+    mla: bool = False  # one latent per token, the same on every rank
 
     def __post_init__(self) -> None:
+        if self.total_kv_heads == 0:
+            object.__setattr__(
+                self,
+                "total_kv_heads",
+                self.num_kv_heads if self.mla else self.num_kv_heads * self.tp_size,
+            )
         if self.chunk_tokens % self.block_size:
             raise InvalidArgument(
                 f"chunk_tokens ({self.chunk_tokens}) must be a multiple of the engine's "
@@ -51,13 +61,15 @@ class KVLayout:
     def blocks_per_chunk(self) -> int:
         return self.chunk_tokens // self.block_size
 
+    def head_map(self, tp_rank: int) -> HeadMap:
+        """Which KV heads rank ``tp_rank`` holds and writes."""
+        return HeadMap(self.total_kv_heads, self.tp_size, tp_rank, self.mla)
+
     def signature(self) -> str:
-        """The layout part of the key namespace."""
-        sig = (
-            # fmt3: a header of per-layer checksums and the codec precedes the layers.
-            f"vllm-fmt3:{self.device}:{self.kernel}:bs{self.block_size}:"
-            f"L{self.num_layers}:H{self.num_kv_heads}:D{self.head_size}"
-        )
+        """The layout part of the key namespace: the canonical format and the
+        shape of the model's KV, nothing of the engine's own layout."""
+        kind = "mla" if self.mla else "kv"
+        sig = f"{FORMAT_NAME}:{kind}:L{self.num_layers}:H{self.total_kv_heads}:D{self.head_size}"
         # A model with a sliding window keeps other KV than one without.
         return f"{sig}:sw{self.sliding_window}" if self.sliding_window else sig
 
@@ -75,8 +87,14 @@ def layout_from_config(vllm_config: Any, settings: ConnectorSettings) -> KVLayou
     if device == "cpu":
         import torch
 
-        # The CPU attention kernels pack blocks differently per ISA.
+        # Logged only: the chunk format does not depend on it.
         kernel = f"cpu-{torch.backends.cpu.get_cpu_capability()}"
+    if int(parallel.pipeline_parallel_size) > 1:
+        raise InvalidArgument(
+            f"kvdepot does not support pipeline parallelism (pipeline_parallel_size="
+            f"{parallel.pipeline_parallel_size}); run with pipeline_parallel_size=1"
+        )
+    mla = bool(getattr(model_config, "use_mla", False))
     return KVLayout(
         device=device,
         dtype=dtype,
@@ -87,6 +105,9 @@ def layout_from_config(vllm_config: Any, settings: ConnectorSettings) -> KVLayou
         kernel=kernel,
         chunk_tokens=settings.chunk_tokens,
         sliding_window=int(model_config.get_sliding_window() or 0),
+        total_kv_heads=1 if mla else int(model_config.get_total_num_kv_heads()),
+        tp_size=int(parallel.tensor_parallel_size),
+        mla=mla,
     )
 
 
@@ -94,11 +115,12 @@ def namespace_for(
     vllm_config: Any,
     settings: ConnectorSettings,
     layout: KVLayout,
-    tp_rank: int,
+    tp_rank: int = 0,
     groups: CacheGroups | None = None,
     identity: ModelIdentity | None = None,
 ) -> Namespace:
-    """The key namespace of one tensor-parallel rank of this engine.
+    """The key namespace of this engine, the same on every tensor-parallel
+    rank (``tp_rank`` is accepted for callers that name it, and ignored).
 
     Its model is the model's identity (``identity``, else derived from
     ``vllm_config``): ``model_id`` when set, else a digest of the model's
@@ -122,8 +144,6 @@ def namespace_for(
         model=model,
         kv_dtype=layout.dtype,
         kv_layout=layout.signature(),
-        tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
-        tp_rank=tp_rank,
         chunk_tokens=layout.chunk_tokens,
         extra=extra,
     )

@@ -17,13 +17,13 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvdepot.connector.client import KVDepotClient
 from kvdepot.connector.vllm.plan import PrefixKeys
 from kvdepot.connector.vllm.stats import Counters
 from kvdepot.errors import KVDepotError
-from kvdepot.keys import ChunkKey, Namespace, shard_key
+from kvdepot.keys import ChunkKey
 from kvdepot.repeat_log import RepeatLog
 
 logger = logging.getLogger(__name__)
@@ -73,7 +73,8 @@ class LookupBreaker:
             for each further failure, up to 16 times.
         after: Failures in a row that open it.
         warn: Where a failure is logged (once per kind and interval).
-        shards: The namespaces of tensor-parallel ranks after rank 0.
+        shards: The keys of a chunk's other parts (its KV heads after
+            head 0), from its chain key.
     """
 
     def __init__(
@@ -83,11 +84,11 @@ class LookupBreaker:
         cooldown_s: float,
         after: int,
         warn: RepeatLog,
-        shards: Sequence[Namespace] = (),
+        shards: Sequence[Callable[[ChunkKey], ChunkKey]] = (),
     ) -> None:
         self._client = client
         self.deadline = deadline
-        # A key hits only when every rank's shard of it is stored.
+        # A key hits only when every part of it is stored.
         self._shards = tuple(shards)
         self._cooldown = cooldown_s
         self._after = max(1, after)
@@ -96,8 +97,9 @@ class LookupBreaker:
         self._open_until = 0.0
         self._failures = 0
 
-    def lookup(self, keys: PrefixKeys, counters: Counters) -> int | None:
-        """Leading hits of ``keys``, or None when kvdepot cannot answer now."""
+    def lookup(self, keys: PrefixKeys, counters: Counters, *, repeat: bool = False) -> int | None:
+        """Leading hits of ``keys``, or None when kvdepot cannot answer now.
+        ``repeat``: the request was looked up before (the cluster counts it once)."""
         now = time.monotonic()
         with self._lock:
             if now < self._open_until:
@@ -105,13 +107,18 @@ class LookupBreaker:
                 return None
         limit = self.deadline.seconds
         try:
-            hits = self._client.lookup(keys.keys, key_tokens=keys.key_tokens, timeout_s=limit)
+            hits = self._client.lookup(
+                keys.keys,
+                key_tokens=keys.key_tokens,
+                count="none" if repeat else "all",
+                timeout_s=limit,
+            )
             hits = self._every_shard(keys.keys, hits, limit)
         except KVDepotError as exc:
-            self._failed(exc, time.monotonic() - now >= 0.9 * limit, counters)
+            self._failed(exc, time.monotonic() - now >= 0.9 * limit, counters, repeat)
             return None
         self.deadline.answered(time.monotonic() - now)
-        counters.add(lookups=1)
+        counters.add(lookups=int(not repeat), lookups_repeated=int(repeat))
         with self._lock:
             if self._failures >= self._after:
                 logger.info("kvdepot lookups answer again")
@@ -119,8 +126,15 @@ class LookupBreaker:
             self._open_until = 0.0
         return hits
 
-    def _failed(self, exc: KVDepotError, timed_out: bool, counters: Counters) -> None:
-        counters.add(lookups=1, lookup_errors=1, lookup_timeouts=int(timed_out))
+    def _failed(
+        self, exc: KVDepotError, timed_out: bool, counters: Counters, repeat: bool = False
+    ) -> None:
+        counters.add(
+            lookups=int(not repeat),
+            lookups_repeated=int(repeat),
+            lookup_errors=1,
+            lookup_timeouts=int(timed_out),
+        )
         if timed_out:
             self.deadline.missed()
         with self._lock:
@@ -137,25 +151,29 @@ class LookupBreaker:
             backoff,
         )
 
-    def lookup_more(self, keys: list[ChunkKey], tokens: int) -> int:
-        """The rest of a prompt's lookup (its hits are counted, not the call)."""
+    def lookup_more(self, keys: list[ChunkKey], tokens: int, *, repeat: bool = False) -> int:
+        """The rest of a prompt's lookup (its hits are counted, not the call;
+        nothing of a ``repeat``)."""
         if not keys or time.monotonic() < self._open_until:
             return 0
         limit = self.deadline.seconds
         try:
             hits = self._client.lookup(
-                keys, key_tokens=[tokens] * len(keys), count="hits", timeout_s=limit
+                keys,
+                key_tokens=[tokens] * len(keys),
+                count="none" if repeat else "hits",
+                timeout_s=limit,
             )
             return self._every_shard(keys, hits, limit)
         except KVDepotError:
             return 0
 
     def _every_shard(self, keys: Sequence[ChunkKey], hits: int, limit: float) -> int:
-        """The leading ``hits`` of rank 0's keys that every other rank holds too."""
-        for ns in self._shards:
-            if hits == 0:
-                break
-            # The prompt was counted once, by rank 0's lookup.
-            rank_keys = [shard_key(ns, k) for k in keys[:hits]]
-            hits = min(hits, self._client.lookup(rank_keys, count="none", timeout_s=limit))
-        return hits
+        """The leading ``hits`` of ``keys`` whose every other part is stored too."""
+        if hits == 0 or not self._shards:
+            return hits
+        # One call for every part, key by key: its leading hits cover whole
+        # keys' parts. The prompt was counted once, by the first part's lookup.
+        parts = [part(k) for k in keys[:hits] for part in self._shards]
+        found = self._client.lookup(parts, count="none", timeout_s=limit)
+        return min(hits, found // len(self._shards))

@@ -1,16 +1,17 @@
 """The bytes of KV objects: their sizes, staging buffers, and verification.
 
-An object of ``n`` engine blocks is ``[header][layer 0]…[layer L-1]``, each
-layer the codec's encoding of those ``n`` blocks of that layer's cache (see
-:mod:`kvdepot.connector.vllm.loader` for the header: per-layer checksums and
-the codec header, which names the value count, so a chunk and a tail block
-never pass for each other).
+An object is one KV head of ``tokens`` tokens (a chunk or a tail unit), in
+the canonical format of :mod:`kvdepot.connector.vllm.chunk_format`:
+``[header][layer 0]…[layer L-1]``, each layer the codec's encoding of K then
+V, token-major (see :mod:`kvdepot.connector.vllm.loader` for the header:
+per-layer checksums and the codec header, which names the value count, so a
+chunk and a tail unit never pass for each other).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import numpy as np
@@ -18,16 +19,18 @@ import torch
 
 from kvdepot.connector.codec.base import HEADER_BYTES as CODEC_HEADER_BYTES
 from kvdepot.connector.codec.base import KVCodec
+from kvdepot.connector.vllm.chunk_format import head_key
 from kvdepot.connector.vllm.loader import header_bytes
 from kvdepot.connector.vllm.plan import KVObject
+from kvdepot.keys import ChunkKey
 from kvdepot.wire.xxh3 import checksum
 
 
 @dataclass(frozen=True, slots=True)
 class Geometry:
-    """Sizes of an object of ``blocks`` blocks."""
+    """Sizes of an object of ``tokens`` tokens."""
 
-    blocks: int
+    tokens: int
     layer_values: int
     layer_bytes: int
     codec_header: bytes
@@ -36,23 +39,31 @@ class Geometry:
 
 
 class ObjectFormat:
-    """Geometry of the objects of one engine's KV cache."""
+    """Geometry of the objects of one namespace.
+
+    Args:
+        codec: The namespace's codec.
+        token_values: Values of one head and token in a layer (K and V:
+            ``2 * head_size``; MLA: the latent).
+        dtype: The KV values' dtype.
+        num_layers: Layers of the model.
+    """
 
     def __init__(
-        self, codec: KVCodec, block_values: int, dtype: torch.dtype, num_layers: int
+        self, codec: KVCodec, token_values: int, dtype: torch.dtype, num_layers: int
     ) -> None:
         self.codec = codec
-        self.block_values = block_values
+        self.token_values = token_values
         self.dtype = dtype
         self.num_layers = num_layers
         self.header = header_bytes(num_layers)
         self.geometry = lru_cache(maxsize=8)(self._geometry)
 
-    def _geometry(self, blocks: int) -> Geometry:
-        values = self.block_values * blocks
+    def _geometry(self, tokens: int) -> Geometry:
+        values = self.token_values * tokens
         layer_bytes = self.codec.encoded_bytes(values, self.dtype)
         return Geometry(
-            blocks,
+            tokens,
             values,
             layer_bytes,
             self.codec.header(values, self.dtype).pack(),
@@ -60,10 +71,10 @@ class ObjectFormat:
             self.header + self.num_layers * layer_bytes,
         )
 
-    def verify(self, row: np.ndarray, blocks: int) -> bool:
+    def verify(self, row: np.ndarray, tokens: int) -> bool:
         """Whether an object read back is whole: its codec header is the one
         expected and every layer matches the checksum its writer recorded."""
-        g = self.geometry(blocks)
+        g = self.geometry(tokens)
         at = 8 * self.num_layers
         if bytes(row[at : at + CODEC_HEADER_BYTES]) != g.codec_header:
             return False
@@ -77,34 +88,42 @@ class ObjectFormat:
 
 @dataclass
 class StagedGroup:
-    """Objects of one request with the same block count, staged together."""
+    """Objects of one request with the same token count, staged together:
+    one row per (object, head), heads inner."""
 
     geometry: Geometry
     index: list[int]  # positions of the objects in their plan
     objects: list[KVObject]
-    rows: np.ndarray  # [len(objects), geometry.size]
+    rows: np.ndarray  # [len(objects) * heads, geometry.size]
+    heads: int = 1
+    keys: list[ChunkKey] = field(default_factory=list)  # of the rows
     pinned: torch.Tensor | None = None  # the same memory, page-locked (GPU engines)
-
-    def flat_blocks(self, group: int = 0) -> list[int]:
-        """The objects' blocks of KV cache group ``group``, in order."""
-        return [b for o in self.objects for b in o.blocks[group]]
 
 
 def stage(
-    fmt: ObjectFormat, objects: Sequence[KVObject], *, pinned: bool = False
+    fmt: ObjectFormat,
+    objects: Sequence[KVObject],
+    block_size: int,
+    heads: Sequence[int] = (0,),
+    digest: bytes = b"",
+    *,
+    pinned: bool = False,
 ) -> list[StagedGroup]:
-    """Staging buffers for ``objects``, grouped by their block count; with
+    """Staging buffers for KV heads ``heads`` of each of ``objects`` (keyed
+    in the namespace of ``digest``), grouped by token count; with
     ``pinned``, in page-locked memory a GPU copies into asynchronously."""
     groups: dict[int, StagedGroup] = {}
     for i, obj in enumerate(objects):
-        n = obj.num_blocks
+        n = obj.span(block_size)[1]
         group = groups.get(n)
         if group is None:
-            group = groups[n] = StagedGroup(fmt.geometry(n), [], [], np.empty(0, np.uint8))
+            geo = fmt.geometry(n)
+            group = groups[n] = StagedGroup(geo, [], [], np.empty(0, np.uint8), len(heads))
         group.index.append(i)
         group.objects.append(obj)
+        group.keys.extend(head_key(digest, obj.key, h) for h in heads)
     for group in groups.values():
-        shape = (len(group.objects), group.geometry.size)
+        shape = (len(group.objects) * len(heads), group.geometry.size)
         if pinned:
             group.pinned = torch.empty(shape, dtype=torch.uint8, pin_memory=True)
             group.rows = group.pinned.numpy()
@@ -113,5 +132,7 @@ def stage(
     return list(groups.values())
 
 
-def staged_bytes(fmt: ObjectFormat, objects: Sequence[KVObject]) -> int:
-    return sum(fmt.geometry(o.num_blocks).size for o in objects)
+def staged_bytes(
+    fmt: ObjectFormat, objects: Sequence[KVObject], block_size: int, heads: int = 1
+) -> int:
+    return heads * sum(fmt.geometry(o.span(block_size)[1]).size for o in objects)

@@ -1,10 +1,11 @@
 """What the scheduler side tells the workers to load and save in one step.
 
-The unit moved is a *KV object*: a whole chunk (``blocks_per_chunk`` engine
-blocks under its chained chunk key) or one block of a prompt's tail (the
-whole blocks after its last whole chunk, each under a block key chained from
-that chunk's key, see :func:`kvdepot.keys.block_keys`). Both have
-the same layer-major format; only their number of blocks differs.
+The unit moved is a *KV object*: a whole chunk (``chunk_tokens`` tokens
+under its chained chunk key) or one tail unit of a prompt (``TAIL_TOKENS``
+tokens after its last whole chunk, each under a key chained from that
+chunk's key, see :func:`kvdepot.keys.block_keys`), each stored as one object
+per KV head (:mod:`kvdepot.connector.vllm.chunk_format`). Neither depends
+on the engine's block size; an engine loads whole blocks of them.
 
 Blocks are named per KV cache group (see
 :class:`kvdepot.connector.vllm.layout.CacheGroups`): the same positions of
@@ -30,18 +31,27 @@ class KVObject:
     """One stored object: its key and the engine blocks it fills, in order.
 
     Attributes:
-        key: Its key.
+        key: Its key (its KV head 0's; see ``head_key``).
         position: The request's block index of its first block.
         blocks: Per KV cache group, the block ids of its positions.
+        start: The request's index of its first token (-1: ``position``'s first).
+        tokens: Its tokens (0: its blocks, whole).
     """
 
     key: ChunkKey
     position: int
     blocks: tuple[tuple[int, ...], ...]
+    start: int = -1
+    tokens: int = 0
 
     @property
     def num_blocks(self) -> int:
         return len(self.blocks[0])
+
+    def span(self, block_size: int) -> tuple[int, int]:
+        """``(first token, tokens)`` of the request it holds."""
+        start = self.start if self.start >= 0 else self.position * block_size
+        return start, (self.tokens or self.num_blocks * block_size)
 
     def whole(self) -> bool:
         """Every group still holds every block (a save needs them all)."""
@@ -68,6 +78,7 @@ class LoadPlan:
             lookup until they are all there, within the load's deadline.
         deadline_s: An in-step load's deadline from the start of its step
             (given up and recomputed after it); 0: ``load_timeout_s``.
+        end: The token the load ends before (its objects may hold more).
     """
 
     req_id: str
@@ -76,10 +87,29 @@ class LoadPlan:
     asynchronous: bool = True
     wait_for_commit: bool = False
     deadline_s: float = 0.0
+    end: int = 1 << 62
 
-    def loaded_positions(self, objects: Sequence[KVObject]) -> list[tuple[int, int]]:
-        """``(position, group-0 block)`` of ``objects``' blocks this load writes."""
-        return [pb for o in objects for pb in o.positioned(0) if pb[0] >= self.first_block]
+    def loaded_positions(
+        self, objects: Sequence[KVObject], block_size: int
+    ) -> list[tuple[int, int]]:
+        """``(position, group-0 block)`` of the blocks this load writes into
+        from ``objects``, each once."""
+        seen: dict[int, int] = {}
+        for o in objects:
+            start, n = o.span(block_size)
+            lo = max(start, self.first_block * block_size)
+            hi = min(start + n, self.end)
+            for p in range(lo // block_size, -(-hi // block_size) if hi > lo else lo // block_size):
+                seen.setdefault(p, o.blocks[0][p - o.position])
+        return sorted(seen.items())
+
+    def loaded_tokens(self, objects: Sequence[KVObject], block_size: int) -> int:
+        """Tokens this load writes from ``objects``."""
+        total = 0
+        for o in objects:
+            start, n = o.span(block_size)
+            total += max(0, min(start + n, self.end) - max(start, self.first_block * block_size))
+        return total
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +137,7 @@ class PrefixKeys:
         chunks: One key per whole chunk.
         tail: One key per whole block after the last whole chunk.
         chunk_tokens: Tokens per chunk.
-        block_tokens: Tokens per engine block.
+        block_tokens: Tokens per tail key (``TAIL_TOKENS``, or a test's).
     """
 
     chunks: tuple[ChunkKey, ...]
@@ -142,7 +172,7 @@ def prefix_keys(
     Args:
         ns: The engine's namespace.
         tokens: The token sequence.
-        block_tokens: Tokens per engine block.
+        block_tokens: Tokens per tail key.
         with_tail: Also key the tail blocks.
         chunks: Chunk keys of a prefix of ``tokens`` computed before; only
             the chunks after them are hashed again.

@@ -16,12 +16,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from kvdepot.connector.client import KVDepotClient
+from kvdepot.connector.vllm.chunk_format import head_key, tail_tokens
 from kvdepot.connector.vllm.layout import CacheGroups, KVLayout
 from kvdepot.connector.vllm.lookups import LookupBreaker, LookupDeadline
+from kvdepot.connector.vllm.namespace_report import report_served
 from kvdepot.connector.vllm.pacing import LoadPacer
 from kvdepot.connector.vllm.plan import (
     KVDepotConnectorMetadata,
@@ -65,6 +68,7 @@ class _Request:
     load: tuple[int, int, float | None] | None = None
     loading: frozenset[int] = frozenset()  # blocks of the load under way
     load_failed: bool = False  # then the request recomputes: no second try
+    decline_counted: bool = False
     skip_counted: bool = False
 
 
@@ -92,15 +96,19 @@ class SchedulerSide:
         self.is_consumer = is_consumer
         self.save_decode = settings.saves_decode(kv_role)
         self._counters = counters
+        self._client = client
         self._warn = RepeatLog(logger)
-        shards = [replace(namespace, tp_rank=r) for r in range(1, namespace.tp_size)]
+        # A chunk hits only when every KV head of it is stored.
+        digest = namespace.digest()
+        heads = [partial(head_key, digest, head=h) for h in range(1, layout.total_kv_heads)]
+        self._tail = tail_tokens(namespace.chunk_tokens)
         self._breaker = LookupBreaker(
             client,
             LookupDeadline(settings.lookup_timeout_s, settings.lookup_ceiling_s()),
             settings.lookup_breaker_s,
             settings.lookup_breaker_after,
             self._warn,
-            shards,
+            heads,
         )
         self._requests: dict[str, _Request] = {}
         self._loads: list[LoadPlan] = []
@@ -119,9 +127,7 @@ class SchedulerSide:
         return state
 
     def _keys(self, state: _Request, tokens: list[int]) -> PrefixKeys:
-        keys = prefix_keys(
-            self.ns, tokens, self.layout.block_size, with_tail=True, chunks=state.chunks
-        )
+        keys = prefix_keys(self.ns, tokens, self._tail, with_tail=True, chunks=state.chunks)
         state.chunks = list(keys.chunks)
         return keys
 
@@ -130,16 +136,23 @@ class SchedulerSide:
         keys = self._keys(state, tokens)
         if not keys.chunks and not keys.tail:
             return 0
-        hits = self._breaker.lookup(keys, self._counters)
+        # A request looked up again (it waited) is counted once by the cluster.
+        repeat = state.looked_up > 0
+        hits = self._breaker.lookup(keys, self._counters, repeat=repeat)
         if hits is None:
             return 0
-        if hits < len(keys.chunks) and self.layout.blocks_per_chunk > 1:
-            # Chunk `hits` is missing, but blocks of it may be stored: the
+        found = keys.tokens_of(hits)
+        if hits < len(keys.chunks) and self._tail < self.ns.chunk_tokens:
+            # Chunk `hits` is missing, but units of it may be stored: the
             # tail of an earlier, shorter sequence (the last turn of a chat).
-            more = tail_keys(self.ns, tokens, self.layout.block_size, hits, keys.chunks)
-            extra = self._breaker.lookup_more(more, self.layout.block_size)
-            return hits * self.ns.chunk_tokens + extra * self.layout.block_size
-        return keys.tokens_of(hits)
+            more = tail_keys(self.ns, tokens, self._tail, hits, keys.chunks)
+            extra = self._breaker.lookup_more(more, self._tail, repeat=repeat)
+            found = hits * self.ns.chunk_tokens + extra * self._tail
+        # The engine loads whole blocks of it.
+        usable = found // self.layout.block_size * self.layout.block_size
+        if not repeat:
+            self._counters.add(lookup_hit_tokens=usable)
+        return usable
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -148,6 +161,9 @@ class SchedulerSide:
         if state.load_failed:
             # Asked again after its load failed (vLLM resets the request): a
             # second try would likely fail the same way, so it recomputes.
+            if not state.decline_counted:
+                state.decline_counted = True
+                self._counters.add(loads_declined_failed=1)
             return 0, False
         tokens = list(request.all_token_ids)
         now = time.monotonic()
@@ -165,7 +181,7 @@ class SchedulerSide:
         if known_chunks > state.saved_chunks:
             state.saved_chunks, state.saved_tail = known_chunks, 0
         if known_chunks == state.saved_chunks:
-            tail = (hit - known_chunks * self.ns.chunk_tokens) // self.layout.block_size
+            tail = (hit - known_chunks * self.ns.chunk_tokens) // self._tail
             state.saved_tail = max(state.saved_tail, tail)
         if not self.is_consumer:
             return 0, False
@@ -232,25 +248,25 @@ class SchedulerSide:
             self._loads.append(plan)
             self._counters.add(**{"loads_async" if asynchronous else "loads_sync": 1})
 
-    @staticmethod
-    def _object(state: _Request, key: ChunkKey, position: int, n: int) -> KVObject:
-        """The object of ``key`` over the request's blocks ``position..+n``."""
-        groups = tuple(tuple(ids[position : position + n]) for ids in state.block_ids)
-        return KVObject(key, position, groups)
+    def _object(self, state: _Request, key: ChunkKey, start: int, n: int) -> KVObject:
+        """The object of ``key`` over the request's tokens ``start..+n``."""
+        bs = self.layout.block_size
+        first, last = start // bs, (start + n - 1) // bs + 1
+        groups = tuple(tuple(ids[first:last]) for ids in state.block_ids)
+        return KVObject(key, first, groups, start, n)
 
     def _load_plan(self, state: _Request, first: int, end: int, deadline: float | None) -> LoadPlan:
-        c, bs, bpc = self.ns.chunk_tokens, self.layout.block_size, self.layout.blocks_per_chunk
+        c, bs, u = self.ns.chunk_tokens, self.layout.block_size, self._tail
         tokens = list(state.request.all_token_ids)
         objects: list[KVObject] = []
         full = end // c
         for i in range(first // c, full):
-            objects.append(self._object(state, state.chunks[i], i * bpc, bpc))
+            objects.append(self._object(state, state.chunks[i], i * c, c))
         if end > full * c:
-            tail = tail_keys(self.ns, tokens[:end], bs, full, state.chunks)
+            tail = tail_keys(self.ns, tokens[:end], u, full, state.chunks)
             for j, key in enumerate(tail):
-                b = full * bpc + j
-                if b >= first // bs:
-                    objects.append(self._object(state, key, b, 1))
+                if full * c + (j + 1) * u > first:
+                    objects.append(self._object(state, key, full * c + j * u, u))
         return LoadPlan(
             state.request.request_id,
             tuple(objects),
@@ -258,6 +274,7 @@ class SchedulerSide:
             deadline is None,
             state.wait_for_commit,
             deadline or 0.0,
+            end,
         )
 
     # ---------------------------------------------------------------- steps
@@ -314,28 +331,28 @@ class SchedulerSide:
 
     def _save_plan(self, state: _Request, done: int) -> SavePlan | None:
         """The objects of a request that are complete once this step is done."""
-        bs, bpc = self.layout.block_size, self.layout.blocks_per_chunk
+        bs, c, u = self.layout.block_size, self.ns.chunk_tokens, self._tail
         request = state.request
         limit = len(request.all_token_ids) if self.save_decode else request.num_prompt_tokens
-        blocks = min(done, limit) // bs
-        blocks = min([blocks, *(len(ids) for ids in state.block_ids)])
-        chunks = blocks // bpc
+        # Computed tokens in allocated blocks (a unit may end inside a block).
+        ready = min([min(done, limit), *(len(ids) * bs for ids in state.block_ids)])
+        chunks = ready // c
         objects: list[KVObject] = []
         tokens: list[int] | None = None
         if chunks > state.saved_chunks:
             tokens = list(request.all_token_ids)
             self._extend_chunks(state, tokens, chunks)
             for j in range(state.saved_chunks, chunks):
-                objects.append(self._object(state, state.chunks[j], j * bpc, bpc))
+                objects.append(self._object(state, state.chunks[j], j * c, c))
             state.saved_chunks, state.saved_tail = chunks, 0
-        tail = blocks - state.saved_chunks * bpc
-        if self.settings.save_tail and bpc > 1 and tail > state.saved_tail:
+        tail = (ready - state.saved_chunks * c) // u
+        if self.settings.save_tail and u < c and tail > state.saved_tail:
             tokens = tokens if tokens is not None else list(request.all_token_ids)
             region = state.saved_chunks
             self._extend_chunks(state, tokens, region)
-            tkeys = tail_keys(self.ns, tokens[: blocks * bs], bs, region, state.chunks)
+            tkeys = tail_keys(self.ns, tokens[:ready], u, region, state.chunks)
             for j in range(state.saved_tail, min(tail, len(tkeys))):
-                objects.append(self._object(state, tkeys[j], region * bpc + j, 1))
+                objects.append(self._object(state, tkeys[j], region * c + j * u, u))
             state.saved_tail = tail
         # A sliding-window group frees the blocks that leave its window; with
         # a window of at least a chunk that happens only after an object was
@@ -362,6 +379,7 @@ class SchedulerSide:
             self._pacer.failed(now)
         if stats:
             self._counters.add_workers(dict(stats))
+            report_served(self._client, stats)
             if stats.get("loads_timed_out", 0) or stats.get("load_errors", 0):
                 self._pacer.failed(now)
             self._pacer.observe(
@@ -385,9 +403,7 @@ class SchedulerSide:
         state = self._requests.pop(request.request_id, None)
         if state is None or not self.is_producer:
             return False, None
-        tokens = (
-            state.saved_chunks * self.ns.chunk_tokens + state.saved_tail * self.layout.block_size
-        )
+        tokens = state.saved_chunks * self.ns.chunk_tokens + state.saved_tail * self._tail
         tokens = min(tokens, request.num_prompt_tokens)
         if tokens <= 0:
             return False, None

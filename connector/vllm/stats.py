@@ -1,33 +1,57 @@
-"""The connector's counters and its logging inside vLLM."""
+"""The connector's counters, their Prometheus series, and its logging inside vLLM.
+
+Two figures are kept apart: what the cluster *held* when a request was
+looked up (``lookup_hit_tokens``, counted once per request) and what the
+engine was *served* (``tokens_hit``: tokens whose KV a load put into the
+engine). They differ by what vLLM's own prefix cache already had, by loads
+that failed or were declined, and by the tail an in-step load leaves to the
+engine; only the served figure equals vLLM's
+``vllm:prompt_tokens_by_source{source="external_kv_transfer"}``.
+"""
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
+from vllm.v1.metrics.utils import create_metric_per_engine
 
 STAT_KEYS = (
-    "lookups",  # scheduler lookups sent to the metadata service
-    "lookup_errors",  # ... that failed or missed their deadline
+    # Lookups: what the cluster held when asked.
+    "lookups",  # requests looked up in the metadata service (once each)
+    "lookups_repeated",  # ... looked up again (a waiting request's lookup went stale)
+    "lookup_hit_tokens",  # tokens the cluster held at a request's first lookup
+    "lookup_errors",  # lookups that failed or missed their deadline
     "lookup_timeouts",  # ... of those, that missed their deadline
     "lookups_skipped",  # new requests not looked up: the breaker was open
-    "tokens_hit",  # tokens whose KV a load put into the engine
+    # Loads: what the engine was served.
+    "tokens_hit",  # tokens whose KV a load put into the engine (rank 0 counts them)
     "chunks_loaded",  # objects loaded: whole chunks and tail blocks
     "bytes_loaded",
     "load_errors",  # objects planned for a load that did not arrive verified
     "loads_async",  # requests loaded while the batch kept running
     "loads_sync",  # requests loaded inside the step (small loads)
     "loads_timed_out",  # loads given up at their deadline
+    "loads_declined_failed",  # requests asked again after a failed load: recomputed
     "load_timed",  # loads fetched whole: how long fetching took, for the
     "load_timed_us",  # scheduler's choice of in-step or asynchronous loads
     "load_timed_tokens",
+    # Saves.
     "chunks_saved",  # objects published
     "bytes_saved",
     "chunks_skipped",  # objects not sent: the cluster had them
     "save_errors",
-    "saves_dropped",  # objects not staged: the staging buffer was full
+    "saves_dropped",  # objects not saved: staging full, or a block left its window
+    "bytes_loaded_rank0",  # bytes_loaded by tensor-parallel rank 0 alone (its heads)
 )
 
 # Cumulative counters of this process (tests and operators read them; vLLM's
@@ -109,3 +133,144 @@ def attach_to_vllm_logging() -> None:
         ours.addHandler(handler)
     ours.setLevel(theirs.level or logging.INFO)
     ours.propagate = False
+
+
+def _key(name: str) -> Callable[[Mapping[str, Any]], int]:
+    return lambda d: int(d.get(name, 0))
+
+
+def _lookup_errors(d: Mapping[str, Any]) -> int:
+    # A timed-out lookup is counted in both keys: here it is a deadline miss.
+    return max(0, int(d.get("lookup_errors", 0)) - int(d.get("lookup_timeouts", 0)))
+
+
+# (series, help, label, {label value: value of an interval's counts}); the
+# label is "" for a series without one. Names carry vLLM's prefix, so vLLM
+# drops and recreates them with its own series (a new engine, a new logger).
+PROM_SERIES: tuple[tuple[str, str, str, dict[str, Callable[[Mapping[str, Any]], int]]], ...] = (
+    (
+        "vllm:kvdepot_lookups",
+        "Requests the connector looked up in kvdepot (once per request).",
+        "",
+        {"": _key("lookups")},
+    ),
+    (
+        "vllm:kvdepot_lookups_repeated",
+        "Further lookups of a request already looked up (it waited for KV blocks).",
+        "",
+        {"": _key("lookups_repeated")},
+    ),
+    (
+        "vllm:kvdepot_lookup_failures",
+        "Lookups that got no answer, by reason (deadline: missed the lookup deadline).",
+        "reason",
+        {"deadline": _key("lookup_timeouts"), "error": _lookup_errors},
+    ),
+    (
+        "vllm:kvdepot_lookup_hit_tokens",
+        "Prompt tokens kvdepot held when a request was first looked up (held, not served).",
+        "",
+        {"": _key("lookup_hit_tokens")},
+    ),
+    (
+        "vllm:kvdepot_loaded_tokens",
+        "Prompt tokens whose KV a load from kvdepot put into the engine (served).",
+        "",
+        {"": _key("tokens_hit")},
+    ),
+    (
+        "vllm:kvdepot_loaded_objects",
+        "Objects (chunks and tail blocks) loaded into the engine.",
+        "",
+        {"": _key("chunks_loaded")},
+    ),
+    ("vllm:kvdepot_loaded_bytes", "Bytes loaded into the engine.", "", {"": _key("bytes_loaded")}),
+    (
+        "vllm:kvdepot_loads",
+        "Requests' loads started, by mode (async: the batch kept running; in_step: in the step).",
+        "mode",
+        {"async": _key("loads_async"), "in_step": _key("loads_sync")},
+    ),
+    (
+        "vllm:kvdepot_loads_failed",
+        "Loads given up, by reason (deadline: not done within load_timeout_s).",
+        "reason",
+        {"deadline": _key("loads_timed_out")},
+    ),
+    (
+        "vllm:kvdepot_load_failed_objects",
+        "Objects of a load that did not arrive verified (missing, corrupt or late): recomputed.",
+        "",
+        {"": _key("load_errors")},
+    ),
+    (
+        "vllm:kvdepot_loads_declined",
+        "Requests the connector did not load for, by reason (breaker_open: not looked up, "
+        "lookups kept failing; after_failed_load: recomputed after their load failed).",
+        "reason",
+        {
+            "breaker_open": _key("lookups_skipped"),
+            "after_failed_load": _key("loads_declined_failed"),
+        },
+    ),
+    (
+        "vllm:kvdepot_saved_objects",
+        "Objects published to kvdepot.",
+        "",
+        {"": _key("chunks_saved")},
+    ),
+    ("vllm:kvdepot_saved_bytes", "Bytes published to kvdepot.", "", {"": _key("bytes_saved")}),
+    (
+        "vllm:kvdepot_save_skipped_objects",
+        "Objects not sent: kvdepot had them already.",
+        "",
+        {"": _key("chunks_skipped")},
+    ),
+    (
+        "vllm:kvdepot_save_failed_objects",
+        "Objects whose publishing failed.",
+        "",
+        {"": _key("save_errors")},
+    ),
+    (
+        "vllm:kvdepot_saves_dropped_objects",
+        "Objects not saved: the staging buffer was full (or a block had left a sliding window).",
+        "",
+        {"": _key("saves_dropped")},
+    ),
+)
+
+
+class KVDepotPromMetrics(KVConnectorPromMetrics):
+    """The connector's counters as Prometheus counters on the engine's ``/metrics``.
+
+    vLLM hands each step's summed counts (workers and scheduler, see
+    :class:`KVDepotConnectorStats`) to :meth:`observe`, whether or not its
+    log line for the interval is printed.
+    """
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        # (engine, counter child, value of an interval's counts)
+        self._series: list[tuple[int, Any, Callable[[Mapping[str, Any]], int]]] = []
+        for name, doc, label, values in PROM_SERIES:
+            names = [*labelnames, label] if label else list(labelnames)
+            counter = self._counter_cls(name=name, documentation=doc, labelnames=names)
+            for value, fn in values.items():
+                engines = {
+                    i: [*lv, value] if label else list(lv)
+                    for i, lv in per_engine_labelvalues.items()
+                }
+                for i, child in create_metric_per_engine(counter, engines).items():
+                    self._series.append((i, child, fn))
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for i, child, fn in self._series:
+            if i == engine_idx and (n := fn(transfer_stats_data)) > 0:
+                child.inc(n)

@@ -15,7 +15,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
@@ -23,7 +23,7 @@ import numpy as np
 
 from kvdepot.connector.client import KVDepotClient
 from kvdepot.connector.vllm.loader import write_header
-from kvdepot.connector.vllm.objects import ObjectFormat, StagedGroup, stage
+from kvdepot.connector.vllm.objects import Geometry, ObjectFormat, StagedGroup, stage
 from kvdepot.connector.vllm.plan import LoadPlan
 from kvdepot.connector.vllm.stats import Counters
 from kvdepot.errors import KVDepotError
@@ -54,16 +54,28 @@ class Fetcher:
     """Fetches loads on background threads, each within its deadline."""
 
     def __init__(
-        self, client: KVDepotClient, fmt: ObjectFormat, warn: RepeatLog, threads: int = 2
+        self,
+        client: KVDepotClient,
+        fmt: ObjectFormat,
+        warn: RepeatLog,
+        threads: int = 2,
+        *,
+        block_size: int = 1,
+        heads: Sequence[int] = (0,),
+        digest: bytes = b"",
     ) -> None:
         self._client = client
         self._fmt = fmt
+        self._block_size = block_size
+        self._heads = tuple(heads)
+        self._digest = digest
         self._warn = warn
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvdepot-fetch")
         self._jobs: list[FetchJob] = []
 
     def submit(self, plan: LoadPlan, timeout_s: float) -> FetchJob:
-        job = FetchJob(plan, stage(self._fmt, plan.objects), time.monotonic() + timeout_s)
+        groups = stage(self._fmt, plan.objects, self._block_size, self._heads, self._digest)
+        job = FetchJob(plan, groups, time.monotonic() + timeout_s)
         job.future = self._pool.submit(self._run, job)
         self._jobs.append(job)
         return job
@@ -106,33 +118,37 @@ class Fetcher:
 
     def _run(self, job: FetchJob) -> int:
         plan = job.plan
-        keys = [o.key for o in plan.objects]
+        nh = len(self._heads)
+        # One row per (object, head), in the plan's order.
+        keys: list[ChunkKey] = [b""] * (len(plan.objects) * nh)  # type: ignore[list-item]
+        rows: list[np.ndarray | None] = [None] * len(keys)
+        geos: list[Geometry | None] = [None] * len(keys)
+        for g in job.groups:
+            for pos, i in enumerate(g.index):
+                for j in range(nh):
+                    rows[i * nh + j] = g.rows[pos * nh + j]
+                    keys[i * nh + j] = g.keys[pos * nh + j]
+                    geos[i * nh + j] = g.geometry
         try:
             if plan.wait_for_commit and not self._wait_committed(keys, job.deadline):
                 return 0
             started = time.monotonic()
-            rows: list[np.ndarray | None] = [None] * len(keys)
-            for g in job.groups:
-                for pos, i in enumerate(g.index):
-                    rows[i] = g.rows[pos]
             result = self._client.get_into(keys, rows, count="none")
         except KVDepotError as exc:
             self._warn.warn("load", "kvdepot load of %s failed: %s", plan.req_id, exc)
             return 0
         ok = 0
-        sizes = {i: g.geometry for g in job.groups for i in g.index}
         for i, loaded in enumerate(result.loaded):
-            geo = sizes[i]
+            geo, row = geos[i], rows[i]
+            assert geo is not None and row is not None
             if not loaded or result.sizes[i] != geo.size:
                 break
-            row = rows[i]
-            assert row is not None
-            if not self._fmt.verify(row, geo.blocks):
+            if not self._fmt.verify(row, geo.tokens):
                 self._warn.warn("verify", "kvdepot: an object of %s fails its checks", plan.req_id)
                 break
             ok += 1
         job.fetch_s = time.monotonic() - started
-        return ok
+        return ok // nh  # objects with every head
 
     def _wait_committed(self, keys: list[ChunkKey], deadline: float) -> bool:
         """Poll until every key is listed (the prefill is still publishing)."""
@@ -234,7 +250,7 @@ class Publisher:
         for g in item.groups:
             geo = g.geometry
             write_header(g.rows, self._fmt.num_layers, geo.layer_bytes, geo.codec_header)
-            keys = [o.key for o in g.objects]
+            keys = g.keys
             try:
                 r = self._client.put(keys, list(g.rows))
             except KVDepotError as exc:
@@ -243,9 +259,11 @@ class Publisher:
                 continue
             self._counters.add(
                 # Written into this node's store, the index commit following.
-                chunks_saved=r.stored + r.pending,
+                # Counted per chunk (or tail unit), whatever its heads: with
+                # tensor parallelism each rank counts its share.
+                chunks_saved=(r.stored + r.pending) // max(1, g.heads),
                 bytes_saved=r.bytes_sent + r.bytes_pending,
-                chunks_skipped=r.skipped,
+                chunks_skipped=r.skipped // max(1, g.heads),
                 save_errors=r.failed,
             )
 

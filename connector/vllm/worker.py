@@ -13,13 +13,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 
 import numpy as np
 import torch
 
 from kvdepot.connector.client import KVDepotClient
 from kvdepot.connector.codec.base import KVCodec
+from kvdepot.connector.vllm.chunk_format import head_key
+from kvdepot.connector.vllm.kvcopy import CacheCopier
 from kvdepot.connector.vllm.layout import CacheGroups, KVLayout
 from kvdepot.connector.vllm.loader import LayerLoader, LoadJob
 from kvdepot.connector.vllm.objects import (
@@ -29,12 +30,13 @@ from kvdepot.connector.vllm.objects import (
     stage,
     staged_bytes,
 )
-from kvdepot.connector.vllm.plan import NULL_BLOCK, KVDepotConnectorMetadata, KVObject, LoadPlan
+from kvdepot.connector.vllm.paged import PagedMap, cpu_isa, paged_map
+from kvdepot.connector.vllm.plan import KVDepotConnectorMetadata, KVObject, LoadPlan
 from kvdepot.connector.vllm.settings import ConnectorSettings
 from kvdepot.connector.vllm.stats import Counters
 from kvdepot.connector.vllm.transfer import Fetcher, FetchJob, Publisher
 from kvdepot.errors import Corrupt, KVDepotError
-from kvdepot.keys import Namespace, shard_key
+from kvdepot.keys import Namespace
 from kvdepot.repeat_log import RepeatLog
 
 logger = logging.getLogger(__name__)
@@ -56,9 +58,14 @@ class WorkerSide:
         is_producer: bool,
         counters: Counters,
         groups: CacheGroups | None = None,
+        tp_rank: int = 0,
     ) -> None:
         self.settings = settings
         self.ns = namespace
+        self._digest = bytes(namespace.digest())
+        self.heads = layout.head_map(tp_rank)
+        self._rank = tp_rank
+        self._copier: CacheCopier | None = None
         self.layout = layout
         self.groups = groups or CacheGroups()
         self._layer_group: list[int] = []
@@ -69,7 +76,6 @@ class WorkerSide:
         self._warn = RepeatLog(logger)
         self._kv: list[torch.Tensor] = []
         self._layer_index: dict[str, int] = {}
-        self._block_dim = 0
         self._fmt: ObjectFormat | None = None
         self._fetcher: Fetcher | None = None
         self._publisher: Publisher | None = None
@@ -96,43 +102,65 @@ class WorkerSide:
             )
         self._layer_group = self.groups.group_of(list(kv_caches))
         first = self._kv[0]
-        # CPU and most backends: [num_blocks, ...]; flash-attn: [2, num_blocks, ...].
-        self._block_dim = 1 if first.dim() == 5 and first.shape[0] == 2 else 0
-        block_values = first.numel() // first.shape[self._block_dim]
+        pmap = self._paged_map(first)
+        local = self.heads.local
         # Raises InvalidArgument for a cache the codec cannot take (fp8 over fp8).
-        fmt = ObjectFormat(self._codec, block_values, first.dtype, len(self._kv))
-        chunk = fmt.geometry(self.layout.blocks_per_chunk)
+        fmt = ObjectFormat(self._codec, pmap.kv * pmap.head_size, first.dtype, len(self._kv))
+        chunk = fmt.geometry(self.layout.chunk_tokens)
         self._fmt = fmt
+        self._copier = CacheCopier(
+            pmap, self._codec, self.layout.block_size, [local.index(h) for h in self.heads.writes]
+        )
+        self._copier.to(first.device)
         self._loader = LayerLoader(
             self._client, len(self._kv), chunk.layer_bytes, chunk.codec_header
         )
-        self._fetcher = Fetcher(self._client, fmt, self._warn)
+        self._fetcher = Fetcher(
+            self._client,
+            fmt,
+            self._warn,
+            block_size=self.layout.block_size,
+            heads=local,
+            digest=self._digest,
+        )
         if self.is_producer:
             self._publisher = Publisher(
                 self._client, fmt, self.settings.save_buffer_bytes, self._counters, self._warn
             )
         logger.info(
-            "kvdepot: %d KV layers of shape %s (%s) in KV cache groups (%s), codec %s, "
-            "%d bytes per chunk",
+            "kvdepot: %d KV layers of shape %s (%s) in KV cache groups (%s), codec %s; "
+            "rank %d holds KV heads %s of %d, writes %s; %d bytes per chunk and head",
             len(self._kv),
             tuple(first.shape),
             first.dtype,
             self.groups.describe(),
             self._codec.name,
+            self._rank,
+            list(local),
+            self.heads.total,
+            list(self.heads.writes),
             chunk.size,
         )
 
-    def _shard(self, objects: tuple[KVObject, ...]) -> tuple[KVObject, ...]:
-        """The plan's objects under this rank's shard keys (rank 0: unchanged)."""
-        if self.ns.tp_rank == 0:
-            return objects
-        return tuple(replace(o, key=shard_key(self.ns, o.key)) for o in objects)
+    def _paged_map(self, first: torch.Tensor) -> PagedMap:
+        """The cache's map, checked against the layout."""
+        lay = self.layout
+        isa = None
+        if first.dim() == 4 and not first.is_cuda and not lay.mla:
+            isa = cpu_isa(first.dtype, lay.block_size, lay.head_size, lay.dtype)
+        pmap = paged_map(first, lay.block_size, isa, lay.dtype, mla=lay.mla)
+        if pmap.heads != len(self.heads.local) or pmap.head_size != lay.head_size:
+            raise KVDepotError(
+                f"KV cache of shape {tuple(first.shape)} holds {pmap.heads} heads of "
+                f"{pmap.head_size}; the config says {len(self.heads.local)} of {lay.head_size}"
+            )
+        return pmap
 
     # ------------------------------------------------------------- loads
     def start_load_kv(self, meta: KVDepotConnectorMetadata | None) -> None:
         if meta is None or not meta.loads or self._fmt is None:
             return
-        loads = [replace(p, objects=self._shard(p.objects)) for p in meta.loads]
+        loads = meta.loads
         sync = [p for p in loads if not p.asynchronous]
         for plan in loads:
             if plan.asynchronous:
@@ -143,7 +171,11 @@ class WorkerSide:
             # layer waits only for its own layer (wait_for_layer_load).
             self._sync_plans = sync
             timeout = min(p.deadline_s or self.settings.load_timeout_s for p in sync)
-            self._sync_job = self._loader.start([[o.key for o in p.objects] for p in sync], timeout)
+            keys = [
+                [head_key(self._digest, o.key, h) for o in p.objects for h in self.heads.local]
+                for p in sync
+            ]
+            self._sync_job = self._loader.start(keys, timeout)
             self._scattered = set()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -160,10 +192,12 @@ class WorkerSide:
             return
         self._scattered.add(li)
         geo = self._chunk_geometry()
-        for plan, staging, n in zip(self._sync_plans, job.staging, ok, strict=True):
+        nh = len(self.heads.local)
+        for plan, staging, rows in zip(self._sync_plans, job.staging, ok, strict=True):
+            n = rows // nh  # objects with every head
             if n:
                 try:
-                    self._scatter_layer(li, geo, staging[:n], plan.objects[:n], plan.first_block)
+                    self._scatter_layer(li, geo, staging[: n * nh], plan.objects[:n], plan)
                 except Corrupt as exc:
                     # Checksums matched but the codec rejects the bytes (a
                     # writer bug): recompute everything this step loaded.
@@ -174,7 +208,7 @@ class WorkerSide:
 
     def _chunk_geometry(self) -> Geometry:
         assert self._fmt is not None
-        return self._fmt.geometry(self.layout.blocks_per_chunk)
+        return self._fmt.geometry(self.layout.chunk_tokens)
 
     def _finish_sync_load(self) -> None:
         job, self._sync_job = self._sync_job, None
@@ -184,6 +218,7 @@ class WorkerSide:
             # An attention layer ran without the loaded KV (or it never
             # came): nothing of this step's loads can be trusted.
             job.ok = [0] * len(job.ok)
+        job.ok = [n // len(self.heads.local) for n in job.ok]
         if job.error == "timeout":
             self._counters.add(loads_timed_out=1)
         whole = all(n == len(p.objects) for p, n in zip(self._sync_plans, job.ok, strict=True))
@@ -196,7 +231,7 @@ class WorkerSide:
 
     def _timed(self, loads: int, seconds: float, plans: Sequence[LoadPlan]) -> None:
         """Report how long whole loads took (the scheduler paces loads by it)."""
-        tokens = sum(len(p.loaded_positions(p.objects)) for p in plans) * self.layout.block_size
+        tokens = sum(p.loaded_tokens(p.objects, self.layout.block_size) for p in plans)
         self._counters.add(
             load_timed=loads, load_timed_us=int(seconds * 1e6), load_timed_tokens=tokens
         )
@@ -204,6 +239,7 @@ class WorkerSide:
     def _account(self, plan: LoadPlan, loaded: int) -> None:
         """Count a finished load; blocks from its first missing object are recomputed."""
         assert self._fmt is not None
+        bs = self.layout.block_size
         if loaded < len(plan.objects):
             if self.groups.count > 1:
                 # Block ids name no request across groups: vLLM recomputes
@@ -211,13 +247,17 @@ class WorkerSide:
                 self._failed.add(plan.req_id)
                 loaded = 0
             else:
-                self._load_errors |= {b for _, b in plan.loaded_positions(plan.objects[loaded:])}
+                missing = plan.loaded_positions(plan.objects[loaded:], bs)
+                self._load_errors |= {b for _, b in missing}
         got = plan.objects[:loaded]
-        tokens = len(plan.loaded_positions(got))
+        nh = len(self.heads.local)
+        nbytes = nh * sum(self._fmt.geometry(o.span(bs)[1]).size for o in got)
         self._counters.add(
             chunks_loaded=loaded,
-            bytes_loaded=sum(self._fmt.geometry(o.num_blocks).size for o in got),
-            tokens_hit=tokens * self.layout.block_size,
+            bytes_loaded=nbytes,
+            bytes_loaded_rank0=nbytes if self._rank == 0 else 0,
+            # Every rank loads its heads of the same tokens: counted once.
+            tokens_hit=plan.loaded_tokens(got, bs) if self._rank == 0 else 0,
             load_errors=len(plan.objects) - loaded,
         )
         if loaded < len(plan.objects):
@@ -247,9 +287,8 @@ class WorkerSide:
                         # one size, so its leading good ones are the ones < ok.
                         n = sum(1 for i in g.index if i < ok)
                         if n:
-                            self._scatter_layer(
-                                li, g.geometry, g.rows[:n], g.objects[:n], job.plan.first_block
-                            )
+                            rows = g.rows[: n * g.heads]
+                            self._scatter_layer(li, g.geometry, rows, g.objects[:n], job.plan)
             except Corrupt as exc:
                 self._warn.warn(
                     "decode", "kvdepot: a load of %s does not decode: %s", job.plan.req_id, exc
@@ -266,32 +305,14 @@ class WorkerSide:
         geo: Geometry,
         rows: np.ndarray,
         objects: Sequence[KVObject],
-        first_block: int,
+        plan: LoadPlan,
     ) -> None:
-        kv = self._kv[li]
-        group = self._layer_group[li]
-        flat = [pb for o in objects for pb in o.positioned(group)]
-        # Not the engine's own blocks, nor those its sliding window dropped.
-        keep = [i for i, (p, b) in enumerate(flat) if p >= first_block and b != NULL_BLOCK]
-        if not keep:
-            return
+        assert self._copier is not None
         start = geo.header + li * geo.layer_bytes
         part = torch.from_numpy(np.ascontiguousarray(rows[:, start : start + geo.layer_bytes]))
+        lo = plan.first_block * self.layout.block_size
         # Decoded on the cache's device: a GPU engine copies the encoded bytes.
-        values = self._codec.decode(part.to(kv.device), geo.layer_values, kv.dtype)
-        blocks = values.reshape(len(flat), *self._block_shape(kv))
-        if len(keep) < len(flat):
-            blocks = blocks.index_select(0, torch.tensor(keep, dtype=torch.long, device=kv.device))
-        ids = torch.tensor([flat[i][1] for i in keep], dtype=torch.long, device=kv.device)
-        if self._block_dim == 0:
-            kv.index_copy_(0, ids, blocks.to(kv.device))
-        else:
-            kv.index_copy_(1, ids, blocks.transpose(0, 1).to(kv.device))
-
-    def _block_shape(self, kv: torch.Tensor) -> tuple[int, ...]:
-        if self._block_dim == 0:
-            return tuple(kv.shape[1:])
-        return (kv.shape[0], *kv.shape[2:])
+        self._copier.scatter(self._kv[li], geo, part, objects, self._layer_group[li], lo, plan.end)
 
     # ------------------------------------------------------------- saves
     def save_kv_layer(
@@ -299,6 +320,8 @@ class WorkerSide:
     ) -> None:
         if not self.is_producer or meta is None or not meta.saves or self._fmt is None:
             return
+        if not self.heads.writes:
+            return  # another rank stores the heads this one holds
         li = self._layer_index.get(layer_name)
         if li is None:
             return
@@ -316,22 +339,18 @@ class WorkerSide:
             self._copy_layer_out(li, kv_layer)
 
     def _copy_layer_out(self, li: int, kv_layer: torch.Tensor) -> None:
-        assert self._staged is not None
+        assert self._staged is not None and self._copier is not None
         for _, groups, _ in self._staged:
             for g in groups:
                 geo = g.geometry
-                flat = torch.tensor(g.flat_blocks(self._layer_group[li]), dtype=torch.long)
-                blocks = kv_layer.index_select(self._block_dim, flat.to(kv_layer.device))
-                if self._block_dim == 1:
-                    blocks = blocks.transpose(0, 1).contiguous()
                 # Encoded on the cache's device: a GPU engine copies the encoded bytes.
-                raw = self._codec.encode(blocks.reshape(len(g.objects), geo.layer_values))
+                raw = self._copier.gather(kv_layer, g.objects, self._layer_group[li], geo.tokens)
                 start = geo.header + li * geo.layer_bytes
                 if g.pinned is None:
                     g.rows[:, start : start + geo.layer_bytes] = raw.cpu().numpy()
                     continue
-                # One contiguous span per object: a true asynchronous copy.
-                for i in range(len(g.objects)):
+                # One contiguous span per row: a true asynchronous copy.
+                for i in range(raw.shape[0]):
                     g.pinned[i, start : start + geo.layer_bytes].copy_(raw[i], non_blocking=True)
 
     def _side_stream(self, kv_layer: torch.Tensor) -> torch.cuda.Stream | None:
@@ -347,7 +366,8 @@ class WorkerSide:
         assert self._fmt is not None and self._publisher is not None
         staged = []
         for plan in meta.saves:
-            nbytes = staged_bytes(self._fmt, plan.objects)
+            bs, writes = self.layout.block_size, self.heads.writes
+            nbytes = staged_bytes(self._fmt, plan.objects, bs, len(writes))
             if not self._publisher.reserve(nbytes):
                 self._counters.add(saves_dropped=len(plan.objects))
                 self._warn.warn(
@@ -356,7 +376,7 @@ class WorkerSide:
                     self.settings.save_buffer_bytes,
                 )
                 continue
-            groups = stage(self._fmt, self._shard(plan.objects), pinned=pinned)
+            groups = stage(self._fmt, plan.objects, bs, writes, self._digest, pinned=pinned)
             staged.append((plan.req_id, groups, nbytes))
         return staged
 

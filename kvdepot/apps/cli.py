@@ -35,6 +35,7 @@ from kvdepot.apps.cli_settings import (
     stdout_reader_gone,
     watermark_overrides,
 )
+from kvdepot.apps.explain_cli import add_commands as add_explain_commands
 from kvdepot.config import load_config
 from kvdepot.errors import KVDepotError
 
@@ -251,8 +252,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 # -- stats --------------------------------------------------------------------
-def cmd_stats(args: argparse.Namespace) -> int:
-    from kvdepot.apps.stats import render_table, stats_to_dict
+def _client(args: argparse.Namespace) -> Any:
+    """A client of the metadata service for the query commands."""
     from kvdepot.connector.client import ClientConfig, KVDepotClient
 
     config = load_config(
@@ -268,8 +269,14 @@ def cmd_stats(args: argparse.Namespace) -> int:
         },
         flags={"metadata": "--metadata", "rpc_timeout_s": "--timeout"},
     )
+    return KVDepotClient(config)
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    from kvdepot.apps.stats import render_table, stats_to_dict
+
     check_flag(args.interval, "--interval")
-    with KVDepotClient(config) as client:
+    with _client(args) as client:
         while True:
             data = stats_to_dict(client.stats())
             if args.json:
@@ -633,6 +640,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_store_command(sub)
     _add_up_command(sub)
     _add_stats_command(sub)
+    add_explain_commands(sub, _add_security_flags, _client)
     _add_demo_command(sub)
     _add_proxy_command(sub)
     _add_health_command(sub)
@@ -658,7 +666,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_environment()
         if args.log_format is None:
             args.log_format = os.environ.get("KVDEPOT_LOG_FORMAT", "text")
-        with native_stderr_muted(args.command in ("stats", "health")):
+        with native_stderr_muted(args.command in ("stats", "health", "namespaces", "explain")):
             _setup_logging(args.log_level, args.log_format)
             code: int = args.func(args)
         return code

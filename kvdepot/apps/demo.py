@@ -177,10 +177,16 @@ def _worker(
     role: str, o: DemoOptions, metadata: str, node_id: str, security_args: list[str]
 ) -> dict[str, Any]:
     cmd = [
-        sys.executable, "-m", "kvdepot.apps.demo", role,
-        "--options", json.dumps(asdict(o)),
-        "--metadata", metadata,
-        "--node-id", node_id,
+        sys.executable,
+        "-m",
+        "kvdepot.apps.demo",
+        role,
+        "--options",
+        json.dumps(asdict(o)),
+        "--metadata",
+        metadata,
+        "--node-id",
+        node_id,
         *security_args,
     ]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, check=False, timeout=600)
@@ -213,8 +219,14 @@ def run_demo(o: DemoOptions, security: SecurityConfig | None = None) -> dict[str
             metadata = o.metadata
         else:
             logs = Path(tempfile.mkdtemp(prefix="kvdepot-demo-"))
-            per_node = max(64 << 20, 2 * parse_size(o.chunk_bytes) * o.prompts
-                           * (o.prefix_chunks + o.suffix_chunks) // o.nodes)
+            per_node = max(
+                64 << 20,
+                2
+                * parse_size(o.chunk_bytes)
+                * o.prompts
+                * (o.prefix_chunks + o.suffix_chunks)
+                // o.nodes,
+            )
             cluster = LocalCluster(
                 nodes=o.nodes, capacity=str(per_node), log_dir=logs, security=security
             ).start()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvdepot.apps.namespaces import namespace_lines, namespace_to_dict, with_differences
 from kvdepot.proto.gen import metadata_pb2
 
 
@@ -58,8 +59,11 @@ def stats_to_dict(s: metadata_pb2.ClusterStats) -> dict[str, Any]:
         "lookups": s.lookups,
         "hit_keys": s.hit_keys,
         "miss_keys": s.miss_keys,
+        # Held when asked: the leading tokens the index had when engines
+        # looked them up; served: the tokens engines reported loading.
         "hit_tokens": s.hit_tokens,
         "miss_tokens": s.miss_tokens,
+        "served_tokens": s.served_tokens,
         "hit_rate": (s.hit_keys / looked) if looked else 0.0,
         "token_hit_rate": (s.hit_tokens / tokens) if tokens else 0.0,
         "puts_committed": s.puts_committed,
@@ -71,6 +75,7 @@ def stats_to_dict(s: metadata_pb2.ClusterStats) -> dict[str, Any]:
         # Recent data-plane throughput of all nodes (each over its last ~10 s).
         "transfer_bytes_in_per_s": sum(n.transfer.bytes_in_per_s for n in s.nodes),
         "transfer_bytes_out_per_s": sum(n.transfer.bytes_out_per_s for n in s.nodes),
+        "namespaces": with_differences([namespace_to_dict(n) for n in s.namespaces]),
     }
 
 
@@ -164,6 +169,11 @@ def render_table(d: dict[str, Any]) -> str:
             f"transfer (last ~10 s) in {gb_per_s(d['transfer_bytes_in_per_s'])} GB/s, "
             f"out {gb_per_s(d['transfer_bytes_out_per_s'])} GB/s"
         )
+    if "served_tokens" in d:
+        lines.append(
+            f"tokens held when asked {d['hit_tokens']}, served to engines {d['served_tokens']}"
+        )
+    lines.extend(namespace_lines(d.get("namespaces", [])))
     if not d["nodes"]:
         lines.insert(0, "(no store nodes registered)")
     return "\n".join(lines)

@@ -10,14 +10,18 @@ import numpy as np
 
 from kvdepot.errors import InvalidArgument, NodeIdTaken, StaleRegistration
 from kvdepot.keys import KEY_BYTES, ChunkKey
+from kvdepot.metadata.index.departures import DepartureConfig, DepartureLog, MemoryDepartures
+from kvdepot.metadata.index.namespaces import MemoryNamespaces, NamespaceStore
 from kvdepot.metadata.placement import PlacementConfig
 from kvdepot.records import TierStats, TransferRate
 from kvdepot.types import (
+    COUNT_NONE,
     TIER_BY_CODE,
     TIER_RANK,
     Allocation,
     IndexStats,
     InventoryItem,
+    KeyLocation,
     LookupCounting,
     LookupResult,
     NodeId,
@@ -37,14 +41,20 @@ class IndexConfig:
         allocation_ttl_s: A ``PutStart`` allocation not committed within this
             long is reclaimed.
         placement: How new chunks are spread over nodes (warm-up, backoff).
+        departures: How much history of chunk departures is kept.
+        max_namespaces: Namespaces kept (the most recently seen).
     """
 
     url: str = "memory://"
     lease_ttl_s: float = 5.0
     allocation_ttl_s: float = 30.0
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    departures: DepartureConfig = field(default_factory=DepartureConfig)
+    max_namespaces: int = 1024
 
     def __post_init__(self) -> None:
+        if self.max_namespaces < 1:
+            raise InvalidArgument("max_namespaces must be positive")
         if "://" not in self.url:
             raise InvalidArgument(f"index url {self.url!r} must look like scheme://…")
         if self.lease_ttl_s <= 0 or self.allocation_ttl_s <= 0:
@@ -156,7 +166,44 @@ class IndexBackend(abc.ABC):
     Methods are coroutines so that networked backends do not block the
     service's event loop; ``now`` is a monotonic time in seconds, passed in
     so that expiry is testable.
+
+    ``namespaces`` and ``departures`` keep the namespaces in use and the
+    history of chunk departures; a backend that keeps its state elsewhere
+    (Redis) replaces the in-process ones.
     """
+
+    _namespaces: NamespaceStore | None = None
+    _departures: DepartureLog | None = None
+
+    @property
+    def namespaces(self) -> NamespaceStore:
+        if self._namespaces is None:
+            self._namespaces = MemoryNamespaces()
+        return self._namespaces
+
+    @property
+    def departures(self) -> DepartureLog:
+        if self._departures is None:
+            self._departures = MemoryDepartures()
+        return self._departures
+
+    async def probe(
+        self, keys: Sequence[ChunkKey], client_node_id: NodeId = ""
+    ) -> list[KeyLocation | None]:
+        """Per key, where it is stored (None: nowhere), whatever precedes it;
+        counts nothing. For ``Explain``: a lookup a key at a time."""
+        out: list[KeyLocation | None] = []
+        for key in keys:
+            found = await self.lookup([key], client_node_id, LookupCounting(mode=COUNT_NONE))
+            out.append(found.locations[0] if found.hits else None)
+        return out
+
+    async def lost_with_node(self, keys: Sequence[ChunkKey]) -> dict[ChunkKey, tuple[str, float]]:
+        """Keys whose only replicas belonged to registrations that ended
+        (node, wall time it ended), where the backend still knows them
+        (the Redis index until its sweep; the embedded one records them as
+        departures instead)."""
+        return {}
 
     @abc.abstractmethod
     async def register_begin(

@@ -428,6 +428,22 @@ class ChunkTable:
         out = [_rows_of(t, int(node), int(match), mask) for t in tables]
         return np.concatenate(out) if out else np.zeros((0, 2), np.uint64)
 
+    def slot_keys(self, node: int, limit: int) -> U64:
+        """Up to ``limit`` keys of ``node``'s rows (``(m, 2)``), by a scan of
+        the records a piece at a time (for a dead node's departures: rare)."""
+        out: list[U64] = []
+        left = limit
+        for t in (self._t, self._old):
+            for a in range(0, t.cap if t is not None else 0, 1 << 20):
+                assert t is not None
+                rows = np.flatnonzero((t.meta[a : a + (1 << 20)] >> np.uint64(_NODE)) == node)
+                rows = rows[:left] + a
+                out.append(np.stack((t.k0[rows], t.k1[rows]), axis=1))
+                left -= len(rows)
+                if left <= 0:
+                    return np.concatenate(out)
+        return np.concatenate(out) if out else np.zeros((0, 2), np.uint64)
+
     def upsert(self, key: bytes, size: int, node: int, tier: int) -> bool:
         """Insert or update one row; True if it is new."""
         # Plain ints: a numpy integer would overflow in the shifts below.

@@ -47,6 +47,8 @@ from kvdepot.metadata.index.base import (
     stale_registration,
 )
 from kvdepot.metadata.index.chunk_table import ChunkTable
+from kvdepot.metadata.index.departures import MemoryDepartures
+from kvdepot.metadata.index.namespaces import MemoryNamespaces
 from kvdepot.metadata.placement import Placement
 from kvdepot.metadata.replica_tiers import ReplicaTierIndex
 from kvdepot.records import TierStats, TransferRate
@@ -151,6 +153,9 @@ class MemoryIndex(IndexBackend, ReplicaTierIndex):
         self._sweeper: asyncio.Task[None] | None = None
         self._epoch = 0  # the last registration's
         self.placement = Placement(config.placement)
+        self._history = MemoryDepartures(config.departures)
+        self._departures = self._history
+        self._namespaces = MemoryNamespaces(config.max_namespaces)
 
     # -- slots ----------------------------------------------------------------
     def _new_slot(self) -> int:
@@ -427,6 +432,7 @@ class MemoryIndex(IndexBackend, ReplicaTierIndex):
             if pending is not None and pending.node_id == node_id:
                 del self._pending[key]
                 revoked += 1
+                await self._history.record(node_id, [key], "revoked")
         # The writer could not write there: a node failing puts is backed off.
         self.placement.failed(node_id, revoked)
         return revoked
@@ -473,6 +479,7 @@ class MemoryIndex(IndexBackend, ReplicaTierIndex):
     async def expire(self, now: float) -> tuple[int, int]:
         dead = [n for n in self._nodes.values() if n.expires_at <= now]
         for entry in dead:
+            self._record_lost(entry)
             del self._nodes[entry.info.node_id]
             self._retire(entry)
             self.placement.left(entry.info.node_id)
@@ -484,10 +491,20 @@ class MemoryIndex(IndexBackend, ReplicaTierIndex):
             )
         stale = [k for k, p in self._pending.items() if p.expires_at <= now]
         for key in stale:
-            self.placement.failed(self._pending.pop(key).node_id)
+            node_id = self._pending.pop(key).node_id
+            self.placement.failed(node_id)
+            await self._history.record(node_id, [key], "expired")
         self._c.nodes_expired += len(dead)
         self._c.allocations_expired += len(stale)
         return len(dead), len(stale)
+
+    def _record_lost(self, entry: _Node) -> None:
+        """Its keys, as departures (the newest ring's worth): a scan of the
+        table's chains, once per dead node."""
+        if not entry.chunks or not self._history.config.per_node:
+            return
+        words = self._table.slot_keys(entry.slot, self._history.config.per_node)
+        self._history.add_words(entry.info.node_id, words, "node_lost")
 
     async def stats(self, now: float) -> IndexStats:
         c = self._c

@@ -96,6 +96,7 @@ from kvdepot.metadata.index.redis_client import (
     split_options,
     split_url,
 )
+from kvdepot.metadata.index.redis_history import RedisHistory
 from kvdepot.metadata.index.redis_inventory import RedisInventory
 from kvdepot.metadata.index.redis_layout import (
     DEFAULT_BUCKET_BITS,
@@ -161,7 +162,7 @@ SWEEP_BUDGET_S = 0.2
 _CPU = bytes((TIER_RANK["cpu"],))
 
 
-class RedisIndex(RedisInventory, IndexBackend, ReplicaTierIndex):
+class RedisIndex(RedisInventory, RedisHistory, IndexBackend, ReplicaTierIndex):
     """The index in Redis or Redis Cluster, shared by any number of metadata replicas.
 
     Args:
@@ -219,6 +220,7 @@ class RedisIndex(RedisInventory, IndexBackend, ReplicaTierIndex):
             logger,
         )
         self._count = self._counters.add
+        self._init_history(config)
 
     # -- keys -----------------------------------------------------------------
     def _node(self, node_id: NodeId, part: str = "") -> str:
@@ -246,7 +248,7 @@ class RedisIndex(RedisInventory, IndexBackend, ReplicaTierIndex):
                 )
             self._b = Buckets(self._p, bits)
             keys = (self._k_last, self._k_map, self._k_dead, self._k_swept, self._k_sweep)
-            self._sweeper = Sweeper(self._db, self._b, keys)
+            self._sweeper = Sweeper(self._db, self._b, keys, *self._lost_listener())
         return self._b
 
     # -- plumbing -------------------------------------------------------------

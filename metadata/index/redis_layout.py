@@ -23,7 +23,7 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import astuple, dataclass, field
 from typing import Any
 
@@ -31,7 +31,7 @@ import numpy as np
 from redis.asyncio import RedisCluster
 
 from kvdepot.errors import InvalidArgument, NotFound
-from kvdepot.keys import KEY_BYTES
+from kvdepot.keys import KEY_BYTES, ChunkKey
 from kvdepot.metadata.index import redis_scripts as scripts
 from kvdepot.metadata.index.base import stale_registration
 from kvdepot.metadata.index.redis_client import Connection
@@ -93,6 +93,10 @@ def replicas(value: bytes) -> list[tuple[int, int]]:
         for i in range(SIZE_BYTES, len(value), REPLICA_BYTES)
     ]
 
+
+LostListener = Callable[[str, float, list[ChunkKey]], Awaitable[None]]
+"""Told the node, the time its registration ended (s) and keys of replicas
+of it the sweep deleted."""
 
 Lease = list[bytes | None] | None
 """A node's lease as a lookup reads it: [epoch, address], or None if gone."""
@@ -268,6 +272,11 @@ class Buckets:
     def field(self, key: bytes) -> bytes:
         return key[self.skip :]
 
+    def key_of(self, bucket: bytes, field: bytes) -> bytes:
+        """The key whose ``field`` is in the bucket named ``bucket``."""
+        i = int(bucket[bucket.rindex(b"{") + 1 : bucket.rindex(b"}")], 16)
+        return (i << (24 - self.bits)).to_bytes(3, "big")[: self.skip] + field
+
     def of_digest_bucket(self, bucket: int) -> list[tuple[str, bytes]]:
         """The buckets holding the keys of a digest bucket (a key's first 12
         bits: :mod:`kvdepot.wire.digest`), each with the bytes its keys start
@@ -325,7 +334,13 @@ class Sweeper:
         db: Connection,
         buckets: Buckets,
         keys: Sequence[str],
+        on_lost: LostListener | None = None,
+        lost_per_step: int = 0,
     ) -> None:
+        # Told (node, ended at in s, keys) of the replicas of ended
+        # registrations deleted, up to lost_per_step a step's script call.
+        self._on_lost = on_lost
+        self._lost_per_step = lost_per_step if on_lost is not None else 0
         self._db = db
         self._buckets = buckets
         self._last, self._map, self._ended, self._swept, self._lock = keys
@@ -402,18 +417,33 @@ class Sweeper:
             sweep.cursors[server] = cursor
         if not keys:
             return 0
+        argv = [last, keep, *([self._lost_per_step] if self._lost_per_step else [])]
         if self._db.cluster:
-            calls = [scripts.SWEEP.cmd([k], [last, keep]) for k in keys]
+            calls = [scripts.SWEEP.cmd([k], argv) for k in keys]
         else:
-            calls = [scripts.SWEEP.cmd(keys, [last, keep])]
+            calls = [scripts.SWEEP.cmd(keys, argv)]
         dropped: Counter[int] = Counter()
         for reply in await self._db.exec(calls):
-            for epoch, n in zip(reply[1::2], reply[2::2], strict=True):
+            pairs = reply[1] if self._lost_per_step else reply[1:]
+            for epoch, n in zip(pairs[::2], pairs[1::2], strict=True):
                 dropped[int.from_bytes(epoch, "big")] += int(n)
+            if self._lost_per_step:
+                await self._tell_lost(sweep, reply[2])
         if dropped:
             await self._db.exec([("HINCRBY", self._swept, e, n) for e, n in dropped.items()])
         sweep.dropped.update(dropped)
         return sum(dropped.values())
+
+    async def _tell_lost(self, sweep: _Pass, lost: Sequence[bytes]) -> None:
+        assert self._on_lost is not None
+        by_epoch: dict[int, list[ChunkKey]] = {}
+        for bucket, fld, raw in zip(lost[::3], lost[1::3], lost[2::3], strict=True):
+            key = ChunkKey(self._buckets.key_of(bucket, fld))
+            by_epoch.setdefault(int.from_bytes(raw, "big"), []).append(key)
+        for number, keys in by_epoch.items():
+            parts = sweep.ended.get(number, "").split(" ", 2)
+            if len(parts) == 3:  # else replaced, not ended with its node
+                await self._on_lost(parts[2], int(parts[0]) / 1000, keys)
 
     async def _finish(self, sweep: _Pass) -> None:
         """A pass is complete: forget the registrations it may forget, and say

@@ -338,9 +338,12 @@ return out
 # Deletes every replica of an epoch up to the last that is not kept: of an
 # ended registration, or of one forgotten since. {chunks deleted (no replica
 # left), then epoch (6 bytes), replicas deleted, for each epoch that lost some}.
+# With ARGV[3] (a count > 0): {chunks deleted, {those pairs}, {bucket, field,
+# epoch of up to that many deleted replicas}} (the departure history's).
 SWEEP = Script(
     """
 local last, seen = tonumber(ARGV[1]), {}
+local want, lost = tonumber(ARGV[3] or '0'), {}
 for i = 1, #ARGV[2], 6 do seen[string.sub(ARGV[2], i, i + 5)] = false end
 local function ended(r)
   local v = seen[r]
@@ -363,7 +366,13 @@ for k = 1, #KEYS do
       local kept = string.sub(v, 1, 6)
       for i = 7, #v, 7 do
         local r = string.sub(v, i, i + 5)
-        if ended(r) then dropped[r] = (dropped[r] or 0) + 1
+        if ended(r) then
+          dropped[r] = (dropped[r] or 0) + 1
+          if #lost < 3 * want then
+            lost[#lost + 1] = KEYS[k]
+            lost[#lost + 1] = h[j]
+            lost[#lost + 1] = r
+          end
         else kept = kept .. string.sub(v, i, i + 6) end
       end
       if #kept == 6 then
@@ -379,6 +388,10 @@ local out = {chunks}
 for r, n in pairs(dropped) do
   out[#out + 1] = r
   out[#out + 1] = n
+end
+if want > 0 then
+  table.remove(out, 1)
+  return {chunks, out, lost}
 end
 return out
 """

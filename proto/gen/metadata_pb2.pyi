@@ -144,12 +144,16 @@ class ReconcileBucketsResponse(_message.Message):
     def __init__(self, added: _Optional[int] = ..., extra: _Optional[bytes] = ...) -> None: ...
 
 class ReportRemovedRequest(_message.Message):
-    __slots__ = ("node_id", "keys")
+    __slots__ = ("node_id", "keys", "reason", "tier")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, node_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    reason: str
+    tier: str
+    def __init__(self, node_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., reason: _Optional[str] = ..., tier: _Optional[str] = ...) -> None: ...
 
 class ReportRemovedResponse(_message.Message):
     __slots__ = ("removed",)
@@ -248,7 +252,7 @@ class PutRevokeResponse(_message.Message):
     def __init__(self, revoked: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("keys", "client_node_id", "tokens_per_key", "packed", "key_tokens", "count")
+    __slots__ = ("keys", "client_node_id", "tokens_per_key", "packed", "key_tokens", "count", "namespace")
     class Count(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         COUNT_ALL: _ClassVar[LookupRequest.Count]
@@ -263,13 +267,15 @@ class LookupRequest(_message.Message):
     PACKED_FIELD_NUMBER: _ClassVar[int]
     KEY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     client_node_id: str
     tokens_per_key: int
     packed: bool
     key_tokens: _containers.RepeatedScalarFieldContainer[int]
     count: LookupRequest.Count
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., client_node_id: _Optional[str] = ..., tokens_per_key: _Optional[int] = ..., packed: bool = ..., key_tokens: _Optional[_Iterable[int]] = ..., count: _Optional[_Union[LookupRequest.Count, str]] = ...) -> None: ...
+    namespace: str
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., client_node_id: _Optional[str] = ..., tokens_per_key: _Optional[int] = ..., packed: bool = ..., key_tokens: _Optional[_Iterable[int]] = ..., count: _Optional[_Union[LookupRequest.Count, str]] = ..., namespace: _Optional[str] = ...) -> None: ...
 
 class KeyLocation(_message.Message):
     __slots__ = ("size", "replicas")
@@ -324,7 +330,7 @@ class NodeStats(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., grpc_address: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierStats, _Mapping]]] = ..., chunks_indexed: _Optional[int] = ..., lease_remaining_s: _Optional[float] = ..., transfer: _Optional[_Union[_common_pb2.TransferRate, _Mapping]] = ..., chunks_held: _Optional[int] = ..., in_sync: bool = ...) -> None: ...
 
 class ClusterStats(_message.Message):
-    __slots__ = ("nodes", "chunks", "lookups", "hit_keys", "miss_keys", "hit_tokens", "miss_tokens", "puts_committed", "chunks_deduplicated", "bytes_saved", "bytes_committed", "nodes_expired", "allocations_expired")
+    __slots__ = ("nodes", "chunks", "lookups", "hit_keys", "miss_keys", "hit_tokens", "miss_tokens", "puts_committed", "chunks_deduplicated", "bytes_saved", "bytes_committed", "nodes_expired", "allocations_expired", "served_tokens", "namespaces")
     NODES_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     LOOKUPS_FIELD_NUMBER: _ClassVar[int]
@@ -338,6 +344,8 @@ class ClusterStats(_message.Message):
     BYTES_COMMITTED_FIELD_NUMBER: _ClassVar[int]
     NODES_EXPIRED_FIELD_NUMBER: _ClassVar[int]
     ALLOCATIONS_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    SERVED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     nodes: _containers.RepeatedCompositeFieldContainer[NodeStats]
     chunks: int
     lookups: int
@@ -351,7 +359,9 @@ class ClusterStats(_message.Message):
     bytes_committed: int
     nodes_expired: int
     allocations_expired: int
-    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeStats, _Mapping]]] = ..., chunks: _Optional[int] = ..., lookups: _Optional[int] = ..., hit_keys: _Optional[int] = ..., miss_keys: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., miss_tokens: _Optional[int] = ..., puts_committed: _Optional[int] = ..., chunks_deduplicated: _Optional[int] = ..., bytes_saved: _Optional[int] = ..., bytes_committed: _Optional[int] = ..., nodes_expired: _Optional[int] = ..., allocations_expired: _Optional[int] = ...) -> None: ...
+    served_tokens: int
+    namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
+    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeStats, _Mapping]]] = ..., chunks: _Optional[int] = ..., lookups: _Optional[int] = ..., hit_keys: _Optional[int] = ..., miss_keys: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., miss_tokens: _Optional[int] = ..., puts_committed: _Optional[int] = ..., chunks_deduplicated: _Optional[int] = ..., bytes_saved: _Optional[int] = ..., bytes_committed: _Optional[int] = ..., nodes_expired: _Optional[int] = ..., allocations_expired: _Optional[int] = ..., served_tokens: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ...) -> None: ...
 
 class RouteCandidate(_message.Message):
     __slots__ = ("id", "node_id", "load")
@@ -406,3 +416,129 @@ class RouteResponse(_message.Message):
     scores: _containers.RepeatedCompositeFieldContainer[RouteScore]
     best: int
     def __init__(self, hits: _Optional[int] = ..., scores: _Optional[_Iterable[_Union[RouteScore, _Mapping]]] = ..., best: _Optional[int] = ...) -> None: ...
+
+class NamespaceField(_message.Message):
+    __slots__ = ("name", "value")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    value: str
+    def __init__(self, name: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+
+class RegisterNamespaceRequest(_message.Message):
+    __slots__ = ("name", "fields", "client")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FIELDS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    fields: _containers.RepeatedCompositeFieldContainer[NamespaceField]
+    client: str
+    def __init__(self, name: _Optional[str] = ..., fields: _Optional[_Iterable[_Union[NamespaceField, _Mapping]]] = ..., client: _Optional[str] = ...) -> None: ...
+
+class RegisterNamespaceResponse(_message.Message):
+    __slots__ = ("known",)
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    def __init__(self, known: bool = ...) -> None: ...
+
+class ListNamespacesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NamespaceStats(_message.Message):
+    __slots__ = ("name", "fields", "chunks_stored", "lookups", "hit_chunks", "miss_chunks", "hit_tokens", "served_tokens", "first_seen", "last_seen", "clients")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FIELDS_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_STORED_FIELD_NUMBER: _ClassVar[int]
+    LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    HIT_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    MISS_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SERVED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_SEEN_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_FIELD_NUMBER: _ClassVar[int]
+    CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    fields: _containers.RepeatedCompositeFieldContainer[NamespaceField]
+    chunks_stored: int
+    lookups: int
+    hit_chunks: int
+    miss_chunks: int
+    hit_tokens: int
+    served_tokens: int
+    first_seen: float
+    last_seen: float
+    clients: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., fields: _Optional[_Iterable[_Union[NamespaceField, _Mapping]]] = ..., chunks_stored: _Optional[int] = ..., lookups: _Optional[int] = ..., hit_chunks: _Optional[int] = ..., miss_chunks: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., served_tokens: _Optional[int] = ..., first_seen: _Optional[float] = ..., last_seen: _Optional[float] = ..., clients: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ListNamespacesResponse(_message.Message):
+    __slots__ = ("namespaces",)
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
+    def __init__(self, namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ...) -> None: ...
+
+class ReportUsageRequest(_message.Message):
+    __slots__ = ("namespace", "served_tokens", "stored_chunks")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    SERVED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STORED_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    served_tokens: int
+    stored_chunks: int
+    def __init__(self, namespace: _Optional[str] = ..., served_tokens: _Optional[int] = ..., stored_chunks: _Optional[int] = ...) -> None: ...
+
+class ReportUsageResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ExplainRequest(_message.Message):
+    __slots__ = ("keys", "client_node_id")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    client_node_id: str
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., client_node_id: _Optional[str] = ...) -> None: ...
+
+class Departure(_message.Message):
+    __slots__ = ("reason", "node_id", "tier", "at")
+    class Reason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        REASON_UNSPECIFIED: _ClassVar[Departure.Reason]
+        EVICTED: _ClassVar[Departure.Reason]
+        NODE_LOST: _ClassVar[Departure.Reason]
+        CORRUPT: _ClassVar[Departure.Reason]
+        TIER_FAILED: _ClassVar[Departure.Reason]
+        REVOKED: _ClassVar[Departure.Reason]
+        EXPIRED: _ClassVar[Departure.Reason]
+    REASON_UNSPECIFIED: Departure.Reason
+    EVICTED: Departure.Reason
+    NODE_LOST: Departure.Reason
+    CORRUPT: Departure.Reason
+    TIER_FAILED: Departure.Reason
+    REVOKED: Departure.Reason
+    EXPIRED: Departure.Reason
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    reason: Departure.Reason
+    node_id: str
+    tier: str
+    at: float
+    def __init__(self, reason: _Optional[_Union[Departure.Reason, str]] = ..., node_id: _Optional[str] = ..., tier: _Optional[str] = ..., at: _Optional[float] = ...) -> None: ...
+
+class KeyExplanation(_message.Message):
+    __slots__ = ("replicas", "departure")
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    DEPARTURE_FIELD_NUMBER: _ClassVar[int]
+    replicas: _containers.RepeatedCompositeFieldContainer[_common_pb2.Replica]
+    departure: Departure
+    def __init__(self, replicas: _Optional[_Iterable[_Union[_common_pb2.Replica, _Mapping]]] = ..., departure: _Optional[_Union[Departure, _Mapping]] = ...) -> None: ...
+
+class ExplainResponse(_message.Message):
+    __slots__ = ("keys", "history_per_node")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_PER_NODE_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedCompositeFieldContainer[KeyExplanation]
+    history_per_node: int
+    def __init__(self, keys: _Optional[_Iterable[_Union[KeyExplanation, _Mapping]]] = ..., history_per_node: _Optional[int] = ...) -> None: ...

@@ -101,6 +101,26 @@ class MetadataStub(object):
                 request_serializer=kvdepot_dot_v1_dot_metadata__pb2.RouteRequest.SerializeToString,
                 response_deserializer=kvdepot_dot_v1_dot_metadata__pb2.RouteResponse.FromString,
                 _registered_method=True)
+        self.RegisterNamespace = channel.unary_unary(
+                '/kvdepot.v1.Metadata/RegisterNamespace',
+                request_serializer=kvdepot_dot_v1_dot_metadata__pb2.RegisterNamespaceRequest.SerializeToString,
+                response_deserializer=kvdepot_dot_v1_dot_metadata__pb2.RegisterNamespaceResponse.FromString,
+                _registered_method=True)
+        self.ListNamespaces = channel.unary_unary(
+                '/kvdepot.v1.Metadata/ListNamespaces',
+                request_serializer=kvdepot_dot_v1_dot_metadata__pb2.ListNamespacesRequest.SerializeToString,
+                response_deserializer=kvdepot_dot_v1_dot_metadata__pb2.ListNamespacesResponse.FromString,
+                _registered_method=True)
+        self.ReportUsage = channel.unary_unary(
+                '/kvdepot.v1.Metadata/ReportUsage',
+                request_serializer=kvdepot_dot_v1_dot_metadata__pb2.ReportUsageRequest.SerializeToString,
+                response_deserializer=kvdepot_dot_v1_dot_metadata__pb2.ReportUsageResponse.FromString,
+                _registered_method=True)
+        self.Explain = channel.unary_unary(
+                '/kvdepot.v1.Metadata/Explain',
+                request_serializer=kvdepot_dot_v1_dot_metadata__pb2.ExplainRequest.SerializeToString,
+                response_deserializer=kvdepot_dot_v1_dot_metadata__pb2.ExplainResponse.FromString,
+                _registered_method=True)
 
 
 class MetadataServicer(object):
@@ -208,6 +228,36 @@ class MetadataServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterNamespace(self, request, context):
+        """An engine or client names the namespace its keys are in, with the
+        fields that make it (idempotent; once per process is enough).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListNamespaces(self, request, context):
+        """The namespaces the index keeps, with their fields and counters.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportUsage(self, request, context):
+        """What a client did in a namespace since its last report: tokens an
+        engine actually loaded from kvdepot, chunks it published.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Explain(self, request, context):
+        """Per key: where it is, or why it left (the index's departure history).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MetadataServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -275,6 +325,26 @@ def add_MetadataServicer_to_server(servicer, server):
                     servicer.Route,
                     request_deserializer=kvdepot_dot_v1_dot_metadata__pb2.RouteRequest.FromString,
                     response_serializer=kvdepot_dot_v1_dot_metadata__pb2.RouteResponse.SerializeToString,
+            ),
+            'RegisterNamespace': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterNamespace,
+                    request_deserializer=kvdepot_dot_v1_dot_metadata__pb2.RegisterNamespaceRequest.FromString,
+                    response_serializer=kvdepot_dot_v1_dot_metadata__pb2.RegisterNamespaceResponse.SerializeToString,
+            ),
+            'ListNamespaces': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListNamespaces,
+                    request_deserializer=kvdepot_dot_v1_dot_metadata__pb2.ListNamespacesRequest.FromString,
+                    response_serializer=kvdepot_dot_v1_dot_metadata__pb2.ListNamespacesResponse.SerializeToString,
+            ),
+            'ReportUsage': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportUsage,
+                    request_deserializer=kvdepot_dot_v1_dot_metadata__pb2.ReportUsageRequest.FromString,
+                    response_serializer=kvdepot_dot_v1_dot_metadata__pb2.ReportUsageResponse.SerializeToString,
+            ),
+            'Explain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Explain,
+                    request_deserializer=kvdepot_dot_v1_dot_metadata__pb2.ExplainRequest.FromString,
+                    response_serializer=kvdepot_dot_v1_dot_metadata__pb2.ExplainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -629,6 +699,114 @@ class Metadata(object):
             '/kvdepot.v1.Metadata/Route',
             kvdepot_dot_v1_dot_metadata__pb2.RouteRequest.SerializeToString,
             kvdepot_dot_v1_dot_metadata__pb2.RouteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterNamespace(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvdepot.v1.Metadata/RegisterNamespace',
+            kvdepot_dot_v1_dot_metadata__pb2.RegisterNamespaceRequest.SerializeToString,
+            kvdepot_dot_v1_dot_metadata__pb2.RegisterNamespaceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListNamespaces(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvdepot.v1.Metadata/ListNamespaces',
+            kvdepot_dot_v1_dot_metadata__pb2.ListNamespacesRequest.SerializeToString,
+            kvdepot_dot_v1_dot_metadata__pb2.ListNamespacesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportUsage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvdepot.v1.Metadata/ReportUsage',
+            kvdepot_dot_v1_dot_metadata__pb2.ReportUsageRequest.SerializeToString,
+            kvdepot_dot_v1_dot_metadata__pb2.ReportUsageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Explain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvdepot.v1.Metadata/Explain',
+            kvdepot_dot_v1_dot_metadata__pb2.ExplainRequest.SerializeToString,
+            kvdepot_dot_v1_dot_metadata__pb2.ExplainResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -54,6 +54,7 @@ def test_compose_file_parses() -> None:
     for profile, names in (
         ("gpu", {"prefill", "decode", "proxy"}),
         ("cpu", {"cpu-prefill", "cpu-decode", "cpu-proxy"}),
+        ("monitoring", {"prometheus"}),
     ):
         assert names == {n for n, s in services.items() if profile in s.get("profiles", [])}
     for name, svc in services.items():
@@ -65,7 +66,7 @@ def test_compose_file_parses() -> None:
     tool = shutil.which("docker-compose")
     if tool is None:
         pytest.skip("docker-compose is not installed; parsed as YAML only")
-    for profile in ([], ["--profile", "gpu"], ["--profile", "cpu"]):
+    for profile in ([], ["--profile", "gpu"], ["--profile", "cpu"], ["--profile", "monitoring"]):
         r = subprocess.run(
             [tool, "-f", str(DEPLOY / "docker-compose.yml"), *profile, "config", "-q"],
             capture_output=True,
@@ -109,7 +110,7 @@ def test_the_token_is_a_secret_file_not_a_variable() -> None:
     data = compose()
     assert "kvdepot_token" in data["secrets"]
     for name, svc in data["services"].items():
-        if name == "redis":
+        if name in ("redis", "prometheus"):  # they speak no kvdepot protocol
             continue
         assert "kvdepot_token" in svc.get("secrets", []), name
         assert "KVDEPOT_AUTH_TOKEN" not in (svc.get("environment") or {}), name

@@ -174,3 +174,41 @@ def test_http_endpoint_reads_the_stats_on_the_daemon_loop() -> None:
     text = asyncio.run(main())
     names = {f.name for f in text_string_to_metric_families(text)}
     assert {"kvdepot_serving", "kvdepot_store_puts", "kvdepot_store_tier_hits"} <= names
+
+
+def test_namespaces_served_tokens_and_a_degraded_store() -> None:
+    model = metadata_pb2.NamespaceField(name="model", value="llama")
+    stats = metadata_pb2.ClusterStats(
+        served_tokens=512,
+        namespaces=[
+            metadata_pb2.NamespaceStats(
+                name="ab12",
+                fields=[model],
+                lookups=3,
+                hit_chunks=4,
+                miss_chunks=2,
+                hit_tokens=1024,
+                served_tokens=512,
+                chunks_stored=6,
+            )
+        ],
+    )
+    m = _scrape(ClusterCollector(lambda: stats, lambda: True))
+    ns = (("model", "llama"), ("namespace", "ab12"))
+    assert m["kvdepot_cluster_served_tokens_total"][()] == 512
+    assert m["kvdepot_cluster_namespace_lookups_total"][ns] == 3
+    assert m["kvdepot_cluster_namespace_lookup_chunks_total"][(*ns, ("result", "hit"))] == 4
+    assert m["kvdepot_cluster_namespace_lookup_chunks_total"][(*ns, ("result", "miss"))] == 2
+    assert m["kvdepot_cluster_namespace_hit_tokens_total"][ns] == 1024
+    assert m["kvdepot_cluster_namespace_served_tokens_total"][ns] == 512
+    assert m["kvdepot_cluster_namespace_chunks_stored_total"][ns] == 6
+    whole = _scrape(StoreCollector(_store_stats, lambda: True))
+    assert whole["kvdepot_store_degraded"][(("node", "n1"),)] == 0
+    failed = _store_stats()
+    failed.degraded = "ssd tier failed: I/O errors"
+    assert (
+        _scrape(StoreCollector(lambda: failed, lambda: True))["kvdepot_store_degraded"][
+            (("node", "n1"),)
+        ]
+        == 1
+    )

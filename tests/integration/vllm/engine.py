@@ -158,6 +158,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
             str(c % (os.cpu_count() or 1)) for c in range(int(spec["tp"]))
         )
+    if spec.get("block_size"):
+        extra["block_size"] = int(spec["block_size"])
     if spec.get("num_blocks"):
         extra["num_gpu_blocks_override"] = int(spec["num_blocks"])
         extra["disable_log_stats"] = False  # to count preemptions
@@ -246,8 +248,8 @@ def _plant_random(llm: Any, kv: dict[str, Any], prompts: list[list[int]]) -> Non
 
     from kvdepot.connector.client import ClientConfig, KVDepotClient
     from kvdepot.connector.codec import create_codec
+    from kvdepot.connector.vllm.chunk_format import build_object, head_key
     from kvdepot.connector.vllm.layout import layout_from_config, namespace_for
-    from kvdepot.connector.vllm.loader import header_bytes, write_header
     from kvdepot.connector.vllm.settings import ConnectorSettings
     from kvdepot.keys import chunk_keys
 
@@ -256,24 +258,17 @@ def _plant_random(llm: Any, kv: dict[str, Any], prompts: list[list[int]]) -> Non
     layout = layout_from_config(cfg, settings)
     ns = namespace_for(cfg, settings, layout, 0)
     codec = create_codec(settings.codec_spec())
-    values = layout.chunk_tokens * layout.num_kv_heads * layout.head_size * 2
-    layer_bytes = codec.encoded_bytes(values, torch.bfloat16)
-    hb = header_bytes(layout.num_layers)
-    size = hb + layout.num_layers * layer_bytes
+    shape = (2, layout.chunk_tokens, layout.head_size)
     torch.manual_seed(7)
     with KVDepotClient(ClientConfig(metadata=settings.metadata)) as client:
         for ids in prompts:
-            keys = chunk_keys(ns, ids)
             # Small normal values in bf16, encoded with the namespace's codec,
-            # under a correct header: well-formed chunks, just not this prompt's KV.
-            fake = np.zeros((len(keys), size), dtype=np.uint8)
-            for li in range(layout.num_layers):
-                rand = torch.randn(len(keys), values, dtype=torch.bfloat16)
-                start = hb + li * layer_bytes
-                fake[:, start : start + layer_bytes] = codec.encode(rand).numpy()
-            header = codec.header(values, torch.bfloat16).pack()
-            write_header(fake, layout.num_layers, layer_bytes, header)
-            client.put(keys, list(fake))
+            # in the chunk format: well-formed objects, just not this prompt's KV.
+            for key in chunk_keys(ns, ids):
+                for h in range(layout.total_kv_heads):
+                    layers = [torch.randn(shape) for _ in range(layout.num_layers)]
+                    data = build_object(codec, layers, torch.bfloat16)
+                    client.put([head_key(ns.digest(), key, h)], [np.frombuffer(data, np.uint8)])
 
 
 if __name__ == "__main__":

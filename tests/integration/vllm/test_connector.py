@@ -100,14 +100,26 @@ def kv(role: str, metadata: str, node_id: str = "", **extra: Any) -> dict[str, A
     }
 
 
-def chunk_bytes(codec: str) -> int:
-    """A chunk of the tiny model (2 layers, 2 KV heads of 32), from the format:
-    the 64-byte header, then per layer 128 tokens x 2 heads x (K, V) x 32 values."""
-    values = CHUNK * 2 * 2 * 32
+UNIT = 32  # tokens per tail unit (chunk_format.TAIL_TOKENS)
+
+
+def object_bytes(codec: str, tokens: int = CHUNK) -> int:
+    """A chunk (or tail unit) of the tiny model (2 layers, 2 KV heads of 32),
+    from the format (docs/chunk-format.md): one object per KV head, each the
+    64-byte header, then per layer ``tokens`` x (K, V) x 32 values."""
+    values = tokens * 2 * 32
     if codec == "none":
-        return 64 + 2 * 2 * values  # bf16
+        return 2 * (64 + 2 * 2 * values)  # bf16
     assert codec == "fp8_e4m3"
-    return 64 + 2 * (values + 4 * values // 128)  # e4m3 bytes + a float32 scale per 128
+    return 2 * (64 + 2 * (values + 4 * values // 128))  # e4m3 + a float32 scale per 128
+
+
+def chunk_bytes(codec: str) -> int:
+    return object_bytes(codec)
+
+
+def unit_bytes(codec: str) -> int:
+    return object_bytes(codec, UNIT)
 
 
 def spec(model: str, prompts: list[list[int]], kvcfg: dict[str, Any] | None) -> dict[str, Any]:
@@ -156,17 +168,19 @@ def test_consumer_in_another_process_matches_a_plain_run(
         workdir, spec(model, [PROMPT_A, PROMPT_B], kv("kv_producer", meta, "store-0")), "producer"
     )
     p = prod["connector"]
-    # A: 2 chunks; B: its 2 shared chunks are skipped, only its 3rd chunk travels.
-    assert (p["chunks_saved"], p["chunks_skipped"]) == (3, 2), p
-    assert p["bytes_saved"] == bytes_in(cluster) == 3 * chunk_bytes("none")
+    # A: 2 chunks and a 32-token tail unit (of 44 tokens); B: its 2 shared
+    # chunks are skipped, only its 3rd chunk and 2 units (of 72) travel.
+    assert (p["chunks_saved"], p["chunks_skipped"]) == (3 + 3, 2), p
+    assert p["bytes_saved"] == bytes_in(cluster) == 3 * (chunk_bytes("none") + unit_bytes("none"))
     assert all(same(x, y) for x, y in zip(prod["outputs"], plain, strict=False))
 
     cons = run_engine(
         workdir, spec(model, [PROMPT_A, PROMPT_B], kv("kv_consumer", meta, "store-1")), "consumer"
     )
     c = cons["connector"]
+    # Whole 128-token blocks: the tail units fill none.
     assert c["chunks_loaded"] == 2 + 3 and c["tokens_hit"] == 5 * CHUNK, c
-    assert c["bytes_loaded"] == 5 * p["bytes_saved"] // 3
+    assert c["bytes_loaded"] == 5 * chunk_bytes("none")
     assert c["load_errors"] == 0 and c["chunks_saved"] == 0
     for got, want in zip(cons["outputs"], plain, strict=False):
         assert got["tokens"] == want["tokens"]
@@ -319,9 +333,10 @@ def test_fp8_chunks_halve_the_bytes_and_stay_close_to_a_plain_run(
         "fp8-producer",
     )
     p = prod["connector"]
-    assert (p["chunks_saved"], p["chunks_skipped"]) == (3, 2), p
-    assert p["bytes_saved"] == bytes_in(cluster) == 3 * chunk_bytes("fp8_e4m3")
-    assert chunk_bytes("fp8_e4m3") / chunk_bytes("none") == 33856 / 65600  # 0.516
+    assert (p["chunks_saved"], p["chunks_skipped"]) == (3 + 3, 2), p
+    fp8_bytes = 3 * (chunk_bytes("fp8_e4m3") + unit_bytes("fp8_e4m3"))
+    assert p["bytes_saved"] == bytes_in(cluster) == fp8_bytes
+    assert chunk_bytes("fp8_e4m3") / chunk_bytes("none") == 33920 / 65664  # 0.517
     assert all(same(x, y) for x, y in zip(prod["outputs"], plain, strict=False))
 
     # The top 5 per position: where the greedy choice flips, the plain run's
@@ -386,11 +401,12 @@ def test_tail_blocks_and_decoded_chunks_hit_on_the_next_request(
     both = kv("kv_both", meta, "store-0", chunk_tokens=256)
     first = run("tail-first", [long_prompt, first_turn], both)
     assert [o["tokens"] for o in first["outputs"]] == [o["tokens"] for o in plain]
-    # long: chunks 0, 1 and the tail block 512-640 at prefill, then while
-    # decoding (899 tokens computed) chunk 2 and the block 768-896; first
-    # turn: the block 0-128 at prefill, then chunk 0 and the block 256-384
-    # while decoding (399).
-    assert first["connector"]["chunks_saved"] == 5 + 3, first["connector"]
+    # long: chunks 0, 1 and the 32-token tail units up to 672 at prefill,
+    # then while decoding (899 tokens computed) the units up to 736, chunk 2
+    # and the units 768-896: 2 + 7 + 1 + 4; first turn: the units up to 192
+    # at prefill, then up to 224, chunk 0 and the units 256-384 while
+    # decoding (399): 7 + 1 + 4.
+    assert first["connector"]["chunks_saved"] == 14 + 12, first["connector"]
     second_turn = first_turn + plain[1]["tokens"] + rng.integers(1, 1000, 50).tolist()
     # A fresh engine on the other node.
     again = run(
@@ -400,7 +416,8 @@ def test_tail_blocks_and_decoded_chunks_hit_on_the_next_request(
     # Everything but the last partial block of each: 640 of 700 tokens, and
     # 384 of the 400 of the first turn's history (its whole blocks).
     assert c["tokens_hit"] == 640 + 384, c
-    assert c["chunks_loaded"] == 3 + 2 and c["load_errors"] == 0, c
+    # 2 chunks and the 4 units of 512-640; 1 chunk and the 4 units of 256-384.
+    assert c["chunks_loaded"] == 6 + 5 and c["load_errors"] == 0, c
     assert same(again["outputs"][0], plain[0])  # prefill KV, loaded: exact
     # The history's KV was computed while decoding, one token per step; a
     # prefill of the same tokens rounds differently in bf16 (enough to flip a
@@ -454,13 +471,14 @@ def test_hybrid_sliding_window_model_under_vllms_hybrid_manager(
     both = kv("kv_both", meta, "store-0", chunk_tokens=256)
     first = run("gemma-first", both)
     assert first["hybrid"], "vLLM turned its hybrid manager off for kvdepot"
-    assert first["connector"]["chunks_saved"] == 3, first["connector"]  # 2 chunks + 1 block
+    # 2 chunks + the 5 tail units of 512-672, and 672-704 while decoding
+    assert first["connector"]["chunks_saved"] == 8, first["connector"]
     assert same(first["outputs"][0], plain["outputs"][0])
     cons = kv("kv_consumer", meta, "store-1", chunk_tokens=256)
     got = run("gemma-consumer", cons)
     assert got["hybrid"]
     c = got["connector"]
-    assert c["tokens_hit"] == 640 and c["chunks_loaded"] == 3 and c["load_errors"] == 0, c
+    assert c["tokens_hit"] == 640 and c["chunks_loaded"] == 6 and c["load_errors"] == 0, c
     assert same(got["outputs"][0], plain["outputs"][0])
     # Without the hybrid manager the engine keys its objects apart.
     alone = run(
@@ -473,7 +491,7 @@ def test_hybrid_sliding_window_model_under_vllms_hybrid_manager(
     cluster.stores[0].proc.wait(10)
     lost = run("gemma-lost", kv("kv_consumer", meta, "store-1", chunk_tokens=256))
     c = lost["connector"]
-    assert c["tokens_hit"] == 0 and c["load_errors"] == 3, c
+    assert c["tokens_hit"] == 0 and c["load_errors"] == 6, c  # 2 chunks, 4 units
     assert same(lost["outputs"][0], plain["outputs"][0])
 
 
@@ -491,25 +509,24 @@ def test_a_sliding_window_shorter_than_a_chunk_is_refused_at_start(
 @pytest.mark.parametrize(
     ("family", "dtype", "chunk", "saved"),
     [
-        # Biased q/k/v projections, float32 KV: a chunk is 2 layers x 128
-        # tokens x 2 heads x (K, V) x 32 values x 4 bytes.
+        # Biased q/k/v projections, float32 KV: a chunk is 2 objects (one
+        # per KV head) of 2 layers x 128 tokens x (K, V) x 32 values x 4
+        # bytes. Saved: 3 chunks and 3 tail units of 32 tokens (A's 1, B's 2).
         (
             "qwen2",
             "float32",
-            64 + 2 * CHUNK * 2 * 2 * 32 * 4,
-            3 * (64 + 2 * CHUNK * 2 * 2 * 32 * 4),
+            2 * (64 + 2 * CHUNK * 2 * 32 * 4),
+            3 * 2 * (64 + 2 * CHUNK * 2 * 32 * 4) + 3 * 2 * (64 + 2 * 32 * 2 * 32 * 4),
         ),
         # Multi-head latent attention: one latent of 512 + 64 rope values per
-        # token and layer, no heads, no separate V. Its reference CPU kernel
-        # takes 16-token blocks, so the tails are stored too: A's 2 blocks
-        # after its chunks and 1 completed while decoding, B's 4 after its
-        # third chunk. On a CPU with AMX vLLM's AMX kernel takes 128-token
-        # blocks (a chunk): no tails.
+        # token and layer, no heads, no separate V: one object per chunk. The
+        # tails are 32-token units whatever the kernel's block size (16 for
+        # the reference CPU kernel, 128 for AMX): 3 chunks and 3 units.
         (
             "deepseek_v2",
             "bfloat16",
             64 + 2 * CHUNK * 576 * 2,
-            {16: 3 * 294976 + 7 * 36928, 128: 3 * 294976},
+            3 * (64 + 2 * CHUNK * 576 * 2) + 3 * (64 + 2 * 32 * 576 * 2),
         ),
     ],
 )
@@ -629,20 +646,22 @@ def test_tensor_parallel_ranks_each_store_and_load_their_shard(
         return run_engine(workdir, {**spec(model, prompts, kvcfg), "tp": 2}, name)
 
     plain = run("tp2-plain", None)["outputs"]
-    shard = 64 + 2 * 2 * CHUNK * 1 * 2 * 32  # 2 layers, 1 KV head of 32, bf16
+    shard = chunk_bytes("none") // 2  # one KV head's object
+    units = 3 * unit_bytes("none")  # A's 1 tail unit and B's 2, both heads
     prod = run("tp2-producer", kv("kv_producer", meta, "store-0"))
     assert all(same(x, y) for x, y in zip(prod["outputs"], plain, strict=True))
     # The workers publish from their own processes, behind the engine.
     deadline = time.monotonic() + 30
-    while store_bytes(cluster)[0] < 2 * 3 * shard and time.monotonic() < deadline:
+    while store_bytes(cluster)[0] < 2 * 3 * shard + units and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert store_bytes(cluster) == (2 * 3 * shard, 0)  # A's 2 chunks and B's third, per rank
+    # A's 2 chunks and B's third, per rank, and the tail units.
+    assert store_bytes(cluster) == (2 * 3 * shard + units, 0)
     cons = run("tp2-consumer", kv("kv_consumer", meta, "store-1"))
     assert all(same(x, y) for x, y in zip(cons["outputs"], plain, strict=True))
     # A hit is one where every rank holds its shard: A's 2 chunks, B's 3.
-    assert store_bytes(cluster) == (2 * 3 * shard, 2 * 5 * shard)
+    assert store_bytes(cluster) == (2 * 3 * shard + units, 2 * 5 * shard)
     # The ranks' counters reach the engine with its steps, summed over ranks.
     e = cons["engine_connector"]
     assert (e["chunks_loaded"], e["bytes_loaded"]) == (2 * 5, 2 * 5 * shard), e
-    assert e["tokens_hit"] == 2 * 5 * CHUNK and e["load_errors"] == 0, e
+    assert e["tokens_hit"] == 5 * CHUNK and e["load_errors"] == 0, e
     assert e["loads_async"] == 2, e  # the scheduler's own count, once per request

@@ -36,7 +36,7 @@ def free_port() -> int:
 
 
 def serve(
-    model: str, port: int, kvcfg: dict[str, Any], tmp: Path, name: str
+    model: str, port: int, kvcfg: dict[str, Any], tmp: Path, name: str, *extra: str
 ) -> subprocess.Popen[bytes]:
     env = engine_env(tmp / name)
     return subprocess.Popen(
@@ -60,6 +60,7 @@ def serve(
             "uni",
             "--kv-transfer-config",
             json.dumps(kvcfg),
+            *extra,
         ],
         env=env,
         stdout=open(tmp / f"{name}.out", "wb"),
@@ -154,11 +155,12 @@ def test_proxy_prefill_then_decode_over_http(tmp_path: Path) -> None:
             assert out["choices"][0]["token_ids"] == plain["tokens"]
             with KVDepotClient(ClientConfig(metadata=meta)) as client:
                 stats = client.stats()
-            # The prefill published the prompt's 2 chunks; the decode loaded
-            # them from the stores. (Its scheduler's lookup may run before the
+            # The prefill published the prompt's 2 chunks and its 32-token
+            # tail unit, one object per KV head (2); the decode loaded them
+            # from the stores. (Its scheduler's lookup may run before the
             # prefill's publish is committed, which the decode then waits for:
             # the cluster's hit counters do not always see that load.)
-            assert stats.puts_committed == 2, (stats, engine_trouble(tmp_path))
+            assert stats.puts_committed == 2 * (2 + 1), (stats, engine_trouble(tmp_path))
             assert chunk_reads(cluster) >= 2, engine_trouble(tmp_path)
             # Streaming goes through too.
             req = urllib.request.Request(
