@@ -7,7 +7,7 @@ ever does.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 
@@ -64,17 +64,16 @@ async def explain(
 
 
 class ExplainRPCs:
-    """``Explain`` (a part of the servicer, which provides the index and the guard)."""
+    """``Explain``; the servicer answers it through this, giving it the index
+    and its error mapping."""
 
-    _index: IndexBackend
-
-    async def _guard(
+    def __init__(
         self,
-        context: grpc.aio.ServicerContext,
-        exc: KVDepotError,
-        trailing: tuple[tuple[str, str], ...] = (),
+        index: IndexBackend,
+        guard: Callable[[grpc.aio.ServicerContext, KVDepotError], Awaitable[None]],
     ) -> None:
-        raise NotImplementedError
+        self._index = index
+        self._guard = guard
 
     async def Explain(
         self, request: metadata_pb2.ExplainRequest, context: grpc.aio.ServicerContext

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Mapping
 
 import grpc
 
@@ -24,9 +23,6 @@ from kvdepot.metadata.index.namespaces import (
     check_name,
 )
 from kvdepot.proto.gen import metadata_pb2
-
-if TYPE_CHECKING:
-    from kvdepot.repeat_log import RepeatLog
 
 logger = logging.getLogger(__name__)
 
@@ -105,21 +101,19 @@ async def namespace_stats(
     return [record_to_proto(r) for r in await index.namespaces.list()]
 
 
+Guard = Callable[[grpc.aio.ServicerContext, KVDepotError], Awaitable[None]]
+"""The servicer's error mapping: aborts the call with ``exc``'s status."""
+
+
 class NamespaceRPCs:
-    """``RegisterNamespace``, ``ListNamespaces`` and ``ReportUsage`` (a part
-    of the servicer, which provides the index, the tally and the guard)."""
+    """``RegisterNamespace``, ``ListNamespaces`` and ``ReportUsage``; the
+    servicer answers them through this, giving it the index, its tally and
+    its error mapping."""
 
-    _index: IndexBackend
-    tally: NamespaceTally
-    failures: RepeatLog
-
-    async def _guard(
-        self,
-        context: grpc.aio.ServicerContext,
-        exc: KVDepotError,
-        trailing: tuple[tuple[str, str], ...] = (),
-    ) -> None:
-        raise NotImplementedError
+    def __init__(self, index: IndexBackend, tally: NamespaceTally, guard: Guard) -> None:
+        self._index = index
+        self.tally = tally
+        self._guard = guard
 
     async def RegisterNamespace(
         self, request: metadata_pb2.RegisterNamespaceRequest, context: grpc.aio.ServicerContext

@@ -128,7 +128,7 @@ def stats_to_proto(
     )
 
 
-class MetadataServicer(NamespaceRPCs, ExplainRPCs, metadata_pb2_grpc.MetadataServicer):
+class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
     """Validates requests, calls the index, maps errors to gRPC statuses."""
 
     def __init__(
@@ -155,6 +155,8 @@ class MetadataServicer(NamespaceRPCs, ExplainRPCs, metadata_pb2_grpc.MetadataSer
         self.failures = RepeatLog(logger)
         # Lookup and PutStart replies name the framed socket's port, if any.
         self.advertised: tuple[tuple[str, str], ...] = ()
+        self._namespaces = NamespaceRPCs(index, self.tally, self._guard)
+        self._explain = ExplainRPCs(index, self._guard)
 
     def _log_refusal(self, node_id: str, address: str, exc: NodeIdTaken) -> None:
         now = time.monotonic()
@@ -201,6 +203,26 @@ class MetadataServicer(NamespaceRPCs, ExplainRPCs, metadata_pb2_grpc.MetadataSer
         await abort_with(context, exc, trailing)
 
     # -- RPCs ---------------------------------------------------------------
+    async def RegisterNamespace(
+        self, request: metadata_pb2.RegisterNamespaceRequest, context: grpc.aio.ServicerContext
+    ) -> metadata_pb2.RegisterNamespaceResponse:
+        return await self._namespaces.RegisterNamespace(request, context)
+
+    async def ListNamespaces(
+        self, request: metadata_pb2.ListNamespacesRequest, context: grpc.aio.ServicerContext
+    ) -> metadata_pb2.ListNamespacesResponse:
+        return await self._namespaces.ListNamespaces(request, context)
+
+    async def ReportUsage(
+        self, request: metadata_pb2.ReportUsageRequest, context: grpc.aio.ServicerContext
+    ) -> metadata_pb2.ReportUsageResponse:
+        return await self._namespaces.ReportUsage(request, context)
+
+    async def Explain(
+        self, request: metadata_pb2.ExplainRequest, context: grpc.aio.ServicerContext
+    ) -> metadata_pb2.ExplainResponse:
+        return await self._explain.Explain(request, context)
+
     async def RegisterNode(
         self, request: metadata_pb2.RegisterNodeRequest, context: grpc.aio.ServicerContext
     ) -> metadata_pb2.RegisterNodeResponse:
