@@ -34,8 +34,12 @@ Comparisons, each alternating its A and B within this run:
    minus those it loaded: ``usage`` of requests through the proxy, and the
    decode engine's ``vllm:prompt_tokens_by_source{source="local_compute"}``
    over the benchmark's requests).
+6. Heterogeneous P/D: a prefill at TP=1 and a decode at TP=2 behind the
+   proxy (:mod:`benchmarks.vllm_hetero`): TTFT, TPOT, tokens the decode
+   recomputed, its outputs against a plain TP=2 engine's, bytes a decode
+   rank read against a whole chunk.
 
-    python benchmarks/vllm_serve.py [--quick] [--json] [--plot FILE.png]
+    python benchmarks/vllm_serve.py [--quick] [--json] [--plot FILE.png] [--only-hetero]
 
 Needs vLLM (the CPU build works), ``aiohttp`` (the proxy) and ``tokenizers``;
 matplotlib for ``--plot``. The float32 model runs eagerly (``--enforce-eager``):
@@ -59,6 +63,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the repo root
 
 from benchmarks.procs import Cluster, stop_on_sigterm
+from benchmarks.vllm_hetero import compare_hetero_pd
 from benchmarks.vllm_servers import (
     VOCAB,
     Processes,
@@ -438,6 +443,26 @@ def compare_pd(
     return result
 
 
+def hetero(
+    procs: Processes, work: Path, model: Path, plan: Plan, meta: str, chunk: int
+) -> dict[str, Any]:
+    """Comparison 6 (see :mod:`benchmarks.vllm_hetero`)."""
+    heads, kv_heads, dtype_bytes = 16, 4, 4  # build_model's attention, float32
+    per_token = plan.layers * 2 * kv_heads * (plan.hidden // heads) * dtype_bytes
+    return compare_hetero_pd(
+        procs,
+        work,
+        model,
+        meta,
+        chunk,
+        prompts=plan.pd_prompts,
+        input_len=plan.pd_input,
+        output_len=plan.pd_output,
+        probe_lengths=plan.pd_probe_lengths,
+        kv_bytes_per_token=per_token,
+    )
+
+
 def targets(result: dict[str, Any], block: int) -> dict[str, bool]:
     return {
         "throughput_ratio_no_reuse >= 0.97": result.get("throughput_ratio_no_reuse", 0) >= 0.97,
@@ -448,7 +473,44 @@ def targets(result: dict[str, Any], block: int) -> dict[str, bool]:
             "pd_decode_recomputed_tokens_max", 1 << 30
         )
         < block,
+        "hetero_pd_outputs_equal": bool(result.get("hetero_pd_outputs_equal")),
+        "hetero_pd_recomputed_tokens_max < block_size": result.get(
+            "hetero_pd_recomputed_tokens_max", 1 << 30
+        )
+        < block,
+        # A rank's heads' half of each chunk, plus the objects' 64-byte headers.
+        "hetero_pd_bytes_per_rank_ratio <= 0.51": (
+            result.get("hetero_pd_bytes_per_rank_ratio") or 1.0
+        )
+        <= 0.51,
     }
+
+
+def comparisons_1_to_5(
+    procs: Processes, work: Path, model: Path, plan: Plan, meta: str, block: int, chunk: int
+) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    # 1. Plain and kv_both engines, both cores each, alternating.
+    plain = start_engine(procs, work, "plain", model, cores="0-1", kv=None)
+    warm(plain, 1)
+    kv_first = start_engine(
+        procs,
+        work,
+        "kv_both-0",
+        model,
+        cores="0-1",
+        kv=kv_config("kv_both", meta, "store-0", chunk),
+    )
+    warm(kv_first, 2)
+    result.update(compare_no_reuse(work, model, plan, plain, kv_first))
+    # 2. Restart: first run, restart, second run.
+    figures, current = compare_restart(procs, work, model, plan, meta, kv_first, chunk)
+    result.update(figures)
+    # 3. Multi-turn on the last kv_both engine.
+    result.update(multiturn(current, meta, plan, block, 3000))
+    procs.stop(current)
+    result.update(compare_pd(procs, work, model, plan, meta, plain, chunk))
+    return result
 
 
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -482,26 +544,10 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             nodes=2, capacity="3GiB", log_dir=work / "cluster", lease_ttl_s=120
         ) as cluster:
             meta = cluster.metadata_address
-            # 1. Plain and kv_both engines, both cores each, alternating.
-            plain = start_engine(procs, work, "plain", model, cores="0-1", kv=None)
-            warm(plain, 1)
-            kv_first = start_engine(
-                procs,
-                work,
-                "kv_both-0",
-                model,
-                cores="0-1",
-                kv=kv_config("kv_both", meta, "store-0", chunk),
-            )
-            warm(kv_first, 2)
-            result.update(compare_no_reuse(work, model, plan, plain, kv_first))
-            # 2. Restart: first run, restart, second run.
-            figures, current = compare_restart(procs, work, model, plan, meta, kv_first, chunk)
-            result.update(figures)
-            # 3. Multi-turn on the last kv_both engine.
-            result.update(multiturn(current, meta, plan, block, 3000))
-            procs.stop(current)
-            result.update(compare_pd(procs, work, model, plan, meta, plain, chunk))
+            if not args.only_hetero:
+                result.update(comparisons_1_to_5(procs, work, model, plan, meta, block, chunk))
+                procs.stop_all()
+            result.update(hetero(procs, work, model, plan, meta, chunk))
             result["kvdepot_cluster"] = cluster_stats(meta)
     finally:
         procs.stop_all()
@@ -585,6 +631,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", type=Path, default=None, metavar="FILE.png", help="write a plot")
     p.add_argument("--chunk-tokens", type=int, default=256, help="connector chunk (x128)")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
+    p.add_argument(
+        "--only-hetero", action="store_true", help="only comparison 6 (heterogeneous P/D)"
+    )
     p.add_argument(
         "--replot",
         type=Path,

@@ -164,7 +164,11 @@ def start_engine(
     kv: dict[str, Any] | None,
     prefix_caching: bool = True,
     max_model_len: int = 4096,
+    tp: int = 1,
+    block_size: int | None = None,
 ) -> Server:
+    """A ``vllm serve`` of ``model``; ``cores`` as ``VLLM_CPU_OMP_THREADS_BIND``
+    takes them (with ``tp`` ranks: one list per rank, ``"0|1"``)."""
     port = free_port()
     log_path = work / f"{name}.log"
     cmd = [
@@ -185,12 +189,16 @@ def start_engine(
         "--max-num-seqs",
         "16",
         "--distributed-executor-backend",
-        "uni",
+        "uni" if tp == 1 else "mp",
+        "--tensor-parallel-size",
+        str(tp),
         "--enable-prompt-tokens-details",
         "--seed",
         "0",
         "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
     ]
+    if block_size is not None:
+        cmd += ["--block-size", str(block_size)]
     if kv is not None:
         cmd += ["--kv-transfer-config", json.dumps(kv)]
     with open(log_path, "wb") as out:
@@ -224,10 +232,12 @@ def wait_http(server: Server, timeout_s: float) -> None:
     raise RuntimeError(f"{server.name} not up within {timeout_s:.0f} s:\n{server.tail()}")
 
 
-def start_proxy(procs: Processes, work: Path, prefill: Server, decode: Server) -> Server:
+def start_proxy(
+    procs: Processes, work: Path, prefill: Server, decode: Server, name: str = "proxy"
+) -> Server:
     from kvdepot.apps.cluster import wait_ready
 
-    log_path = work / "proxy.log"
+    log_path = work / f"{name}.log"
     with open(log_path, "wb") as err:
         proc = popen(
             [
@@ -250,7 +260,7 @@ def start_proxy(procs: Processes, work: Path, prefill: Server, decode: Server) -
             start_new_session=True,
             death_signal=signal.SIGTERM,
         )
-    server = procs.add(Server("proxy", proc, 0, log_path))
+    server = procs.add(Server(name, proc, 0, log_path))
     server.port = int(wait_ready(proc, "proxy", 60)["port"])
     return server
 
