@@ -193,7 +193,21 @@ def check_mismatch_and_counters(cl: LocalCluster, name: str) -> None:
     assert stats[SALTED.digest().hex()].chunks_stored == 3
 
 
-def test_cli_lists_namespaces_and_explains_a_prompt(cluster: LocalCluster) -> None:
+def word_tokenizer(where: Path, tokens: list[int]) -> Path:
+    """A tokenizer directory whose word ``t<i>`` is token ``i``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{t}": t for t in {*tokens, 1}}
+    vocab["<unk>"] = 60000
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    path = where / "tokenizer"
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(str(path))
+    return path
+
+
+def test_cli_lists_namespaces_and_explains_a_prompt(cluster: LocalCluster, tmp_path: Path) -> None:
     cl = cluster
     cl.add_store("s0")
     tokens = prompt(7, 2)
@@ -231,6 +245,14 @@ def test_cli_lists_namespaces_and_explains_a_prompt(cluster: LocalCluster) -> No
     assert chunks[2]["reason"] == "shorter_prompt"
     out = subprocess.run([*cli, "explain", *ask], capture_output=True, text=True, timeout=60)
     assert "would load 2 leading chunks (32 tokens)" in out.stdout, out.stdout
+    # The same prompt as text, through a tokenizer directory (word t<i> is token i).
+    words = " ".join(f"t{t}" for t in tokens + [1] * C)
+    as_text = [*ask[:-2], "--text", words, "--tokenizer", str(word_tokenizer(tmp_path, tokens))]
+    out = subprocess.run(
+        [*cli, "explain", *as_text, "--json"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == chunks
 
     bad = subprocess.run(
         [*cli, "explain", *meta, "--tokens", "1,x", "--namespace", "00" * 16],
