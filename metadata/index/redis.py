@@ -588,9 +588,10 @@ class RedisIndex(RedisInventory, RedisHistory, IndexBackend, ReplicaTierIndex):
     async def put_revoke(self, node_id: NodeId, keys: Sequence[ChunkKey]) -> int:
         b = await self._layout()
         calls = self._db.vec(scripts.REVOKE, [[b.pending(k)] for k in keys], [node_id])
-        revoked = sum(flat(await self._db.exec(calls)))
-        self.placement.failed(node_id, revoked)  # the writer could not write there
-        return revoked
+        done = [k for k, r in zip(keys, flat(await self._db.exec(calls)), strict=True) if r]
+        await self._history.record(node_id, done, "revoked")
+        self.placement.failed(node_id, len(done))  # the writer could not write there
+        return len(done)
 
     # -- lookup ---------------------------------------------------------------
     @guarded

@@ -164,6 +164,10 @@ def test_uncommitted_allocations_expire_and_revoke(make_index: MakeIndex) -> Non
         await index.put_start([key(1), key(2)], [1, 1], "a", now())
         assert await index.put_revoke("a", [key(2)]) == 1
         assert await index.put_revoke("b", [key(1)]) == 0  # not b's allocation
+        # Explain names the revoked put, on its node; the other key left nothing.
+        gone = await index.departures.find([key(2), key(1)])
+        assert gone[0] is not None and (gone[0].reason, gone[0].node_id) == ("revoked", "a")
+        assert gone[1] is None
         assert (await index.put_start([key(2)], [1], "a", now()))[0].action is Action.WRITE
         # Key 1 still pending until its allocation expires.
         assert (await index.put_start([key(1)], [1], "a", now()))[0].action is Action.SKIP_PENDING
