@@ -226,10 +226,15 @@ def test_prometheus_reads_the_connectors_and_the_daemons_series(served: dict[str
     external = prom.value('sum(vllm:prompt_tokens_by_source_total{source="external_kv_transfer"})')
     assert external == direct, (external, direct)
     # Held when asked is at least what was served.
-    held = prom.value('kvdepot_cluster_lookup_tokens_total{result="hit"}')
-    assert held is not None and held >= direct, (held, direct)
+    held_q = 'kvdepot_cluster_lookup_tokens_total{result="hit"}'
+    prom.wait(lambda: (prom.value(held_q) or 0) >= direct, "held tokens never reached served")
     # The stores served the load from what the engine had saved, each object
     # read once: no more hits than chunks put, no misses.
+    # (The stores are scraped apart from the engine: a scrape may lag it.)
+    prom.wait(
+        lambda: (prom.value("sum(kvdepot_store_tier_hits_total)") or 0) > 0,
+        "Prometheus never scraped the stores' hits",
+    )
     hits = prom.value("sum(kvdepot_store_tier_hits_total)")
     puts = prom.value("sum(kvdepot_store_puts_total)")
     assert hits is not None and puts is not None and 0 < hits <= puts, (hits, puts)
