@@ -9,6 +9,7 @@ the cluster's "served" figure, beside what its lookups found held.
 from __future__ import annotations
 
 import logging
+import threading
 import weakref
 from collections.abc import Mapping
 
@@ -50,10 +51,18 @@ def register_namespace(
     settings: ConnectorSettings,
     identity: ModelIdentity | None = None,
 ) -> None:
-    """Register the engine's namespace; the service being away costs only the listing."""
+    """Register the engine's namespace, off the engine's start: a metadata
+    service that is away or slow costs only the listing, never the start."""
     use_namespace(client, ns)
+    fields = vllm_namespace_fields(ns, settings, identity)
+    threading.Thread(
+        target=_register, args=(client, ns, fields), name="kvdepot-namespace", daemon=True
+    ).start()
+
+
+def _register(client: KVDepotClient, ns: Namespace, fields: dict[str, str]) -> None:
     try:
-        client.register_namespace(ns, vllm_namespace_fields(ns, settings, identity), "vllm")
+        client.register_namespace(ns, fields, "vllm")
     except KVDepotError as exc:
         logger.warning("kvdepot namespace %s not registered: %s", ns.digest().hex(), exc)
 
