@@ -7,7 +7,7 @@ ever does.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 
 import grpc
 
@@ -15,6 +15,7 @@ from kvdepot.errors import InvalidArgument, KVDepotError
 from kvdepot.keys import ChunkKey, validate_keys
 from kvdepot.metadata.index import IndexBackend
 from kvdepot.metadata.index.departures import Departure
+from kvdepot.metadata.namespaces import Guard
 from kvdepot.proto.gen import common_pb2, metadata_pb2
 from kvdepot.types import KeyLocation
 from kvdepot.validation import check_text
@@ -67,11 +68,7 @@ class ExplainRPCs:
     """``Explain``; the servicer answers it through this, giving it the index
     and its error mapping."""
 
-    def __init__(
-        self,
-        index: IndexBackend,
-        guard: Callable[[grpc.aio.ServicerContext, KVDepotError], Awaitable[None]],
-    ) -> None:
+    def __init__(self, index: IndexBackend, guard: Guard) -> None:
         self._index = index
         self._guard = guard
 
