@@ -10,9 +10,11 @@ what vLLM says it loaded (``vllm:prompt_tokens_by_source``, source
 from __future__ import annotations
 
 import json
+import secrets
 import shutil
 import subprocess
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -146,6 +148,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     )
     cluster.start()
     port = free_port()
+    # Only this test's requests reach the engine: CI once saw it count 40
+    # requests' worth of loaded tokens for the 2 this test sends.
+    key = secrets.token_hex(16)
     proc = serve(
         model,
         port,
@@ -155,6 +160,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
         tmp,
         "engine",
         "--enforce-eager",
+        "--api-key",
+        key,
     )
     prom: Prometheus | None = None
     try:
@@ -166,7 +173,14 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
         }
         prom = Prometheus(tmp, jobs)
         wait_http(f"http://127.0.0.1:{port}/health", proc, 600)
-        yield {"url": f"http://127.0.0.1:{port}", "model": model, "cluster": cluster, "prom": prom}
+        yield {
+            "url": f"http://127.0.0.1:{port}",
+            "model": model,
+            "key": key,
+            "log": tmp / "engine.out",
+            "cluster": cluster,
+            "prom": prom,
+        }
     finally:
         if prom is not None:
             prom.stop()
@@ -180,10 +194,20 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
 
 
 def _complete(served: dict[str, Any], ids: list[int]) -> None:
-    from tests.integration.vllm.test_proxy import post
-
     body = {"model": served["model"], "prompt": ids, "max_tokens": 4, "temperature": 0.0}
-    post(served["url"] + "/v1/completions", body)
+    req = urllib.request.Request(
+        served["url"] + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {served['key']}"},
+    )
+    with urllib.request.urlopen(req, timeout=300) as r:
+        assert r.status == 200
+
+
+def _requests_logged(served: dict[str, Any]) -> list[str]:
+    """The completion requests the engine's access log shows, client and status."""
+    text = Path(served["log"]).read_text(errors="replace")
+    return [ln.split("INFO:", 1)[-1].strip() for ln in text.splitlines() if "POST /v1/" in ln]
 
 
 def _engine_metric(served: dict[str, Any], name: str) -> float:
@@ -203,6 +227,10 @@ def test_prometheus_reads_the_connectors_and_the_daemons_series(served: dict[str
     prom: Prometheus = served["prom"]
     cluster: LocalCluster = served["cluster"]
     ids = np.random.default_rng(5).integers(1, 1000, 700).tolist()
+    # A request without the engine's key is refused, so no other client counts here.
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(urllib.request.Request(served["url"] + "/v1/models"), timeout=10)
+    assert refused.value.code == 401
     _complete(served, ids)  # computed, then published
     from tests.integration.vllm.test_serving import wait_published
 
@@ -224,7 +252,7 @@ def test_prometheus_reads_the_connectors_and_the_daemons_series(served: dict[str
 
     # Served tokens are what vLLM itself counts as loaded from outside.
     external = prom.value('sum(vllm:prompt_tokens_by_source_total{source="external_kv_transfer"})')
-    assert external == direct, (external, direct)
+    assert external == direct, (external, direct, _requests_logged(served))
     # Held when asked is at least what was served.
     held_q = 'kvdepot_cluster_lookup_tokens_total{result="hit"}'
     prom.wait(lambda: (prom.value(held_q) or 0) >= direct, "held tokens never reached served")
