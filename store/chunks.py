@@ -64,6 +64,7 @@ from kvdepot.store.tier_placement import (
     State,
     TierPlacement,
     check_tier_names,
+    now_s,
 )
 from kvdepot.store.tiering import Mover
 from kvdepot.store.tiers.base import Tier, TierLimits
@@ -304,6 +305,7 @@ class ChunkStore:
                 entry.key = key
                 self._entries[key] = entry
             entry.state = State.COMMITTED
+            entry.born = now_s()
             self._placement.inventory.add(entry.key)
             if checksum is not None:
                 entry.checksum = checksum
@@ -673,6 +675,18 @@ class ChunkStore:
         with self._lock:
             reasons = self._placement.reasons
             return {k: r for k in keys if (r := reasons.pop(k, None)) is not None}
+
+    def describe(self, keys: Sequence[ChunkKey]) -> list[tuple[str, int] | None]:
+        """Per key: (tier, commit time in Unix seconds, 0 if not known) of a
+        committed chunk, or ``None`` when it is not held."""
+        with self._lock:
+            entries = self._entries
+            return [
+                (e.copy.level.name, e.born)
+                if (e := entries.get(k)) is not None and e.committed
+                else None
+                for k in keys
+            ]
 
     def tier_of(self, key: ChunkKey) -> str | None:
         """The tier a committed chunk is in, or ``None`` if it is not held."""

@@ -20,7 +20,7 @@ import grpc
 
 from kvdepot.endpoints import parse_endpoints
 from kvdepot.errors import InvalidArgument, Unavailable
-from kvdepot.keys import ChunkKey
+from kvdepot.keys import ChunkKey, validate_keys
 from kvdepot.metadata_client import MetadataClient
 from kvdepot.metrics import MetricsServer, StoreCollector, on_loop
 from kvdepot.proto.gen import common_pb2, metadata_pb2, store_pb2, store_pb2_grpc
@@ -68,6 +68,8 @@ SAMPLE_S = 1.0
 REMOVED_SUMMARY_S = 10.0
 # Keys per ReportMoved call.
 MOVED_BATCH = 4096
+MAX_DESCRIBE_KEYS = 8192
+"""Keys one ``DescribeChunks`` may ask about (as many as one ``Explain``)."""
 
 
 class StoreServicer(store_pb2_grpc.StoreServicer):
@@ -85,6 +87,26 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
         self, request: store_pb2.TransferInfoRequest, context: grpc.aio.ServicerContext
     ) -> store_pb2.TransferInfo:
         return self._daemon.transfer_info_proto()
+
+    async def DescribeChunks(
+        self, request: store_pb2.DescribeChunksRequest, context: grpc.aio.ServicerContext
+    ) -> store_pb2.DescribeChunksResponse:
+        try:
+            if len(request.keys) > MAX_DESCRIBE_KEYS:
+                raise InvalidArgument(
+                    f"{len(request.keys)} keys to describe; the limit is {MAX_DESCRIBE_KEYS}"
+                )
+            keys = validate_keys(request.keys)
+        except InvalidArgument as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return store_pb2.DescribeChunksResponse(
+            chunks=[
+                store_pb2.ChunkDescription(held=True, tier=d[0], committed_at=d[1])
+                if d is not None
+                else store_pb2.ChunkDescription()
+                for d in self._daemon.chunks.describe(keys)
+            ]
+        )
 
 
 class _StartedIndexer(Indexer):

@@ -33,6 +33,7 @@ import enum
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 from kvdepot.errors import CapacityExceeded, Corrupt, InvalidArgument, KVDepotError, Unavailable
@@ -150,6 +151,7 @@ class Entry:
     """The table's record of one chunk."""
 
     __slots__ = (
+        "born",
         "checksum",
         "copy",
         "held",
@@ -175,10 +177,24 @@ class Entry:
         self.held = False
         # A still valid copy in a slower, persistent tier (see Level.shadows).
         self.shadow: Copy | None = None
+        # When it was committed (Unix seconds; 0: found on SSD at start).
+        self.born = 0
 
     @property
     def committed(self) -> bool:
         return self.state is State.COMMITTED
+
+
+_second = [0]
+
+
+def now_s() -> int:
+    """Wall-clock whole seconds; entries committed in one second share one int
+    object rather than holding one each (millions of chunks)."""
+    now = int(time.time())
+    if now != _second[0]:
+        _second[0] = now
+    return _second[0]
 
 
 def check_tier_names(names: Sequence[str]) -> None:

@@ -10,8 +10,9 @@ which setting.
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -51,14 +52,22 @@ class ChunkAnswer:
     at: float | None = None  # when it left (wall clock)
     namespace: str = ""  # another namespace that holds it
     differs_in: tuple[str, ...] = ()
+    key: bytes = b""  # its key in the namespace explained
+    committed_at: float | None = None  # a hit's commit on its node (wall clock)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, now: float | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {"index": self.index, "status": self.status, "reason": self.reason}
         for name in ("node", "tier", "namespace"):
             if getattr(self, name):
                 out[name] = getattr(self, name)
         if self.at is not None:
             out["at"] = self.at
+        if self.committed_at is not None:
+            now = time.time() if now is None else now
+            out["committed_at"] = self.committed_at
+            out["age_s"] = round(max(0.0, now - self.committed_at), 3)
+        if self.key:
+            out["key"] = self.key.hex()
         if self.namespace:
             out["differs_in"] = list(self.differs_in)
         return out
@@ -180,7 +189,34 @@ def explain_prompt(
             )
         else:
             answers.append(_miss(i, k, (i + 1) * c, sum(present[:i]), elsewhere, differs))
+    answers = [dataclasses.replace(a, key=bytes(k)) for a, k in zip(answers, keys, strict=True)]
     return Explanation(namespace, c, tuple(answers), lead, elsewhere)
+
+
+Describe = Callable[[str, Sequence[bytes]], Sequence[tuple[str, float] | None]]
+"""Asks node ``node_id`` about keys: per key (tier, commit time; 0 if not
+known) where it holds it, else None (``Store.DescribeChunks``)."""
+
+
+def with_ages(e: Explanation, describe: Describe) -> Explanation:
+    """The hits of ``e`` with when their node committed them (their age), and
+    the tier they are in now; a node that cannot say leaves them as they are."""
+    by_node: dict[str, list[int]] = {}
+    for i, a in enumerate(e.chunks):
+        if a.status == "hit" and a.key:
+            by_node.setdefault(a.node, []).append(i)
+    chunks = list(e.chunks)
+    for node, idx in by_node.items():
+        found = describe(node, [chunks[i].key for i in idx])
+        if len(found) != len(idx):
+            continue
+        for i, d in zip(idx, found, strict=True):
+            if d is not None:
+                tier, at = d
+                chunks[i] = dataclasses.replace(
+                    chunks[i], tier=tier or chunks[i].tier, committed_at=at or None
+                )
+    return dataclasses.replace(e, chunks=tuple(chunks))
 
 
 def _age(at: float | None, now: float) -> str:
@@ -193,7 +229,8 @@ def _age(at: float | None, now: float) -> str:
 def _line(a: ChunkAnswer, now: float) -> str:
     if a.status == "hit":
         tail = "  (after a miss: not loaded)" if a.reason else ""
-        return f"chunk {a.index:>4}  hit   node {a.node}, tier {a.tier}{tail}"
+        age = _age(a.committed_at, now).replace(" at ", ", committed at ", 1)
+        return f"chunk {a.index:>4}  hit   node {a.node}, tier {a.tier}{age}{tail}"
     why = {
         "evicted": f"evicted from {a.tier or 'a tier'} of node {a.node}{_age(a.at, now)}",
         "node_lost": f"lost with node {a.node}{_age(a.at, now)}",
@@ -228,6 +265,7 @@ def render_explanation(e: Explanation, now: float | None = None) -> str:
     return "\n".join(lines)
 
 
-def explanation_to_json(e: Explanation) -> list[dict[str, Any]]:
+def explanation_to_json(e: Explanation, now: float | None = None) -> list[dict[str, Any]]:
     """``--json``: one object per chunk."""
-    return [a.to_dict() for a in e.chunks]
+    now = time.time() if now is None else now
+    return [a.to_dict(now) for a in e.chunks]

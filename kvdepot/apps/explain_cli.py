@@ -62,8 +62,40 @@ def _namespace(args: argparse.Namespace) -> tuple[str, dict[str, str] | None]:
     return engine_namespace(args.kv_transfer_config, args.model, args.engine_arg or [])
 
 
+def store_describer(c: Any) -> Callable[[str, Any], list[tuple[str, float] | None]]:
+    """``Store.DescribeChunks`` of the node a hit is on, reached at the gRPC
+    address the cluster's statistics give (with the client's token and TLS);
+    a store that cannot answer describes nothing."""
+    import grpc
+
+    from kvdepot.proto.gen import store_pb2, store_pb2_grpc
+    from kvdepot.rpc.security import channel
+
+    addresses = {n.node_id: n.grpc_address for n in c.stats().nodes}
+
+    def describe(node: str, keys: Any) -> list[tuple[str, float] | None]:
+        address = addresses.get(node)
+        if not address:
+            return [None] * len(keys)
+        try:
+            with channel(address, c.config.security) as ch:
+                reply = store_pb2_grpc.StoreStub(ch).DescribeChunks(
+                    store_pb2.DescribeChunksRequest(keys=keys), timeout=c.config.rpc_timeout_s
+                )
+        except grpc.RpcError:
+            return [None] * len(keys)
+        return [(d.tier, d.committed_at) if d.held else None for d in reply.chunks]
+
+    return describe
+
+
 def cmd_explain(args: argparse.Namespace, client: ClientFactory) -> int:
-    from kvdepot.apps.explain import explain_prompt, explanation_to_json, render_explanation
+    from kvdepot.apps.explain import (
+        explain_prompt,
+        explanation_to_json,
+        render_explanation,
+        with_ages,
+    )
 
     tokens = prompt_tokens(args)
     name, fields = _namespace(args)
@@ -72,6 +104,8 @@ def cmd_explain(args: argparse.Namespace, client: ClientFactory) -> int:
         raise InvalidArgument("--chunk-tokens must be positive")
     with client(args) as c:
         e = explain_prompt(c, tokens, name, chunk_tokens=chunk_tokens, fields=fields)
+        if any(a.status == "hit" for a in e.chunks):
+            e = with_ages(e, store_describer(c))
     print(json.dumps(explanation_to_json(e)) if args.json else render_explanation(e), flush=True)
     return 0
 

@@ -26,27 +26,33 @@ _sym_db = _symbol_database.Default()
 from kvdepot.proto.gen import common_pb2 as kvdepot_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvdepot/v1/store.proto\x12\nkvdepot.v1\x1a\x17kvdepot/v1/common.proto\"\x15\n\x13TransferInfoRequest\"\xa0\x01\n\x0cTransferInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x14\n\x0c\x64\x61ta_address\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x0f\n\x07host_id\x18\x04 \x01(\t\x12 \n\x03shm\x18\x05 \x01(\x0b\x32\x13.kvdepot.v1.ShmInfo\x12\"\n\x04nixl\x18\x06 \x01(\x0b\x32\x14.kvdepot.v1.NixlInfo\"I\n\x07ShmInfo\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x10\n\x08\x66ile_dev\x18\x03 \x01(\x04\x12\x10\n\x08\x66ile_ino\x18\x04 \x01(\x04\"r\n\x08NixlInfo\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\x15\n\rarena_address\x18\x03 \x01(\x04\x12\x12\n\narena_size\x18\x04 \x01(\x04\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\"\x13\n\x11StoreStatsRequest\"\xd7\x03\n\nStoreStats\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12$\n\x05tiers\x18\x03 \x03(\x0b\x32\x15.kvdepot.v1.TierStats\x12\x0c\n\x04puts\x18\x04 \x01(\x04\x12\x0c\n\x04gets\x18\x05 \x01(\x04\x12\x12\n\nget_misses\x18\x06 \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\x07 \x01(\x04\x12\x11\n\tbytes_out\x18\x08 \x01(\x04\x12\x14\n\x0cput_rejected\x18\t \x01(\x04\x12\x14\n\x0c\x63orrupt_puts\x18\n \x01(\x04\x12\x17\n\x0fprotocol_errors\x18\x0b \x01(\x04\x12\x13\n\x0b\x63onnections\x18\x0c \x01(\x04\x12*\n\x08transfer\x18\r \x01(\x0b\x32\x18.kvdepot.v1.TransferRate\x12\x16\n\x0e\x63hunks_corrupt\x18\x0e \x01(\x04\x12\x18\n\x10\x63hunks_recovered\x18\x0f \x01(\x04\x12\x19\n\x11tier_write_errors\x18\x10 \x01(\x04\x12\x18\n\x10tier_read_errors\x18\x11 \x01(\x04\x12\x10\n\x08\x64\x65graded\x18\x12 \x01(\t\x12-\n\treconcile\x18\x13 \x01(\x0b\x32\x1a.kvdepot.v1.ReconcileStats\"\xb2\x01\n\x0eReconcileStats\x12\x0e\n\x06\x63hunks\x18\x01 \x01(\x04\x12\x12\n\nmismatches\x18\x02 \x01(\x04\x12\x0e\n\x06rounds\x18\x03 \x01(\x04\x12\x0f\n\x07\x62uckets\x18\x04 \x01(\x04\x12\x11\n\tkeys_sent\x18\x05 \x01(\x04\x12\x16\n\x0emax_round_keys\x18\x06 \x01(\x04\x12\r\n\x05\x61\x64\x64\x65\x64\x18\x07 \x01(\x04\x12\x0f\n\x07removed\x18\x08 \x01(\x04\x12\x10\n\x08scrubbed\x18\t \x01(\x04\x32\x98\x01\n\x05Store\x12\x41\n\x08GetStats\x12\x1d.kvdepot.v1.StoreStatsRequest\x1a\x16.kvdepot.v1.StoreStats\x12L\n\x0fGetTransferInfo\x12\x1f.kvdepot.v1.TransferInfoRequest\x1a\x18.kvdepot.v1.TransferInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvdepot/v1/store.proto\x12\nkvdepot.v1\x1a\x17kvdepot/v1/common.proto\"%\n\x15\x44\x65scribeChunksRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"F\n\x16\x44\x65scribeChunksResponse\x12,\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x1c.kvdepot.v1.ChunkDescription\"D\n\x10\x43hunkDescription\x12\x0c\n\x04held\x18\x01 \x01(\x08\x12\x0c\n\x04tier\x18\x02 \x01(\t\x12\x14\n\x0c\x63ommitted_at\x18\x03 \x01(\x01\"\x15\n\x13TransferInfoRequest\"\xa0\x01\n\x0cTransferInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x14\n\x0c\x64\x61ta_address\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x0f\n\x07host_id\x18\x04 \x01(\t\x12 \n\x03shm\x18\x05 \x01(\x0b\x32\x13.kvdepot.v1.ShmInfo\x12\"\n\x04nixl\x18\x06 \x01(\x0b\x32\x14.kvdepot.v1.NixlInfo\"I\n\x07ShmInfo\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x10\n\x08\x66ile_dev\x18\x03 \x01(\x04\x12\x10\n\x08\x66ile_ino\x18\x04 \x01(\x04\"r\n\x08NixlInfo\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\x15\n\rarena_address\x18\x03 \x01(\x04\x12\x12\n\narena_size\x18\x04 \x01(\x04\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\"\x13\n\x11StoreStatsRequest\"\xd7\x03\n\nStoreStats\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12$\n\x05tiers\x18\x03 \x03(\x0b\x32\x15.kvdepot.v1.TierStats\x12\x0c\n\x04puts\x18\x04 \x01(\x04\x12\x0c\n\x04gets\x18\x05 \x01(\x04\x12\x12\n\nget_misses\x18\x06 \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\x07 \x01(\x04\x12\x11\n\tbytes_out\x18\x08 \x01(\x04\x12\x14\n\x0cput_rejected\x18\t \x01(\x04\x12\x14\n\x0c\x63orrupt_puts\x18\n \x01(\x04\x12\x17\n\x0fprotocol_errors\x18\x0b \x01(\x04\x12\x13\n\x0b\x63onnections\x18\x0c \x01(\x04\x12*\n\x08transfer\x18\r \x01(\x0b\x32\x18.kvdepot.v1.TransferRate\x12\x16\n\x0e\x63hunks_corrupt\x18\x0e \x01(\x04\x12\x18\n\x10\x63hunks_recovered\x18\x0f \x01(\x04\x12\x19\n\x11tier_write_errors\x18\x10 \x01(\x04\x12\x18\n\x10tier_read_errors\x18\x11 \x01(\x04\x12\x10\n\x08\x64\x65graded\x18\x12 \x01(\t\x12-\n\treconcile\x18\x13 \x01(\x0b\x32\x1a.kvdepot.v1.ReconcileStats\"\xb2\x01\n\x0eReconcileStats\x12\x0e\n\x06\x63hunks\x18\x01 \x01(\x04\x12\x12\n\nmismatches\x18\x02 \x01(\x04\x12\x0e\n\x06rounds\x18\x03 \x01(\x04\x12\x0f\n\x07\x62uckets\x18\x04 \x01(\x04\x12\x11\n\tkeys_sent\x18\x05 \x01(\x04\x12\x16\n\x0emax_round_keys\x18\x06 \x01(\x04\x12\r\n\x05\x61\x64\x64\x65\x64\x18\x07 \x01(\x04\x12\x0f\n\x07removed\x18\x08 \x01(\x04\x12\x10\n\x08scrubbed\x18\t \x01(\x04\x32\xf1\x01\n\x05Store\x12\x41\n\x08GetStats\x12\x1d.kvdepot.v1.StoreStatsRequest\x1a\x16.kvdepot.v1.StoreStats\x12L\n\x0fGetTransferInfo\x12\x1f.kvdepot.v1.TransferInfoRequest\x1a\x18.kvdepot.v1.TransferInfo\x12W\n\x0e\x44\x65scribeChunks\x12!.kvdepot.v1.DescribeChunksRequest\x1a\".kvdepot.v1.DescribeChunksResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvdepot.v1.store_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRANSFERINFOREQUEST']._serialized_start=63
-  _globals['_TRANSFERINFOREQUEST']._serialized_end=84
-  _globals['_TRANSFERINFO']._serialized_start=87
-  _globals['_TRANSFERINFO']._serialized_end=247
-  _globals['_SHMINFO']._serialized_start=249
-  _globals['_SHMINFO']._serialized_end=322
-  _globals['_NIXLINFO']._serialized_start=324
-  _globals['_NIXLINFO']._serialized_end=438
-  _globals['_STORESTATSREQUEST']._serialized_start=440
-  _globals['_STORESTATSREQUEST']._serialized_end=459
-  _globals['_STORESTATS']._serialized_start=462
-  _globals['_STORESTATS']._serialized_end=933
-  _globals['_RECONCILESTATS']._serialized_start=936
-  _globals['_RECONCILESTATS']._serialized_end=1114
-  _globals['_STORE']._serialized_start=1117
-  _globals['_STORE']._serialized_end=1269
+  _globals['_DESCRIBECHUNKSREQUEST']._serialized_start=63
+  _globals['_DESCRIBECHUNKSREQUEST']._serialized_end=100
+  _globals['_DESCRIBECHUNKSRESPONSE']._serialized_start=102
+  _globals['_DESCRIBECHUNKSRESPONSE']._serialized_end=172
+  _globals['_CHUNKDESCRIPTION']._serialized_start=174
+  _globals['_CHUNKDESCRIPTION']._serialized_end=242
+  _globals['_TRANSFERINFOREQUEST']._serialized_start=244
+  _globals['_TRANSFERINFOREQUEST']._serialized_end=265
+  _globals['_TRANSFERINFO']._serialized_start=268
+  _globals['_TRANSFERINFO']._serialized_end=428
+  _globals['_SHMINFO']._serialized_start=430
+  _globals['_SHMINFO']._serialized_end=503
+  _globals['_NIXLINFO']._serialized_start=505
+  _globals['_NIXLINFO']._serialized_end=619
+  _globals['_STORESTATSREQUEST']._serialized_start=621
+  _globals['_STORESTATSREQUEST']._serialized_end=640
+  _globals['_STORESTATS']._serialized_start=643
+  _globals['_STORESTATS']._serialized_end=1114
+  _globals['_RECONCILESTATS']._serialized_start=1117
+  _globals['_RECONCILESTATS']._serialized_end=1295
+  _globals['_STORE']._serialized_start=1298
+  _globals['_STORE']._serialized_end=1539
 # @@protoc_insertion_point(module_scope)

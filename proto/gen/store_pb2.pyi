@@ -8,6 +8,28 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class DescribeChunksRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class DescribeChunksResponse(_message.Message):
+    __slots__ = ("chunks",)
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[ChunkDescription]
+    def __init__(self, chunks: _Optional[_Iterable[_Union[ChunkDescription, _Mapping]]] = ...) -> None: ...
+
+class ChunkDescription(_message.Message):
+    __slots__ = ("held", "tier", "committed_at")
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_AT_FIELD_NUMBER: _ClassVar[int]
+    held: bool
+    tier: str
+    committed_at: float
+    def __init__(self, held: bool = ..., tier: _Optional[str] = ..., committed_at: _Optional[float] = ...) -> None: ...
+
 class TransferInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -46,6 +46,11 @@ class StoreStub(object):
                 request_serializer=kvdepot_dot_v1_dot_store__pb2.TransferInfoRequest.SerializeToString,
                 response_deserializer=kvdepot_dot_v1_dot_store__pb2.TransferInfo.FromString,
                 _registered_method=True)
+        self.DescribeChunks = channel.unary_unary(
+                '/kvdepot.v1.Store/DescribeChunks',
+                request_serializer=kvdepot_dot_v1_dot_store__pb2.DescribeChunksRequest.SerializeToString,
+                response_deserializer=kvdepot_dot_v1_dot_store__pb2.DescribeChunksResponse.FromString,
+                _registered_method=True)
 
 
 class StoreServicer(object):
@@ -66,6 +71,15 @@ class StoreServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DescribeChunks(self, request, context):
+        """Chunks as this store holds them now: tier and commit time (kvdepot
+        explain's "hit, committed N s ago"). Operators' tools only: a tenant
+        token is refused it, and no read or write ever calls it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -78,6 +92,11 @@ def add_StoreServicer_to_server(servicer, server):
                     servicer.GetTransferInfo,
                     request_deserializer=kvdepot_dot_v1_dot_store__pb2.TransferInfoRequest.FromString,
                     response_serializer=kvdepot_dot_v1_dot_store__pb2.TransferInfo.SerializeToString,
+            ),
+            'DescribeChunks': grpc.unary_unary_rpc_method_handler(
+                    servicer.DescribeChunks,
+                    request_deserializer=kvdepot_dot_v1_dot_store__pb2.DescribeChunksRequest.FromString,
+                    response_serializer=kvdepot_dot_v1_dot_store__pb2.DescribeChunksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -135,6 +154,33 @@ class Store(object):
             '/kvdepot.v1.Store/GetTransferInfo',
             kvdepot_dot_v1_dot_store__pb2.TransferInfoRequest.SerializeToString,
             kvdepot_dot_v1_dot_store__pb2.TransferInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DescribeChunks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvdepot.v1.Store/DescribeChunks',
+            kvdepot_dot_v1_dot_store__pb2.DescribeChunksRequest.SerializeToString,
+            kvdepot_dot_v1_dot_store__pb2.DescribeChunksResponse.FromString,
             options,
             channel_credentials,
             insecure,

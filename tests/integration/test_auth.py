@@ -134,6 +134,7 @@ def test_store_grpc_and_health_need_the_token(authed: LocalCluster) -> None:
             for call, request in (
                 (stub.GetStats, store_pb2.StoreStatsRequest()),
                 (stub.GetTransferInfo, store_pb2.TransferInfoRequest()),
+                (stub.DescribeChunks, store_pb2.DescribeChunksRequest()),
             ):
                 with pytest.raises(grpc.RpcError) as info:
                     call(request, timeout=10)
@@ -406,9 +407,14 @@ def test_tenants_may_not_manage_nodes_nor_map_arenas(authed: LocalCluster) -> No
     }
     store = authed.stores[0].info["grpc_address"]
     with channel(store, TEAM_A) as ch:
-        with pytest.raises(grpc.RpcError) as info:
-            store_pb2_grpc.StoreStub(ch).GetStats(store_pb2.StoreStatsRequest(), timeout=10)
-        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        for call, request in (
+            (store_pb2_grpc.StoreStub(ch).GetStats, store_pb2.StoreStatsRequest()),
+            # Which chunks a store holds spans tenants too.
+            (store_pb2_grpc.StoreStub(ch).DescribeChunks, store_pb2.DescribeChunksRequest()),
+        ):
+            with pytest.raises(grpc.RpcError) as info:
+                call(request, timeout=10)
+            assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
         reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
     # The arena holds every tenant's chunks: a tenant is never told where it is.

@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -211,8 +212,10 @@ def test_cli_lists_namespaces_and_explains_a_prompt(cluster: LocalCluster, tmp_p
     cl = cluster
     cl.add_store("s0")
     tokens = prompt(7, 2)
+    before = time.time()
     with client(cl, "s0", NS) as c:
         put(c, chunk_keys(NS, tokens))
+    after = time.time()
     with client(cl, "s0", SALTED):
         pass
     cli = [sys.executable, "-m", "kvdepot.apps.cli"]
@@ -243,8 +246,19 @@ def test_cli_lists_namespaces_and_explains_a_prompt(cluster: LocalCluster, tmp_p
     assert [(a["index"], a["status"]) for a in chunks] == [(0, "hit"), (1, "hit"), (2, "miss")]
     assert chunks[0]["node"] == "s0" and chunks[0]["tier"] == "cpu"
     assert chunks[2]["reason"] == "shorter_prompt"
+    # A hit's age: when its store committed it (whole seconds), and since.
+    for hit, key in zip(chunks[:2], chunk_keys(NS, tokens), strict=True):
+        assert int(before) <= hit["committed_at"] <= after, (before, hit, after)
+        assert 0 <= hit["age_s"] <= time.time() - int(before) + 1, hit
+        assert hit["key"] == key.hex()
+    assert "age_s" not in chunks[2]
+    time.sleep(1.1)
     out = subprocess.run([*cli, "explain", *ask], capture_output=True, text=True, timeout=60)
     assert "would load 2 leading chunks (32 tokens)" in out.stdout, out.stdout
+    hit_line = out.stdout.splitlines()[1]
+    assert hit_line.startswith("chunk    0  hit   node s0, tier cpu, committed at "), hit_line
+    age = int(hit_line.rsplit("(", 1)[1].split(" s ago")[0])
+    assert 1 <= age <= time.time() - int(before) + 1, hit_line
     # The same prompt as text, through a tokenizer directory (word t<i> is token i).
     words = " ".join(f"t{t}" for t in tokens + [1] * C)
     as_text = [*ask[:-2], "--text", words, "--tokenizer", str(word_tokenizer(tmp_path, tokens))]
@@ -252,7 +266,11 @@ def test_cli_lists_namespaces_and_explains_a_prompt(cluster: LocalCluster, tmp_p
         [*cli, "explain", *as_text, "--json"], capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout) == chunks
+
+    def aged(answers: list[dict[str, object]]) -> list[dict[str, object]]:
+        return [{k: v for k, v in a.items() if k != "age_s"} for a in answers]
+
+    assert aged(json.loads(out.stdout)) == aged(chunks)
 
     bad = subprocess.run(
         [*cli, "explain", *meta, "--tokens", "1,x", "--namespace", "00" * 16],

@@ -513,7 +513,11 @@ CLEAR = {
     grpc.StatusCode.FAILED_PRECONDITION,
 }
 METADATA_METHODS = [f"/kvdepot.v1.Metadata/{m}" for m in [*REQUESTS, "GetStats"]]
-STORE_METHODS = ["/kvdepot.v1.Store/GetStats", "/kvdepot.v1.Store/GetTransferInfo"]
+STORE_METHODS = [
+    "/kvdepot.v1.Store/GetStats",
+    "/kvdepot.v1.Store/GetTransferInfo",
+    "/kvdepot.v1.Store/DescribeChunks",
+]
 
 
 def test_grpc_services_answer_hostile_requests_clearly(

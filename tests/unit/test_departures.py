@@ -9,7 +9,12 @@ from collections.abc import Sequence
 
 import pytest
 
-from kvdepot.apps.explain import explain_prompt, render_explanation
+from kvdepot.apps.explain import (
+    explain_prompt,
+    explanation_to_json,
+    render_explanation,
+    with_ages,
+)
 from kvdepot.apps.namespaces import namespace_to_dict, render_namespaces, with_differences
 from kvdepot.errors import InvalidArgument
 from kvdepot.keys import ChunkKey, Namespace, chunk_keys, seeded_chunk_keys
@@ -202,6 +207,25 @@ def test_explain_prompt_gives_each_chunk_its_reason() -> None:
     text = render_explanation(e, now=110.0)
     assert "evicted from cpu of node s0 at 00:01:40 UTC (10 s ago)" in text
     assert "would load 1 leading chunks (4 tokens)" in text
+
+    # Hits get their age from the node that holds them, per node in one call;
+    # a node that cannot say leaves its hits without one.
+    asked: list[tuple[str, list[bytes]]] = []
+
+    def describe(node: str, keys: Sequence[bytes]) -> list[tuple[str, float] | None]:
+        asked.append((node, list(keys)))
+        return [("ssd", 90.0)] * len(keys) if node == "s0" else []
+
+    aged = with_ages(e, describe)
+    assert sorted(asked) == [("s0", [ks[0]]), ("s1", [ks[2]])]
+    assert aged.chunks[0].committed_at == 90.0 and aged.chunks[0].tier == "ssd"
+    assert aged.chunks[2].committed_at is None and aged.chunks[2].tier == "cpu"
+    assert "node s0, tier ssd, committed at 00:01:30 UTC (20 s ago)" in render_explanation(
+        aged, now=110.0
+    )
+    as_json = explanation_to_json(aged, now=110.0)
+    assert as_json[0]["age_s"] == 20.0 and as_json[0]["key"] == ks[0].hex()
+    assert "age_s" not in as_json[1] and "age_s" not in as_json[2]
 
     nothing = explain_prompt(service, list(range(100, 108)), mine.digest().hex())
     assert [a.reason for a in nothing.chunks] == ["never_published"] * 2
