@@ -723,7 +723,17 @@ class RedisIndex(RedisInventory, RedisHistory, IndexBackend, ReplicaTierIndex):
             for c in self._db.vec(scripts.EXPIRE_ALLOC, [[b.pending(k)] for k in ks], [batch])
         ]
         out = await self._db.exec([*calls, *(("DEL", s) for s in sets)])
-        return sum(flat(out[: len(calls)]))
+        # Nodes of the allocations that expired, key by key, in the calls' order.
+        nodes = [r for reply in out[: len(calls)] for r in reply]
+        keys = [k for ks in members for k in ks]
+        lapsed: dict[str, list[ChunkKey]] = {}
+        for key, node in zip(keys, nodes, strict=True):
+            if node != 0:
+                name = node.decode() if isinstance(node, bytes) else str(node)
+                lapsed.setdefault(name, []).append(ChunkKey(bytes(key)))
+        for node_id, ks in lapsed.items():
+            await self._history.record(NodeId(node_id), ks, "expired")
+        return sum(len(ks) for ks in lapsed.values())
 
     @guarded
     async def stats(self, now: float) -> IndexStats:

@@ -441,8 +441,9 @@ return out
 """
 )
 
-# KEYS: pending allocations. ARGV: batch. 1 where the batch still held the key
-# (it was never committed nor revoked): an expired allocation.
+# KEYS: pending allocations. ARGV: batch. The allocation's node where the
+# batch still held the key (it was never committed nor revoked): an expired
+# allocation; else 0.
 EXPIRE_ALLOC = Script(
     """
 local out = {}
@@ -451,7 +452,7 @@ for i = 1, #KEYS do
   local v = redis.call('GET', KEYS[i])
   if v and string.match(v, '^([^:]*):') == ARGV[1] then
     redis.call('DEL', KEYS[i])
-    out[i] = 1
+    out[i] = string.match(v, '^[^:]*:[^:]*:(.*)$') or ''
   end
 end
 return out

@@ -174,6 +174,9 @@ def test_uncommitted_allocations_expire_and_revoke(make_index: MakeIndex) -> Non
         await asyncio.sleep(0.45)
         assert await index.heartbeat("a", [], now())
         assert await index.expire(now()) == (0, 2)
+        # Explain names the expired allocations, on their node (both backends).
+        gone = await index.departures.find([key(1), key(2)])
+        assert [(g.reason, g.node_id) if g else None for g in gone] == [("expired", "a")] * 2
         assert (await index.put_start([key(1)], [1], "a", now()))[0].action is Action.WRITE
         # An expired allocation that no reaper has seen yet is free as well,
         # and then not counted as expired: it was taken over.
