@@ -12,19 +12,31 @@ sync stub:
   memory-index process, the floor under any call through the service here;
 
 and, in the same run, the raw Redis cost of the equivalent pipelined commands
-(lookup: 128 HGETALL + the node's lease in one pipeline; put: 128 SET NX PX,
-then 128 HSET). The ``redis-2-replicas`` rows drive both Redis replicas at once
-(one client process each) to show how throughput scales with replicas.
+on the index's layout (lookup: 128 HGET of the chunks' bucket fields + the
+node's lease in one pipeline; put: 128 SET NX PX of pending allocations, then
+128 HSET into buckets with the allocations' DEL). The ``redis-2-replicas`` rows
+drive both Redis replicas at once (one client process each) to show how
+throughput scales with replicas.
+
+What ``kvdepot explain`` keeps costs a lookup nothing: a second memory-index
+service (``memory-history``) holds ``--history-nodes`` full departure rings
+(65536 departures each, recorded as stores report them: ``ReportRemoved``
+of chunks committed on departed nodes) and is asked lookups that name a
+registered namespace (its counters tallied). Its lookups and the plain
+``memory`` service's alternate in short rounds (``memory-a`` and
+``memory-history`` rows), so that the machine's noise falls on both alike.
 
 Usage::
 
     python benchmarks/lookup.py [--quick] [--json] [--seconds S] [--keys N]
+        [--history-nodes N]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import itertools
 import json
 import logging
@@ -50,6 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: t
 from benchmarks import procs
 from benchmarks.scale_nodes import redis_server
 from kvdepot.apps.cluster import wait_ready
+from kvdepot.metadata.index.redis_layout import DEFAULT_BUCKET_BITS, Buckets
 from kvdepot.proto.gen import common_pb2, metadata_pb2, metadata_pb2_grpc
 from kvdepot.wire.lookup import unpack_lookup
 
@@ -60,6 +73,10 @@ NODE_ADDRESS = "127.0.0.1:1"
 CHUNK_BYTES = 2 << 20
 PREFIX = "bench"
 INVENTORY_WINDOWS = 32  # lookups rotate over this many distinct 128-key prefixes
+HISTORY_PER_NODE = 65536  # the metadata service's default departures per node
+HISTORY_BATCH = 4096  # keys per PutEnd / ReportRemoved that fill the history
+ROUNDS = 4  # alternations of the history comparison
+NAMESPACE = "ab" * 16  # the lookups of memory-history count in it
 
 
 # -- helpers ------------------------------------------------------------------
@@ -70,8 +87,13 @@ def free_port() -> int:
 
 
 def key_of(space: int, i: int) -> bytes:
-    """A 16-byte chunk key; ``space`` keeps workers' new keys apart."""
-    return space.to_bytes(4, "big") + i.to_bytes(12, "big")
+    """A 16-byte chunk key; ``space`` keeps workers' new keys apart. Hashed,
+    as real keys are (xxh3 digests): both indexes place a key by its bits, and
+    counters as keys piled the memory index's rows onto one chain (90 ms a
+    128-key lookup where it takes well under 1 ms)."""
+    return hashlib.blake2b(
+        space.to_bytes(4, "big") + i.to_bytes(12, "big"), digest_size=16
+    ).digest()
 
 
 def percentile(sorted_ms: list[float], q: float) -> float:
@@ -174,6 +196,45 @@ def register(address: str, inventory: int) -> None:
         )
 
 
+def fill_history(address: str, nodes: int) -> int:
+    """Give the service ``nodes`` departed nodes, each with a full departure
+    ring, and register ``NAMESPACE``; returns the departures recorded."""
+    recorded = 0
+    with grpc.insecure_channel(address) as ch:
+        stub = metadata_pb2_grpc.MetadataStub(ch)
+        stub.RegisterNamespace(
+            metadata_pb2.RegisterNamespaceRequest(
+                name=NAMESPACE,
+                fields=[metadata_pb2.NamespaceField(name="model", value="bench")],
+                client="client",
+            ),
+            timeout=10,
+        )
+        for n in range(nodes):
+            node_id = f"departed-{n}"
+            stub.RegisterNode(
+                metadata_pb2.RegisterNodeRequest(
+                    node_id=node_id, address=NODE_ADDRESS, tiers=tiers()
+                ),
+                timeout=60,
+            )
+            for start in range(0, HISTORY_PER_NODE, HISTORY_BATCH):
+                keys = [key_of(1_000_000 + n, start + i) for i in range(HISTORY_BATCH)]
+                sizes = [CHUNK_BYTES] * len(keys)
+                stub.PutEnd(
+                    metadata_pb2.PutEndRequest(keys=keys, node_id=node_id, sizes=sizes),
+                    timeout=60,
+                )
+                reply = stub.ReportRemoved(
+                    metadata_pb2.ReportRemovedRequest(
+                        node_id=node_id, keys=keys, reason="evicted", tier="cpu"
+                    ),
+                    timeout=60,
+                )
+                recorded += reply.removed
+    return recorded
+
+
 class Heartbeats(threading.Thread):
     """Keeps the fake node's lease alive on each given metadata service."""
 
@@ -211,7 +272,7 @@ def grpc_worker(
     windows = [[key_of(0, w * keys + i) for i in range(keys)] for w in range(INVENTORY_WINDOWS)]
     sizes = [CHUNK_BYTES] * keys
 
-    def lookup(i: int) -> None:
+    def lookup(i: int, namespace: str = "") -> None:
         # As KVDepotClient asks and decodes it (the packed answer).
         reply = stub.Lookup(
             metadata_pb2.LookupRequest(
@@ -219,11 +280,15 @@ def grpc_worker(
                 client_node_id=NODE_ID,
                 tokens_per_key=256,
                 packed=True,
+                namespace=namespace,
             ),
             timeout=10,
         )
         result = unpack_lookup(reply)
         assert result.hits == keys, result.hits
+
+    def lookup_ns(i: int) -> None:
+        lookup(i, NAMESPACE)
 
     def put(i: int) -> None:
         new = [key_of(space, i * keys + j) for j in range(keys)]
@@ -240,7 +305,7 @@ def grpc_worker(
     def check(i: int) -> None:
         health.Check(empty, timeout=10)
 
-    ops = {"lookup": lookup, "put": put, "health": check}
+    ops = {"lookup": lookup, "lookup-ns": lookup_ns, "put": put, "health": check}
     try:
         return timed_loop(ops[op], seconds, warmup_s, start_at)
     finally:
@@ -268,32 +333,36 @@ _SPACES = itertools.count(1)  # a fresh key space per worker run: puts never col
 def raw_redis(
     port: int, epoch: bytes, keys: int, seconds: float, warmup_s: float
 ) -> list[dict[str, Any]]:
-    """The same work as plain pipelines from one redis-py client (hiredis)."""
+    """The same work as plain pipelines from one redis-py client (hiredis), on
+    the index's own layout: a chunk is a field of its bucket's hash."""
     r = redis.Redis(port=port)
     lease = f"{PREFIX}:n:{{{NODE_ID}}}"
+    bits = int(r.hget(f"{PREFIX}:cfg", "bucket_bits") or DEFAULT_BUCKET_BITS)
+    ours, theirs = Buckets(PREFIX, bits), Buckets("raw", bits)
     windows = [
-        [f"{PREFIX}:c:{{{key_of(0, w * keys + i).hex()}}}" for i in range(keys)]
+        [(ours.bucket(k), ours.field(k)) for k in (key_of(0, w * keys + i) for i in range(keys))]
         for w in range(INVENTORY_WINDOWS)
     ]
-    field, value = f"n:{NODE_ID}", b"cpu " + epoch
+    value = CHUNK_BYTES.to_bytes(6, "little") + int(epoch).to_bytes(6, "little") + b"\x01"
 
     def lookup(i: int) -> None:
         pipe = r.pipeline(transaction=False)
-        for k in windows[i % INVENTORY_WINDOWS]:
-            pipe.hgetall(k)
+        for bucket, field in windows[i % INVENTORY_WINDOWS]:
+            pipe.hget(bucket, field)
         pipe.hmget(lease, "epoch", "address")
         out = pipe.execute()
         assert all(out[:keys])
 
     def put(i: int) -> None:
-        new = [key_of(99, i * keys + j).hex() for j in range(keys)]
+        new = [key_of(99, i * keys + j) for j in range(keys)]
         pipe = r.pipeline(transaction=False)
-        for h in new:
-            pipe.set(f"raw:p:{{{h}}}", NODE_ID, nx=True, px=30_000)
+        for k in new:
+            pipe.set(theirs.pending(k), NODE_ID, nx=True, px=30_000)
         pipe.execute()
         pipe = r.pipeline(transaction=False)
-        for h in new:
-            pipe.hset(f"raw:c:{{{h}}}", mapping={"size": CHUNK_BYTES, field: value})
+        for k in new:
+            pipe.hset(theirs.bucket(k), theirs.field(k), value)
+            pipe.delete(theirs.pending(k))
         pipe.execute()
 
     rows = []
@@ -316,11 +385,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             port = stack.enter_context(redis_server(tmp))
             url = f"redis://127.0.0.1:{port}/0?prefix={PREFIX}"
             memory = stack.enter_context(metadata_service("memory://", tmp / "memory.log"))
+            history = stack.enter_context(metadata_service("memory://", tmp / "history.log"))
             replica1 = stack.enter_context(metadata_service(url, tmp / "redis-1.log"))
             replica2 = stack.enter_context(metadata_service(url, tmp / "redis-2.log"))
+            # (Filling takes longer than a lease: the bench node registers after.)
+            departures = fill_history(history, args.history_nodes)
             register(memory, inventory)
+            register(history, inventory)
             register(replica1, inventory)  # shared: replica 2 sees it too
-            beats = Heartbeats([memory, replica1])
+            beats = Heartbeats([memory, history, replica1])
             beats.start()
             stack.callback(beats.stop)
             pool = stack.enter_context(procs.pool(mp.get_context("spawn"), 2))
@@ -338,6 +411,18 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             lat, elapsed = run_clients(pool, [memory], "health", keys, seconds, warmup)
             rows.append(row("grpc-floor", "health", 0, lat, elapsed))
             log(args, rows[-1])
+            alternating: dict[str, tuple[list[float], float]] = {}
+            for _ in range(ROUNDS):
+                for name, address, op in (
+                    ("memory-a", memory, "lookup"),
+                    ("memory-history", history, "lookup-ns"),
+                ):
+                    lat, elapsed = run_clients(pool, [address], op, keys, seconds / ROUNDS, warmup)
+                    had, took = alternating.get(name, ([], 0.0))
+                    alternating[name] = (had + lat, took + elapsed)
+            for name, (lat, elapsed) in alternating.items():
+                rows.append(row(name, "lookup", keys, lat, elapsed))
+                log(args, rows[-1])
             with redis.Redis(port=port) as rc:
                 found = rc.hget(f"{PREFIX}:n:{{{NODE_ID}}}", "epoch")
             epoch = found if isinstance(found, bytes) else b"0"
@@ -361,8 +446,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 two["ops_per_s"] / max(redis_row["ops_per_s"], 1e-9), 2
             ),
         }
+    plain, kept = get("memory-a", "lookup"), get("memory-history", "lookup")
+    summary["history"] = {
+        "departures": departures,
+        "history_p50_over_plain_p50": round(kept["p50_ms"] / max(plain["p50_ms"], 1e-9), 3),
+        "history_p99_over_plain_p99": round(kept["p99_ms"] / max(plain["p99_ms"], 1e-9), 3),
+    }
     return {
         "config": {
+            "history_nodes": args.history_nodes,
             "keys": keys,
             "seconds": seconds,
             "warmup_s": warmup,
@@ -399,6 +491,12 @@ def render(result: dict[str, Any]) -> str:
         f"grpc floor (empty health check, same process and client): "
         f"p50 {floor['p50_ms']} ms, p99 {floor['p99_ms']} ms"
     )
+    h = result["summary"]["history"]
+    lines.append(
+        f"departure history ({h['departures']} departures) and a namespace on the request: "
+        f"lookup p50 {h['history_p50_over_plain_p50']}x, p99 {h['history_p99_over_plain_p99']}x "
+        f"the plain memory index's (alternating rounds)"
+    )
     for op in ("lookup", "put"):
         s = result["summary"][op]
         lines.append(
@@ -417,7 +515,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, help="measured seconds per row (default 10)")
     p.add_argument("--warmup", type=float, help="unmeasured seconds per row (default 1)")
     p.add_argument("--keys", type=int, default=128, help="keys per request (default 128)")
+    p.add_argument(
+        "--history-nodes",
+        type=int,
+        help="departed nodes with a full departure ring each (default 16; --quick 2)",
+    )
     args = p.parse_args(argv)
+    if args.history_nodes is None:
+        args.history_nodes = 2 if args.quick else 16
     if args.seconds is None:
         args.seconds = 2.0 if args.quick else 10.0
     if args.warmup is None:
