@@ -13,6 +13,16 @@ them in the connector's stats (``load_timed*``). From those, :class:`LoadPacer`
 fits the time of a load as ``fixed + per_token * tokens`` and gives an in-step
 load a deadline of two steps: a store that stalls costs the batch at most that,
 once, and then every load is asynchronous for a while.
+
+A hit is loaded only when that pays (:meth:`LoadPacer.pays`): the steps'
+times against the tokens they computed give the engine's cost of a token
+(``fixed + per_token * tokens`` again), and a load expected to take longer
+than a step and longer than ``_GATE_MARGIN`` times computing its tokens is
+declined: the engine recomputes them, as it would without kvdepot. A load
+that fits in a step is never declined (it costs the request at most the step
+it waits), nor is one before both costs are measured; and every
+``_PROBE_S`` the loads' times are forgotten and loads go ahead until two are
+timed again, so a store that recovers is measured again.
 """
 
 from __future__ import annotations
@@ -28,6 +38,9 @@ _IDLE_S = 30.0  # longer gaps between steps are idle time, not a step
 _MARGIN = 1.5  # an estimate within this factor of a step stays asynchronous
 _DEADLINE_STEPS = 2.0
 _COOLDOWN_S = 30.0  # after a failed or late load, every load is asynchronous
+_GATE_MARGIN = 2.0  # a load declined is expected to take this many times its compute
+_PROBE_S = 10.0  # a declining gate lets one load through this often
+_MIN_COMPUTE = 8  # steps timed before the engine's cost of a token is trusted
 
 
 class LoadPacer:
@@ -48,13 +61,55 @@ class LoadPacer:
         self._last_step: float | None = None
         self._failed_at = -1e18
         self._granted = 0  # tokens loaded inside the coming step so far
+        # Recent steps' (tokens computed, seconds), by the tokens' power of two:
+        # the engine's cost of a token is the slope of their fastest steps.
+        self._computed: dict[int, deque[tuple[float, float]]] = {}
+        self._last_tokens = 0
+        self._probed: float | None = None  # when the loads were last measured afresh
 
     def step(self, now: float, scheduled_tokens: int) -> None:
         """An engine step started; ``scheduled_tokens`` is what it computes."""
         last, self._last_step = self._last_step, now if scheduled_tokens > 0 else None
+        tokens, self._last_tokens = self._last_tokens, scheduled_tokens
         self._granted = 0
         if last is not None and 0 < now - last <= _IDLE_S:
             self._steps.append(now - last)
+            if tokens > 0:
+                recent = self._computed.setdefault(tokens.bit_length(), deque(maxlen=_STEPS))
+                recent.append((float(tokens), now - last))
+
+    def compute_s(self, tokens: int) -> float | None:
+        """Expected seconds the engine adds to compute ``tokens`` more prompt
+        tokens (the per-token part of its step time), or None if unknown.
+
+        Fitted to the fastest recent step of each size (by powers of two of
+        its tokens): what else a step waited for (a first run's warm-up, a
+        busy host, its own loads) only ever lengthens it.
+        """
+        if sum(len(r) for r in self._computed.values()) < _MIN_COMPUTE:
+            return None
+        fastest = [min(r, key=lambda x: x[1]) for r in self._computed.values() if r]
+        if len(fastest) < 2:
+            return None  # steps of one size do not tell a token's cost
+        _, per_token = _fit([(t, s, 1) for t, s in fastest])
+        return per_token * tokens
+
+    def pays(self, tokens: int, now: float) -> bool:
+        """Whether loading ``tokens`` is expected to beat computing them."""
+        step, fetch = self.step_s(), self.estimate_s(tokens)
+        compute = self.compute_s(tokens)
+        if step is None or fetch is None or compute is None:
+            return True
+        if fetch <= step or fetch <= _GATE_MARGIN * compute:
+            return True
+        if self._probed is None:
+            self._probed = now  # declining from now on
+        elif now - self._probed >= _PROBE_S:
+            # Measure the store afresh: the loads until two are timed go ahead.
+            self._probed = now
+            self._samples.clear()
+            return True
+        return False
 
     def observe(self, loads: int, seconds: float, tokens: int) -> None:
         """Workers fetched ``loads`` whole loads of ``tokens`` in ``seconds``."""

@@ -70,6 +70,7 @@ class _Request:
     load_failed: bool = False  # then the request recomputes: no second try
     decline_counted: bool = False
     skip_counted: bool = False
+    cost_declined: bool | None = None  # loading it was judged slower than computing
 
 
 class SchedulerSide:
@@ -185,6 +186,9 @@ class SchedulerSide:
             state.saved_tail = max(state.saved_tail, tail)
         if not self.is_consumer:
             return 0, False
+        if self._declined(state, hit - num_computed_tokens, now):
+            state.load = None
+            return 0, False
         deadline = self._in_step(state, hit, num_computed_tokens, len(tokens), now)
         if deadline is not None:
             # Inside the step whole chunks are loaded, and one prompt token
@@ -197,6 +201,17 @@ class SchedulerSide:
             return 0, False
         state.load = (num_computed_tokens, hit, deadline)
         return external, deadline is None
+
+    def _declined(self, state: _Request, tokens: int, now: float) -> bool:
+        """Whether the load of ``tokens`` is declined as slower than computing
+        them (decided once a request, counted once)."""
+        if state.cost_declined is None:
+            if tokens <= 0 or not self.settings.cost_gate:
+                return False
+            state.cost_declined = not self._pacer.pays(tokens, now)
+            if state.cost_declined:
+                self._counters.add(loads_declined_cost=1, tokens_declined_cost=tokens)
+        return state.cost_declined
 
     def _in_step(
         self, state: _Request, hit: int, computed: int, num_tokens: int, now: float

@@ -61,6 +61,12 @@ class ConnectorSettings(PluginSecurity):
             so far (an in-step load then gets two steps before it is given
             up and recomputed). A number: loads of at most that many tokens
             (0: every load is asynchronous).
+        cost_gate: Load a hit only when that is expected to be faster than
+            computing its tokens: the engine's steps and the loads are timed,
+            and a load expected to take more than a step and more than twice
+            the compute of its tokens is declined (counted in
+            ``loads_declined``, reason ``slower_than_compute``); every 10 s
+            loads are measured afresh. Off: every hit is loaded.
         io_timeout_s: Deadline of a stalled data-plane transfer.
         rpc_timeout_s: Deadline of each metadata call of the workers (loads
             and publishing, all off the engine's thread).
@@ -93,6 +99,7 @@ class ConnectorSettings(PluginSecurity):
     lookup_breaker_after: int = 3
     load_timeout_s: float = 5.0
     sync_load_max_tokens: int | str = "auto"
+    cost_gate: bool = True
     io_timeout_s: float = 5.0
     rpc_timeout_s: float = 2.0
     save_decode: bool | None = None
@@ -131,6 +138,8 @@ class ConnectorSettings(PluginSecurity):
                 raise InvalidArgument(
                     'sync_load_max_tokens must be "auto" or a non-negative integer'
                 )
+        if not isinstance(self.cost_gate, bool):
+            raise InvalidArgument("cost_gate must be true or false")
         value = self.save_buffer_bytes
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise InvalidArgument("save_buffer_bytes must be a non-negative integer")

@@ -83,3 +83,83 @@ def test_the_in_step_deadline_never_exceeds_the_load_timeout() -> None:
     pacer.observe(1, 0.001, 128)
     pacer.observe(1, 0.001, 128)
     assert pacer.in_step(128, now) == 0.05
+
+
+def computing(pacer: LoadPacer, start: float, per_token_s: float, base_s: float = 0.005) -> float:
+    """Steps of 64 and 512 tokens taking ``base_s + per_token_s`` a token."""
+    t = start
+    for i in range(16):
+        tokens = 64 if i % 2 else 512
+        pacer.step(t, scheduled_tokens=tokens)
+        t += base_s + per_token_s * tokens
+    pacer.step(t, scheduled_tokens=64)
+    return t
+
+
+def test_a_load_is_declined_only_when_computing_its_tokens_is_clearly_faster() -> None:
+    pacer = LoadPacer(None, timeout_s=5.0)
+    assert pacer.pays(4096, 0.0)  # nothing measured: load
+    now = computing(pacer, 0.0, per_token_s=1e-4)  # 0.1 ms a token
+    assert pacer.compute_s(1000) == pytest.approx(0.1, rel=0.01)
+    assert pacer.pays(4096, now)  # no load timed yet
+    # A slow store: 50 ms + 1 ms a token, ten times the compute.
+    for tokens in (256, 1024):
+        pacer.observe(1, 0.05 + 1e-3 * tokens, tokens)
+    assert not pacer.pays(4096, now)
+    assert not pacer.pays(16, now)  # its fixed 50 ms alone is 30 times the compute
+
+
+def test_a_load_that_fits_in_a_step_is_never_declined() -> None:
+    pacer = LoadPacer(None, timeout_s=5.0)
+    now = computing(pacer, 0.0, per_token_s=1e-4)  # steps of 11-56 ms
+    for tokens in (256, 1024):
+        pacer.observe(1, 1e-3 * tokens, tokens)  # ten times the compute of its tokens
+    step = pacer.step_s()
+    assert step is not None and pacer.estimate_s(16) == pytest.approx(0.016)
+    assert step > 0.016
+    assert pacer.pays(16, now)  # it costs the request at most the step it waits
+    assert not pacer.pays(1024, now)
+
+
+def test_a_declining_gate_measures_the_store_again_every_probe_period() -> None:
+    pacer = LoadPacer(None, timeout_s=5.0)
+    now = computing(pacer, 0.0, per_token_s=1e-4)
+    for tokens in (256, 1024):
+        pacer.observe(1, 0.05 + 1e-3 * tokens, tokens)
+    assert not pacer.pays(4096, now)
+    # Ten seconds on, the loads' times are forgotten and loads go ahead...
+    later = now + 10.0
+    assert pacer.pays(4096, later)
+    assert pacer.pays(4096, later)
+    # ...until two are timed: a store that recovered is loaded from again,
+    for tokens in (256, 1024):
+        pacer.observe(1, 0.001 + 1e-6 * tokens, tokens)
+    assert pacer.pays(4096, later)
+    # and once it is slow again, declined again when its slow loads dominate.
+    for _ in range(8):
+        pacer.observe(1, 0.05 + 1e-3 * 1024, 1024)
+        pacer.observe(1, 0.05 + 1e-3 * 256, 256)
+    assert not pacer.pays(4096, later + 1.0)
+
+
+def test_a_fast_store_is_always_loaded() -> None:
+    pacer = LoadPacer(None, timeout_s=5.0)
+    now = computing(pacer, 0.0, per_token_s=1e-4)
+    for tokens in (256, 1024, 4096):
+        pacer.observe(1, 0.002 + 1e-5 * tokens, tokens)  # 10x cheaper than compute
+    assert all(pacer.pays(t, now) for t in (16, 256, 4096, 65536))
+
+
+def test_a_slow_first_step_does_not_make_computing_look_expensive() -> None:
+    """A first prefill pays for warm-up (2.6 s for 88 tokens in one engine
+    run); the cost of a token is read from the fastest steps of each size."""
+    pacer = LoadPacer(None, timeout_s=5.0)
+    t = 0.0
+    for tokens, seconds in [(88, 2.6)] + [(1, 0.004)] * 7 + [(88, 0.019)] + [(1, 0.004)] * 7:
+        pacer.step(t, scheduled_tokens=tokens)
+        t += seconds
+    pacer.step(t, scheduled_tokens=1)
+    assert pacer.compute_s(512) == pytest.approx(512 * 0.015 / 87, rel=0.01)
+    pacer.observe(1, 0.3, 512)
+    pacer.observe(1, 0.32, 512)
+    assert not pacer.pays(512, t)  # 300 ms to fetch what computes in 90
