@@ -327,6 +327,23 @@ def run_clients(
     return lat, max(e for _, e in results)
 
 
+def alternating(
+    pool: Any, memory: str, history: str, keys: int, seconds: float, warmup_s: float
+) -> list[dict[str, Any]]:
+    """Lookups of the plain memory index and of the one with a departure
+    history (naming a namespace), in alternating rounds: two rows."""
+    got: dict[str, tuple[list[float], float]] = {}
+    for _ in range(ROUNDS):
+        for name, address, op in (
+            ("memory-a", memory, "lookup"),
+            ("memory-history", history, "lookup-ns"),
+        ):
+            lat, elapsed = run_clients(pool, [address], op, keys, seconds / ROUNDS, warmup_s)
+            had, took = got.get(name, ([], 0.0))
+            got[name] = (had + lat, took + elapsed)
+    return [row(name, "lookup", keys, lat, elapsed) for name, (lat, elapsed) in got.items()]
+
+
 _SPACES = itertools.count(1)  # a fresh key space per worker run: puts never collide
 
 
@@ -411,24 +428,34 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             lat, elapsed = run_clients(pool, [memory], "health", keys, seconds, warmup)
             rows.append(row("grpc-floor", "health", 0, lat, elapsed))
             log(args, rows[-1])
-            alternating: dict[str, tuple[list[float], float]] = {}
-            for _ in range(ROUNDS):
-                for name, address, op in (
-                    ("memory-a", memory, "lookup"),
-                    ("memory-history", history, "lookup-ns"),
-                ):
-                    lat, elapsed = run_clients(pool, [address], op, keys, seconds / ROUNDS, warmup)
-                    had, took = alternating.get(name, ([], 0.0))
-                    alternating[name] = (had + lat, took + elapsed)
-            for name, (lat, elapsed) in alternating.items():
-                rows.append(row(name, "lookup", keys, lat, elapsed))
-                log(args, rows[-1])
+            for r in alternating(pool, memory, history, keys, seconds, warmup):
+                rows.append(r)
+                log(args, r)
             with redis.Redis(port=port) as rc:
                 found = rc.hget(f"{PREFIX}:n:{{{NODE_ID}}}", "epoch")
             epoch = found if isinstance(found, bytes) else b"0"
             for r in raw_redis(port, epoch, keys, seconds, warmup):
                 rows.append(r)
                 log(args, r)
+
+    summary = summarize(rows)
+    summary["history"]["departures"] = departures
+    return {
+        "config": {
+            "history_nodes": args.history_nodes,
+            "keys": keys,
+            "seconds": seconds,
+            "warmup_s": warmup,
+            "inventory": inventory,
+            "cpus": os.cpu_count(),
+        },
+        "rows": rows,
+        "summary": summary,
+    }
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ratios of the rows."""
 
     def get(backend: str, op: str) -> dict[str, Any]:
         return next(r for r in rows if r["backend"] == backend and r["op"] == op)
@@ -448,22 +475,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         }
     plain, kept = get("memory-a", "lookup"), get("memory-history", "lookup")
     summary["history"] = {
-        "departures": departures,
         "history_p50_over_plain_p50": round(kept["p50_ms"] / max(plain["p50_ms"], 1e-9), 3),
         "history_p99_over_plain_p99": round(kept["p99_ms"] / max(plain["p99_ms"], 1e-9), 3),
     }
-    return {
-        "config": {
-            "history_nodes": args.history_nodes,
-            "keys": keys,
-            "seconds": seconds,
-            "warmup_s": warmup,
-            "inventory": inventory,
-            "cpus": os.cpu_count(),
-        },
-        "rows": rows,
-        "summary": summary,
-    }
+    return summary
 
 
 def log(args: argparse.Namespace, r: dict[str, Any]) -> None:

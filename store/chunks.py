@@ -677,16 +677,10 @@ class ChunkStore:
             return {k: r for k in keys if (r := reasons.pop(k, None)) is not None}
 
     def describe(self, keys: Sequence[ChunkKey]) -> list[tuple[str, int] | None]:
-        """Per key: (tier, commit time in Unix seconds, 0 if not known) of a
-        committed chunk, or ``None`` when it is not held."""
+        """Per key: (tier, commit time in Unix seconds; 0: not known), or None if not held."""
         with self._lock:
-            entries = self._entries
-            return [
-                (e.copy.level.name, e.born)
-                if (e := entries.get(k)) is not None and e.committed
-                else None
-                for k in keys
-            ]
+            got = [self._entries.get(k) for k in keys]
+            return [(e.copy.level.name, e.born) if e and e.committed else None for e in got]
 
     def tier_of(self, key: ChunkKey) -> str | None:
         """The tier a committed chunk is in, or ``None`` if it is not held."""
