@@ -20,9 +20,10 @@ times against the tokens they computed give the engine's cost of a token
 than a step and longer than ``_GATE_MARGIN`` times computing its tokens is
 declined: the engine recomputes them, as it would without kvdepot. A load
 that fits in a step is never declined (it costs the request at most the step
-it waits), nor is one before both costs are measured; and every
-``_PROBE_S`` the loads' times are forgotten and loads go ahead until two are
-timed again, so a store that recovers is measured again.
+it waits), nor is one before both costs are measured. After ``_PROBE_S`` of
+declines one load goes ahead to measure the store afresh (the loads' times
+are forgotten), the next ones waiting for its figure; while the store stays
+slow, such a probe comes half as often each time, up to ``_PROBE_MAX_S``.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ _MARGIN = 1.5  # an estimate within this factor of a step stays asynchronous
 _DEADLINE_STEPS = 2.0
 _COOLDOWN_S = 30.0  # after a failed or late load, every load is asynchronous
 _GATE_MARGIN = 2.0  # a load declined is expected to take this many times its compute
-_PROBE_S = 10.0  # a declining gate lets one load through this often
+_PROBE_S = 10.0  # a declining gate lets one load through after this long,
+_PROBE_MAX_S = 320.0  # then half as often each time, down to once in this long
 _MIN_COMPUTE = 8  # steps timed before the engine's cost of a token is trusted
 
 
@@ -65,7 +67,9 @@ class LoadPacer:
         # the engine's cost of a token is the slope of their fastest steps.
         self._computed: dict[int, deque[tuple[float, float]]] = {}
         self._last_tokens = 0
-        self._probed: float | None = None  # when the loads were last measured afresh
+        self._declining_since: float | None = None
+        self._probe_every = _PROBE_S
+        self._probe_at: float | None = None  # a load measuring the store is under way
 
     def step(self, now: float, scheduled_tokens: int) -> None:
         """An engine step started; ``scheduled_tokens`` is what it computes."""
@@ -96,20 +100,36 @@ class LoadPacer:
 
     def pays(self, tokens: int, now: float) -> bool:
         """Whether loading ``tokens`` is expected to beat computing them."""
-        step, fetch = self.step_s(), self.estimate_s(tokens)
-        compute = self.compute_s(tokens)
+        fetch = self._fetch_s(tokens)
+        if self._probe_at is not None:
+            # One load measures the store; the others wait for its figure
+            # (or for twice the load deadline, if it never comes).
+            if fetch is None and now - self._probe_at < 2 * self._timeout_s:
+                return False
+            self._probe_at = None
+        step, compute = self.step_s(), self.compute_s(tokens)
         if step is None or fetch is None or compute is None:
             return True
         if fetch <= step or fetch <= _GATE_MARGIN * compute:
+            self._declining_since, self._probe_every = None, _PROBE_S
             return True
-        if self._probed is None:
-            self._probed = now  # declining from now on
-        elif now - self._probed >= _PROBE_S:
-            # Measure the store afresh: the loads until two are timed go ahead.
-            self._probed = now
+        if self._declining_since is None:
+            self._declining_since = now
+        elif now - self._declining_since >= self._probe_every:
+            # Measure the store afresh with this load; while it stays slow,
+            # measure it half as often each time.
+            self._declining_since, self._probe_at = now, now
+            self._probe_every = min(2 * self._probe_every, _PROBE_MAX_S)
             self._samples.clear()
             return True
         return False
+
+    def _fetch_s(self, tokens: int) -> float | None:
+        """:meth:`estimate_s` from as little as one timed load."""
+        if not self._samples:
+            return None
+        fixed, per_token = _fit(list(self._samples))
+        return fixed + per_token * tokens
 
     def observe(self, loads: int, seconds: float, tokens: int) -> None:
         """Workers fetched ``loads`` whole loads of ``tokens`` in ``seconds``."""

@@ -65,8 +65,9 @@ class ConnectorSettings(PluginSecurity):
             computing its tokens: the engine's steps and the loads are timed,
             and a load expected to take more than a step and more than twice
             the compute of its tokens is declined (counted in
-            ``loads_declined``, reason ``slower_than_compute``); every 10 s
-            loads are measured afresh. Off: every hit is loaded.
+            ``loads_declined``, reason ``slower_than_compute``); after 10 s
+            of declines one load measures the store afresh (then after 20 s,
+            40 s, ... up to 320 s while it stays slow). Off: every hit is loaded.
         io_timeout_s: Deadline of a stalled data-plane transfer.
         rpc_timeout_s: Deadline of each metadata call of the workers (loads
             and publishing, all off the engine's thread).

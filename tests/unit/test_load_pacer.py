@@ -121,25 +121,37 @@ def test_a_load_that_fits_in_a_step_is_never_declined() -> None:
     assert not pacer.pays(1024, now)
 
 
-def test_a_declining_gate_measures_the_store_again_every_probe_period() -> None:
+def test_a_declining_gate_measures_the_store_again_less_often_while_it_stays_slow() -> None:
     pacer = LoadPacer(None, timeout_s=5.0)
     now = computing(pacer, 0.0, per_token_s=1e-4)
-    for tokens in (256, 1024):
-        pacer.observe(1, 0.05 + 1e-3 * tokens, tokens)
-    assert not pacer.pays(4096, now)
-    # Ten seconds on, the loads' times are forgotten and loads go ahead...
-    later = now + 10.0
-    assert pacer.pays(4096, later)
-    assert pacer.pays(4096, later)
-    # ...until two are timed: a store that recovered is loaded from again,
-    for tokens in (256, 1024):
-        pacer.observe(1, 0.001 + 1e-6 * tokens, tokens)
-    assert pacer.pays(4096, later)
-    # and once it is slow again, declined again when its slow loads dominate.
-    for _ in range(8):
+
+    def slow() -> None:
         pacer.observe(1, 0.05 + 1e-3 * 1024, 1024)
-        pacer.observe(1, 0.05 + 1e-3 * 256, 256)
-    assert not pacer.pays(4096, later + 1.0)
+
+    slow()
+    assert not pacer.pays(4096, now)  # declining from now on
+    assert not pacer.pays(4096, now + 9.9)
+    # After 10 s one load measures the store; the others wait for its figure.
+    assert pacer.pays(4096, now + 10.0)
+    assert not pacer.pays(4096, now + 10.1)
+    slow()  # still slow: declined, and the next probe comes after 20 s
+    assert not pacer.pays(4096, now + 11.0)
+    assert not pacer.pays(4096, now + 29.9)
+    assert pacer.pays(4096, now + 30.0)
+    # This time the store answers fast: loads go ahead again.
+    pacer.observe(1, 0.001 + 1e-6 * 1024, 1024)
+    assert pacer.pays(4096, now + 30.1)
+    assert pacer.pays(65536, now + 30.2)
+
+
+def test_a_probe_that_never_reports_does_not_block_loads_for_good() -> None:
+    pacer = LoadPacer(None, timeout_s=5.0)
+    now = computing(pacer, 0.0, per_token_s=1e-4)
+    pacer.observe(1, 1.0, 1024)
+    assert not pacer.pays(4096, now)
+    assert pacer.pays(4096, now + 10.0)  # the probe; its load times out
+    assert not pacer.pays(4096, now + 19.9)  # waiting for it, 2 x the load deadline
+    assert pacer.pays(4096, now + 20.0)  # nothing measured since: load and learn
 
 
 def test_a_fast_store_is_always_loaded() -> None:
