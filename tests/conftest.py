@@ -57,6 +57,20 @@ class FuzzBudget:
     seconds: float
 
 
+@pytest.fixture(autouse=True)
+def _environment_kept() -> Iterator[None]:
+    """Undo what a library in the test process wrote to ``os.environ``: LMCache
+    sets ``PROMETHEUS_MULTIPROC_DIR`` (to a directory in /tmp that outlives
+    every run), and a ``vllm serve`` started later inherited it and summed its
+    counters with every process that ever wrote there (CI read 40 requests'
+    worth of loaded tokens for the 2 a test sent)."""
+    before = dict(os.environ)
+    yield
+    if os.environ != before:
+        os.environ.clear()
+        os.environ.update(before)
+
+
 @pytest.fixture(scope="session")
 def fuzz_budget(request: pytest.FixtureRequest) -> FuzzBudget:
     """Bounded for ``make test``; ``--fuzz-examples``/``--fuzz-seconds`` for a long run."""

@@ -147,6 +147,14 @@ def same(a: Any, b: Any) -> bool:
     )
 
 
+@pytest.fixture(autouse=True)
+def _lmcache_metrics_here(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """LMCache's Prometheus logger writes its counters under
+    ``PROMETHEUS_MULTIPROC_DIR``, else into /tmp/lmcache_prometheus for good:
+    here, the test's own directory."""
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path / "lmcache-prometheus"))
+
+
 @pytest.fixture(scope="module")
 def shared_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     """One cluster for the tests that only add chunks (each under its own model name)."""

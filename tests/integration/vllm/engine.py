@@ -125,6 +125,8 @@ def engine_env(tmp: Path) -> dict[str, str]:
     """Environment that keeps vLLM in one process, small, and inside ``tmp``."""
     tmp.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
+    # An engine's metrics are its own (vLLM sums every file in this directory).
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     env.update(
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
         VLLM_CPU_KVCACHE_SPACE="1",
