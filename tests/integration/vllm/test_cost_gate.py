@@ -4,8 +4,8 @@ The store runs 2 ms in every 252 (SIGSTOP / SIGCONT), so a load of a few
 chunks takes tenths of a second while the tiny model computes them in a few
 milliseconds. The consumer's first loads go ahead (nothing is measured yet)
 and are timed; later requests' loads are declined and their tokens computed,
-with the same greedy tokens as a plain engine. With ``cost_gate`` off the
-same consumer loads every hit.
+with the same greedy tokens as the same consumer with ``cost_gate`` off,
+which loads every hit.
 """
 
 from __future__ import annotations
@@ -56,7 +56,6 @@ def throttled(pid: int, run_s: float = 0.002, stop_s: float = 0.25) -> Iterator[
 
 def test_loads_slower_than_computing_are_declined(tmp_path: Path) -> None:
     model = str(build_tiny_llama(tmp_path / "model"))
-    plain = run_engine(tmp_path, spec(model, PROMPTS, None), "plain")["outputs"]
     with LocalCluster(nodes=1, capacity="64MiB", log_dir=tmp_path / "logs") as cluster:
         meta, node = cluster.metadata_address, cluster.stores[0].info["node_id"]
         run_engine(tmp_path, spec(model, PROMPTS, kv("kv_producer", meta, node)), "producer")
@@ -66,9 +65,10 @@ def test_loads_slower_than_computing_are_declined(tmp_path: Path) -> None:
                 cfg = kv("kv_consumer", meta, node, cost_gate=gate, load_timeout_s=30.0)
                 runs[gate] = run_engine(tmp_path, spec(model, PROMPTS, cfg), f"gate-{gate}")
 
-    for gate, r in runs.items():
-        tokens = [o["tokens"] for o in r["outputs"]]
-        assert tokens == [o["tokens"] for o in plain], gate
+    # Declined requests computed what the others loaded, to the same tokens
+    # (loading is token-exact against a plain engine: test_connector.py).
+    on_tokens = [o["tokens"] for o in runs[True]["outputs"]]
+    assert on_tokens == [o["tokens"] for o in runs[False]["outputs"]]
     on, off = runs[True]["engine_connector"], runs[False]["engine_connector"]
     print("gate on:", {k: v for k, v in on.items() if "load" in k or "declined" in k})
     print("gate off:", {k: v for k, v in off.items() if "load" in k or "declined" in k})
