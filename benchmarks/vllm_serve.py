@@ -38,8 +38,12 @@ Comparisons, each alternating its A and B within this run:
    proxy (:mod:`benchmarks.vllm_hetero`): TTFT, TPOT, tokens the decode
    recomputed, its outputs against a plain TP=2 engine's, bytes a decode
    rank read against a whole chunk.
+7. Cost-based loading against a store too slow for loading to pay
+   (:mod:`benchmarks.vllm_cost_gate`): TTFT of the connector as shipped and
+   of one loading every hit, over a plain engine's.
 
-    python benchmarks/vllm_serve.py [--quick] [--json] [--plot FILE.png] [--only-hetero]
+    python benchmarks/vllm_serve.py [--quick] [--json] [--plot FILE.png]
+        [--only-hetero | --only-cost-gate]
 
 Needs vLLM (the CPU build works), ``aiohttp`` (the proxy) and ``tokenizers``;
 matplotlib for ``--plot``. The float32 model runs eagerly (``--enforce-eager``):
@@ -63,6 +67,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the repo root
 
 from benchmarks.procs import Cluster, stop_on_sigterm
+from benchmarks.vllm_cost_gate import compare_cost_gate
 from benchmarks.vllm_hetero import compare_hetero_pd
 from benchmarks.vllm_servers import (
     VOCAB,
@@ -467,7 +472,9 @@ def targets(result: dict[str, Any], block: int) -> dict[str, bool]:
     return {
         "throughput_ratio_no_reuse >= 0.97": result.get("throughput_ratio_no_reuse", 0) >= 0.97,
         "tpot_p99_ratio_no_reuse <= 1.05": result.get("tpot_p99_ratio_no_reuse", 9) <= 1.05,
-        "ttft_ratio_after_restart <= 0.5": result.get("ttft_ratio_after_restart", 9) <= 0.5,
+        "ttft_ratio_after_restart <= 0.35": result.get("ttft_ratio_after_restart", 9) <= 0.35,
+        # Loading that cannot pay costs no more than noise.
+        "cost_gate_ttft_ratio <= 1.1": result.get("cost_gate_ttft_ratio", 9) <= 1.1,
         "multiturn_hit_fraction >= 0.95": (result.get("multiturn_hit_fraction") or 0) >= 0.95,
         "pd_decode_recomputed_tokens_max < block_size": result.get(
             "pd_decode_recomputed_tokens_max", 1 << 30
@@ -544,10 +551,20 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             nodes=2, capacity="3GiB", log_dir=work / "cluster", lease_ttl_s=120
         ) as cluster:
             meta = cluster.metadata_address
-            if not args.only_hetero:
+            only = args.only_hetero or args.only_cost_gate
+            if not only:
                 result.update(comparisons_1_to_5(procs, work, model, plan, meta, block, chunk))
                 procs.stop_all()
-            result.update(hetero(procs, work, model, plan, meta, chunk))
+            if not args.only_cost_gate:
+                result.update(hetero(procs, work, model, plan, meta, chunk))
+            if not args.only_hetero:
+                pids = [s.pid for s in cluster.stores]
+                result.update(
+                    compare_cost_gate(
+                        procs, work, model, meta, chunk, pids,
+                        prompts=plan.pd_prompts, input_len=plan.pd_input, rounds=plan.rounds + 1,
+                    )
+                )  # fmt: skip
             result["kvdepot_cluster"] = cluster_stats(meta)
     finally:
         procs.stop_all()
@@ -633,6 +650,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the work directory")
     p.add_argument(
         "--only-hetero", action="store_true", help="only comparison 6 (heterogeneous P/D)"
+    )
+    p.add_argument(
+        "--only-cost-gate",
+        action="store_true",
+        help="only comparison 7 (cost-based loading against a slow store)",
     )
     p.add_argument(
         "--replot",
