@@ -15,7 +15,7 @@ strings, so the keys depend on nothing but the inputs: not on
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Sequence, Sized
 from dataclasses import dataclass
 from typing import NewType
 
@@ -145,8 +145,15 @@ def validate_key(key: object, index: int | None = None) -> ChunkKey:
     return ChunkKey(bytes(key))
 
 
-def validate_keys(keys: Iterable[object]) -> list[ChunkKey]:
-    """:func:`validate_key` of each of ``keys``, naming a bad one by its index."""
+def validate_keys(keys: Iterable[object], limit: int = 0, to: str = "") -> list[ChunkKey]:
+    """:func:`validate_key` of each of ``keys``, naming a bad one by its index.
+
+    Raises:
+        InvalidArgument: A bad key, or (``limit`` set) more than ``limit``
+            keys, named as keys ``to`` do something ("describe").
+    """
+    if limit and isinstance(keys, Sized) and len(keys) > limit:
+        raise InvalidArgument(f"{len(keys)} keys to {to or 'handle'}; the limit is {limit}")
     return [validate_key(k, i) for i, k in enumerate(keys)]
 
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import grpc
 
-from kvdepot.errors import InvalidArgument, KVDepotError
+from kvdepot.errors import KVDepotError
 from kvdepot.keys import ChunkKey, validate_keys
 from kvdepot.metadata.index import IndexBackend
 from kvdepot.metadata.index.departures import Departure
@@ -76,11 +76,7 @@ class ExplainRPCs:
         self, request: metadata_pb2.ExplainRequest, context: grpc.aio.ServicerContext
     ) -> metadata_pb2.ExplainResponse:
         try:
-            if len(request.keys) > MAX_EXPLAIN_KEYS:
-                raise InvalidArgument(
-                    f"{len(request.keys)} keys to explain; the limit is {MAX_EXPLAIN_KEYS}"
-                )
-            keys = validate_keys(request.keys)
+            keys = validate_keys(request.keys, MAX_EXPLAIN_KEYS, "explain")
             client = check_text(request.client_node_id, "client_node_id", required=False)
             found = await explain(self._index, keys, client)
         except KVDepotError as exc:

@@ -92,11 +92,7 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
         self, request: store_pb2.DescribeChunksRequest, context: grpc.aio.ServicerContext
     ) -> store_pb2.DescribeChunksResponse:
         try:
-            if len(request.keys) > MAX_DESCRIBE_KEYS:
-                raise InvalidArgument(
-                    f"{len(request.keys)} keys to describe; the limit is {MAX_DESCRIBE_KEYS}"
-                )
-            keys = validate_keys(request.keys)
+            keys = validate_keys(request.keys, MAX_DESCRIBE_KEYS, "describe")
         except InvalidArgument as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return store_pb2.DescribeChunksResponse(

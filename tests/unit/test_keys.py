@@ -192,3 +192,12 @@ def test_one_key_check_names_the_bad_key() -> None:
         validate_keys(["x" * 16])
     with pytest.raises(InvalidArgument, match=r"^a key is a NoneType"):
         validate_key(None)
+
+
+def test_a_key_list_over_its_limit_is_refused_with_the_count() -> None:
+    from kvdepot.keys import validate_keys
+
+    keys = [bytes([i]) * 16 for i in range(3)]
+    assert validate_keys(keys, 3, "describe") == keys
+    with pytest.raises(InvalidArgument, match="3 keys to describe; the limit is 2"):
+        validate_keys(keys, 2, "describe")
