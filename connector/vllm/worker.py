@@ -279,10 +279,6 @@ class WorkerSide:
                 job.plan.req_id,
                 self.settings.load_timeout_s,
             )
-            if not job.plan.wait_for_commit:
-                # It took at least that long: a store this slow is measured
-                # as such (cost_gate), not left unmeasured.
-                self._timed(1, self.settings.load_timeout_s, [job.plan])
         if ok:
             try:
                 for li in range(len(self._kv)):
