@@ -150,8 +150,7 @@ class LoadPacer:
         """Expected seconds to fetch a load of ``tokens``, or None if unknown."""
         if len(self._samples) < _MIN_SAMPLES:
             return None
-        fixed, per_token = _fit(list(self._samples))
-        return fixed + per_token * tokens
+        return self._fetch_s(tokens)
 
     def in_step(self, tokens: int, now: float) -> float | None:
         """The deadline in seconds of an in-step load of ``tokens``, or None
