@@ -49,6 +49,12 @@ def tail_tokens(chunk_tokens: int) -> int:
     return math.gcd(TAIL_TOKENS, chunk_tokens)
 
 
+# What layers of a chunk (or tail unit) an object holds: every layer, or
+# with sliding-window KV cache groups the full-attention layers; and the
+# sliding-window layers of its last window of tokens, stored apart.
+FULL_PART = 0
+WINDOW_PART = 1
+
 _HEAD_TAG = b"\x03head"
 
 
@@ -66,6 +72,30 @@ def head_key(ns_digest: NamespaceDigest | bytes, key: ChunkKey, head: int) -> Ch
     return ChunkKey(
         xxhash.xxh3_128_digest(_HEAD_TAG + bytes(ns_digest) + key + struct.pack("<I", head))
     )
+
+
+_WINDOW_TAG = b"\x04window"
+
+
+def part_key(ns_digest: NamespaceDigest | bytes, key: ChunkKey, head: int, part: int) -> ChunkKey:
+    """The key of KV head ``head`` of part ``part`` of the chunk ``key``:
+    :func:`head_key` for its full part (0); ``xxh3_128(tag || ns || key ||
+    u32 head)`` with another tag for its window part (1), the sliding-window
+    layers of its last window of tokens."""
+    if part == FULL_PART:
+        return head_key(ns_digest, key, head)
+    if part != WINDOW_PART or head < 0:
+        raise InvalidArgument(f"bad KV object part {part} or head {head}")
+    return ChunkKey(
+        xxhash.xxh3_128_digest(_WINDOW_TAG + bytes(ns_digest) + key + struct.pack("<I", head))
+    )
+
+
+def window_tokens(tokens: int, window: int) -> int:
+    """Tokens of an object's window part: its last ``window`` (all when it is
+    shorter). A reader whose hit ends at the object needs no earlier ones,
+    and what a hit ending later needs of it lies in those too."""
+    return min(tokens, window) if window > 0 else tokens
 
 
 @dataclass(frozen=True, slots=True)

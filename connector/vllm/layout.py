@@ -20,7 +20,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-from kvdepot.connector.vllm.chunk_format import FORMAT_NAME, HeadMap
+from kvdepot.connector.vllm.chunk_format import FORMAT_NAME, FULL_PART, WINDOW_PART, HeadMap
 from kvdepot.connector.vllm.model_identity import ModelIdentity, model_identity
 from kvdepot.connector.vllm.settings import ConnectorSettings
 from kvdepot.errors import InvalidArgument
@@ -135,7 +135,10 @@ def namespace_for(
         # apart: the bytes are laid out alike, but a consumer without it
         # decoded NaN once from a hybrid engine's objects in a test run (cause
         # not found), and no check tells such a pair apart by its bytes.
-        extra = (*extra, f"kv-groups:{groups.describe()}")
+        # With a sliding-window group its layers are stored apart, in window
+        # parts (kvdepot-chunk1 stored them in every object: other bytes).
+        parts = ":window-parts" if groups.window else ""
+        extra = (*extra, f"kv-groups:{groups.describe()}{parts}")
     codec_key = settings.codec_spec().namespace_key()
     if codec_key:
         # Compressed and uncompressed chunks of one prompt never share a key.
@@ -198,6 +201,21 @@ class CacheGroups:
             raise InvalidArgument(f"KV layers {missing} belong to no KV cache group")
         return [where[n] for n in layer_names]
 
+    @property
+    def window(self) -> int:
+        """Tokens of an object's window part (0: no sliding-window group, no
+        window part): the longest sliding window of the groups."""
+        return max(
+            (w for k, w in zip(self.kinds, self.windows, strict=True) if k == "sliding"), default=0
+        )
+
+    def part_groups(self, part: int) -> tuple[int, ...]:
+        """The groups whose layers an object's part ``part`` holds."""
+        if not self.window:
+            return tuple(range(self.count)) if part == FULL_PART else ()
+        want = "sliding" if part == WINDOW_PART else "full"
+        return tuple(g for g, k in enumerate(self.kinds) if k == want)
+
     def describe(self) -> str:
         return ", ".join(
             f"{k} {w}" if w else k for k, w in zip(self.kinds, self.windows, strict=True)
@@ -238,11 +256,25 @@ def cache_groups(kv_cache_config: Any, layout: KVLayout) -> CacheGroups:
                 f"KV cache group {i} has {spec.block_size}-token blocks, kvdepot's layout "
                 f"{layout.block_size}; {hint}"
             )
-        if windows[-1] and windows[-1] < layout.chunk_tokens:
-            # A chunk's first blocks would leave the window (and be freed)
-            # before its last block is computed: it could never be stored whole.
-            raise InvalidArgument(
-                f"chunk_tokens ({layout.chunk_tokens}) is larger than the model's sliding "
-                f"window ({windows[-1]}): set chunk_tokens <= {windows[-1]}, or {hint}"
-            )
+        _check_window(spec, windows[-1], layout, hint)
     return CacheGroups(tuple(kinds), tuple(windows), tuple(tuple(g.layer_names) for g in groups))
+
+
+def _check_window(spec: Any, window: int, layout: KVLayout, hint: str) -> None:
+    """Refuse a sliding window whose kept blocks a chunk's window part
+    (its last ``window`` tokens, when shorter than a chunk) would not cover.
+
+    A loading engine keeps the blocks from token ``(hit - window + 1)``
+    rounded down to its block size; filled only in part, such a block would
+    later pass vLLM's prefix cache for tokens never loaded.
+    """
+    if not window or window >= layout.chunk_tokens:
+        return
+    extra = int(getattr(spec, "extra_retained_tokens", 0) or 0)
+    if window % layout.block_size or extra:
+        raise InvalidArgument(
+            f"chunk_tokens ({layout.chunk_tokens}) is larger than the model's sliding window "
+            f"({window}), which is not whole {layout.block_size}-token blocks"
+            f"{' plus the engine retains ' + str(extra) + ' more tokens' if extra else ''}: "
+            f"set chunk_tokens <= {window}, or {hint}"
+        )

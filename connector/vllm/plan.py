@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from kvdepot.connector.vllm.chunk_format import FULL_PART
 from kvdepot.keys import ChunkKey, Namespace, block_keys, chunk_keys
 
 # vLLM's placeholder for a block a sliding-window group does not keep
@@ -36,6 +37,8 @@ class KVObject:
         blocks: Per KV cache group, the block ids of its positions.
         start: The request's index of its first token (-1: ``position``'s first).
         tokens: Its tokens (0: its blocks, whole).
+        part: ``FULL_PART`` or ``WINDOW_PART`` (``key`` is the chunk's key
+            either way; a part's heads have keys of their own).
     """
 
     key: ChunkKey
@@ -43,6 +46,7 @@ class KVObject:
     blocks: tuple[tuple[int, ...], ...]
     start: int = -1
     tokens: int = 0
+    part: int = FULL_PART
 
     @property
     def num_blocks(self) -> int:
@@ -53,9 +57,15 @@ class KVObject:
         start = self.start if self.start >= 0 else self.position * block_size
         return start, (self.tokens or self.num_blocks * block_size)
 
-    def whole(self) -> bool:
-        """Every group still holds every block (a save needs them all)."""
-        return all(b != NULL_BLOCK for group in self.blocks for b in group)
+    def whole(self, groups: Sequence[int] | None = None) -> bool:
+        """Every group of ``groups`` (None: all) still holds every block of
+        it (a save needs them all)."""
+        held = self.blocks if groups is None else [self.blocks[g] for g in groups]
+        return all(b != NULL_BLOCK for group in held for b in group)
+
+    def touches(self, groups: Sequence[int]) -> bool:
+        """Some group of ``groups`` holds a block of it (a load writes there)."""
+        return any(b != NULL_BLOCK for g in groups for b in self.blocks[g])
 
     def positioned(self, group: int) -> list[tuple[int, int]]:
         """``(position, block id)`` of each of its blocks in ``group``."""
@@ -96,6 +106,8 @@ class LoadPlan:
         from ``objects``, each once."""
         seen: dict[int, int] = {}
         for o in objects:
+            if o.part != FULL_PART:
+                continue  # within a full part's blocks
             start, n = o.span(block_size)
             lo = max(start, self.first_block * block_size)
             hi = min(start + n, self.end)
@@ -104,9 +116,12 @@ class LoadPlan:
         return sorted(seen.items())
 
     def loaded_tokens(self, objects: Sequence[KVObject], block_size: int) -> int:
-        """Tokens this load writes from ``objects``."""
+        """Tokens this load writes from ``objects`` (each once: a window
+        part holds tokens of its full part)."""
         total = 0
         for o in objects:
+            if o.part != FULL_PART:
+                continue
             start, n = o.span(block_size)
             total += max(0, min(start + n, self.end) - max(start, self.first_block * block_size))
         return total

@@ -21,7 +21,14 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from kvdepot.connector.client import KVDepotClient
-from kvdepot.connector.vllm.chunk_format import head_key, tail_tokens
+from kvdepot.connector.vllm.chunk_format import (
+    FULL_PART,
+    WINDOW_PART,
+    head_key,
+    part_key,
+    tail_tokens,
+    window_tokens,
+)
 from kvdepot.connector.vllm.layout import CacheGroups, KVLayout
 from kvdepot.connector.vllm.lookups import LookupBreaker, LookupDeadline
 from kvdepot.connector.vllm.namespace_report import report_served
@@ -102,6 +109,12 @@ class SchedulerSide:
         # A chunk hits only when every KV head of it is stored.
         digest = namespace.digest()
         heads = [partial(head_key, digest, head=h) for h in range(1, layout.total_kv_heads)]
+        if self.groups.window:
+            # ... and every head of its window part.
+            heads += [
+                partial(part_key, digest, head=h, part=WINDOW_PART)
+                for h in range(layout.total_kv_heads)
+            ]
         self._tail = tail_tokens(namespace.chunk_tokens)
         self._breaker = LookupBreaker(
             client,
@@ -263,12 +276,23 @@ class SchedulerSide:
             self._loads.append(plan)
             self._counters.add(**{"loads_async" if asynchronous else "loads_sync": 1})
 
-    def _object(self, state: _Request, key: ChunkKey, start: int, n: int) -> KVObject:
+    def _object(
+        self, state: _Request, key: ChunkKey, start: int, n: int, part: int = FULL_PART
+    ) -> KVObject:
         """The object of ``key`` over the request's tokens ``start..+n``."""
         bs = self.layout.block_size
         first, last = start // bs, (start + n - 1) // bs + 1
         groups = tuple(tuple(ids[first:last]) for ids in state.block_ids)
-        return KVObject(key, first, groups, start, n)
+        return KVObject(key, first, groups, start, n, part)
+
+    def _parts(self, state: _Request, key: ChunkKey, start: int, n: int) -> list[KVObject]:
+        """The objects of chunk (or tail unit) ``key``: its full part, and with
+        a sliding-window group its window part (its last window of tokens)."""
+        objects = [self._object(state, key, start, n)]
+        if self.groups.window:
+            w = window_tokens(n, self.groups.window)
+            objects.append(self._object(state, key, start + n - w, w, WINDOW_PART))
+        return objects
 
     def _load_plan(self, state: _Request, first: int, end: int, deadline: float | None) -> LoadPlan:
         c, bs, u = self.ns.chunk_tokens, self.layout.block_size, self._tail
@@ -276,12 +300,16 @@ class SchedulerSide:
         objects: list[KVObject] = []
         full = end // c
         for i in range(first // c, full):
-            objects.append(self._object(state, state.chunks[i], i * c, c))
+            objects += self._parts(state, state.chunks[i], i * c, c)
         if end > full * c:
             tail = tail_keys(self.ns, tokens[:end], u, full, state.chunks)
             for j, key in enumerate(tail):
                 if full * c + (j + 1) * u > first:
-                    objects.append(self._object(state, key, full * c + j * u, u))
+                    objects += self._parts(state, key, full * c + j * u, u)
+        # A window part is read only where the engine keeps blocks of its
+        # tokens in a sliding-window group (the last window of the hit).
+        sliding = self.groups.part_groups(WINDOW_PART)
+        objects = [o for o in objects if o.part == FULL_PART or o.touches(sliding)]
         return LoadPlan(
             state.request.request_id,
             tuple(objects),
@@ -358,7 +386,7 @@ class SchedulerSide:
             tokens = list(request.all_token_ids)
             self._extend_chunks(state, tokens, chunks)
             for j in range(state.saved_chunks, chunks):
-                objects.append(self._object(state, state.chunks[j], j * c, c))
+                objects += self._parts(state, state.chunks[j], j * c, c)
             state.saved_chunks, state.saved_tail = chunks, 0
         tail = (ready - state.saved_chunks * c) // u
         if self.settings.save_tail and u < c and tail > state.saved_tail:
@@ -367,14 +395,16 @@ class SchedulerSide:
             self._extend_chunks(state, tokens, region)
             tkeys = tail_keys(self.ns, tokens[:ready], u, region, state.chunks)
             for j in range(state.saved_tail, min(tail, len(tkeys))):
-                objects.append(self._object(state, tkeys[j], region * c + j * u, u))
+                objects += self._parts(state, tkeys[j], region * c + j * u, u)
             state.saved_tail = tail
-        # A sliding-window group frees the blocks that leave its window; with
-        # a window of at least a chunk that happens only after an object was
-        # saved, but an object missing a block must never be stored.
-        whole = [o for o in objects if o.whole()]
-        if len(whole) < len(objects):
-            self._counters.add(saves_dropped=len(objects) - len(whole))
+        # A sliding-window group frees the blocks that leave its window (a
+        # part holds none of its blocks but those of its window part, which
+        # are in the window when it is saved), but an object missing a block
+        # must never be stored.
+        broken = {o.key for o in objects if not o.whole(self.groups.part_groups(o.part))}
+        whole = [o for o in objects if o.key not in broken]
+        if broken:
+            self._counters.add(saves_dropped=len(broken))
         objects = whole
         if not objects:
             return None

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvdepot.connector.client import KVDepotClient
+from kvdepot.connector.vllm.chunk_format import FULL_PART
 from kvdepot.connector.vllm.loader import write_header
 from kvdepot.connector.vllm.objects import Geometry, ObjectFormat, StagedGroup, stage
 from kvdepot.connector.vllm.plan import LoadPlan
@@ -143,7 +144,7 @@ class Fetcher:
             assert geo is not None and row is not None
             if not loaded or result.sizes[i] != geo.size:
                 break
-            if not self._fmt.verify(row, geo.tokens):
+            if not self._fmt.verify(row, geo):
                 self._warn.warn("verify", "kvdepot: an object of %s fails its checks", plan.req_id)
                 break
             ok += 1
@@ -249,7 +250,7 @@ class Publisher:
             item.copied()  # a GPU's copy into the pinned staging
         for g in item.groups:
             geo = g.geometry
-            write_header(g.rows, self._fmt.num_layers, geo.layer_bytes, geo.codec_header)
+            write_header(g.rows, geo.layers, geo.layer_bytes, geo.codec_header)
             keys = g.keys
             try:
                 r = self._client.put(keys, list(g.rows))
@@ -257,13 +258,14 @@ class Publisher:
                 self._warn.warn("publish", "kvdepot publish of %s failed: %s", item.req_id, exc)
                 self._counters.add(save_errors=len(keys))
                 continue
+            # Written into this node's store, the index commit following.
+            # Counted per chunk (or tail unit), whatever its heads and parts:
+            # with tensor parallelism each rank counts its share.
+            counted = max(1, g.heads) if geo.part == FULL_PART else 0
             self._counters.add(
-                # Written into this node's store, the index commit following.
-                # Counted per chunk (or tail unit), whatever its heads: with
-                # tensor parallelism each rank counts its share.
-                chunks_saved=(r.stored + r.pending) // max(1, g.heads),
+                chunks_saved=(r.stored + r.pending) // counted if counted else 0,
                 bytes_saved=r.bytes_sent + r.bytes_pending,
-                chunks_skipped=r.skipped // max(1, g.heads),
+                chunks_skipped=r.skipped // counted if counted else 0,
                 save_errors=r.failed,
             )
 

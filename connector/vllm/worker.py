@@ -19,7 +19,7 @@ import torch
 
 from kvdepot.connector.client import KVDepotClient
 from kvdepot.connector.codec.base import KVCodec
-from kvdepot.connector.vllm.chunk_format import head_key
+from kvdepot.connector.vllm.chunk_format import FULL_PART, WINDOW_PART, head_key
 from kvdepot.connector.vllm.kvcopy import CacheCopier
 from kvdepot.connector.vllm.layout import CacheGroups, KVLayout
 from kvdepot.connector.vllm.loader import LayerLoader, LoadJob
@@ -69,6 +69,8 @@ class WorkerSide:
         self.layout = layout
         self.groups = groups or CacheGroups()
         self._layer_group: list[int] = []
+        self._layer_part: list[int] = []
+        self._layer_slot: list[int] = []
         self._codec = codec
         self._client = client
         self.is_producer = is_producer
@@ -101,11 +103,21 @@ class WorkerSide:
                 f"engine has {len(self._kv)} KV layers, config says {self.layout.num_layers}"
             )
         self._layer_group = self.groups.group_of(list(kv_caches))
+        # Each layer's part of an object, and its section there.
+        window = set(self.groups.part_groups(WINDOW_PART))
+        self._layer_part = [WINDOW_PART if g in window else FULL_PART for g in self._layer_group]
+        self._layer_slot = [self._layer_part[:li].count(p) for li, p in enumerate(self._layer_part)]
         first = self._kv[0]
         pmap = self._paged_map(first)
         local = self.heads.local
         # Raises InvalidArgument for a cache the codec cannot take (fp8 over fp8).
-        fmt = ObjectFormat(self._codec, pmap.kv * pmap.head_size, first.dtype, len(self._kv))
+        fmt = ObjectFormat(
+            self._codec,
+            pmap.kv * pmap.head_size,
+            first.dtype,
+            len(self._kv),
+            self._layer_part.count(WINDOW_PART),
+        )
         chunk = fmt.geometry(self.layout.chunk_tokens)
         self._fmt = fmt
         self._copier = CacheCopier(
@@ -251,21 +263,24 @@ class WorkerSide:
                 self._load_errors |= {b for _, b in missing}
         got = plan.objects[:loaded]
         nh = len(self.heads.local)
-        nbytes = nh * sum(self._fmt.geometry(o.span(bs)[1]).size for o in got)
+        nbytes = nh * sum(self._fmt.geometry(o.span(bs)[1], o.part).size for o in got)
+        # Chunks and tail units, whatever parts they are stored in.
+        wanted = sum(o.part == FULL_PART for o in plan.objects)
+        chunks = sum(o.part == FULL_PART for o in got)
         self._counters.add(
-            chunks_loaded=loaded,
+            chunks_loaded=chunks,
             bytes_loaded=nbytes,
             bytes_loaded_rank0=nbytes if self._rank == 0 else 0,
             # Every rank loads its heads of the same tokens: counted once.
             tokens_hit=plan.loaded_tokens(got, bs) if self._rank == 0 else 0,
-            load_errors=len(plan.objects) - loaded,
+            load_errors=wanted - chunks,
         )
-        if loaded < len(plan.objects):
+        if chunks < wanted:
             self._warn.warn(
                 "missing",
                 "kvdepot: %d of %d objects of %s missing, corrupt or late; recomputing them",
-                len(plan.objects) - loaded,
-                len(plan.objects),
+                wanted - chunks,
+                wanted,
                 plan.req_id,
             )
 
@@ -308,7 +323,9 @@ class WorkerSide:
         plan: LoadPlan,
     ) -> None:
         assert self._copier is not None
-        start = geo.header + li * geo.layer_bytes
+        if geo.part != self._layer_part[li]:
+            return
+        start = geo.header + self._layer_slot[li] * geo.layer_bytes
         part = torch.from_numpy(np.ascontiguousarray(rows[:, start : start + geo.layer_bytes]))
         lo = plan.first_block * self.layout.block_size
         # Decoded on the cache's device: a GPU engine copies the encoded bytes.
@@ -343,9 +360,11 @@ class WorkerSide:
         for _, groups, _ in self._staged:
             for g in groups:
                 geo = g.geometry
+                if geo.part != self._layer_part[li]:
+                    continue
                 # Encoded on the cache's device: a GPU engine copies the encoded bytes.
                 raw = self._copier.gather(kv_layer, g.objects, self._layer_group[li], geo.tokens)
-                start = geo.header + li * geo.layer_bytes
+                start = geo.header + self._layer_slot[li] * geo.layer_bytes
                 if g.pinned is None:
                     g.rows[:, start : start + geo.layer_bytes] = raw.cpu().numpy()
                     continue

@@ -479,6 +479,10 @@ def test_hybrid_sliding_window_model_under_vllms_hybrid_manager(
     assert got["hybrid"]
     c = got["connector"]
     assert c["tokens_hit"] == 640 and c["chunks_loaded"] == 6 and c["load_errors"] == 0, c
+    # The sliding layer's KV is read only where the engine keeps its blocks
+    # (tokens 384-640): chunk 1's window part and the 4 units', not chunk 0's.
+    full = 2 * gemma_object(256) + 4 * gemma_object(32)
+    assert c["bytes_loaded"] == 2 * (full + gemma_object(256) + 4 * gemma_object(32)), c
     assert same(got["outputs"][0], plain["outputs"][0])
     # Without the hybrid manager the engine keys its objects apart.
     alone = run(
@@ -495,14 +499,58 @@ def test_hybrid_sliding_window_model_under_vllms_hybrid_manager(
     assert same(lost["outputs"][0], plain["outputs"][0])
 
 
-def test_a_sliding_window_shorter_than_a_chunk_is_refused_at_start(
+def gemma_object(tokens: int, heads: int = 1) -> int:
+    """Bytes of ``heads`` heads of a tiny Gemma3 object of one layer (its full
+    or its window part): a 64-byte header, K and V of 32 bf16 values a token."""
+    return heads * (64 + 2 * tokens * 32 * 2)
+
+
+def test_sliding_window_layers_store_and_move_only_their_window(
     workdir: Path, cluster: LocalCluster
 ) -> None:
+    """Chunks of 512 tokens, a 256-token window: a chunk's sliding layer is
+    stored for its last 256 tokens only, and a reader reads it for the last
+    chunk of its hit only; outputs equal the plain engine's."""
     model = str(build_tiny_gemma3(workdir / "tiny-gemma3", sliding_window=256))
-    bad = kv("kv_both", cluster.metadata_address, chunk_tokens=512)
+    prompt = rng.integers(1, 1000, 1100).tolist()  # 2 chunks, 2 units, 12 tokens
+    meta = cluster.metadata_address
+    plain = run_engine(workdir, spec(model, [prompt], None), "swa-plain")["outputs"][0]
+    first = run_engine(
+        workdir, spec(model, [prompt], kv("kv_both", meta, "store-0", chunk_tokens=512)), "swa-w"
+    )
+    c = first["connector"]
+    assert c["chunks_saved"] == 4 and c["saves_dropped"] == 0, c
+    # 2 KV heads; full parts of 512 and 32 tokens, window parts of 256 and 32.
+    full = 2 * gemma_object(512, 2) + 2 * gemma_object(32, 2)
+    window = 2 * gemma_object(256, 2) + 2 * gemma_object(32, 2)
+    assert c["bytes_saved"] == full + window, c
+    # A chunk: its full layer whole and half its sliding one (the window's
+    # share) of the 2-layer KV, plus headers.
+    assert (gemma_object(512) + gemma_object(256)) / (2 * gemma_object(512)) < 0.76
+    assert same(first["outputs"][0], plain)
+    got = run_engine(
+        workdir,
+        spec(model, [prompt], kv("kv_consumer", meta, "store-1", chunk_tokens=512)),
+        "swa-r",
+    )
+    c = got["connector"]
+    # Whole 128-token blocks: 1024 tokens; the window's blocks are those of
+    # tokens 768-1024, all in chunk 1's window part.
+    assert c["tokens_hit"] == 1024 and c["load_errors"] == 0, c
+    assert c["bytes_loaded"] == 2 * gemma_object(512, 2) + gemma_object(256, 2), c
+    assert c["bytes_loaded"] / (1024 * 2 * 2 * 2 * 32 * 2) < 0.63  # (1 + 256/1024) / 2
+    assert same(got["outputs"][0], plain)
+
+
+def test_a_sliding_window_a_chunk_cannot_cover_is_refused_at_start(
+    workdir: Path, cluster: LocalCluster
+) -> None:
+    model = str(build_tiny_gemma3(workdir / "tiny-gemma3-w200", sliding_window=200))
+    bad = kv("kv_both", cluster.metadata_address, chunk_tokens=256)
     proc = start_engine(workdir, spec(model, [PROMPT_A], bad), "gemma-bad-chunk")
     assert proc.returncode != 0
-    assert "chunk_tokens (512) is larger than the model's sliding window (256)" in proc.stderr
+    want = "chunk_tokens (256) is larger than the model's sliding window (200), which is not"
+    assert want in proc.stderr
     assert "KVDEPOT RESULT" not in proc.stdout
 
 
