@@ -15,7 +15,9 @@ builds, each in its own process, against real kvdepot daemons:
 3. **Layout and codec**: the same with ``fp8_e4m3`` chunks (bytes per chunk
    halved; tokens compared loosely).
 4. **Hybrid model**: a Gemma3 (sliding-window and full-attention layers)
-   under vLLM's hybrid KV cache manager: a fresh engine loads its prompt.
+   under vLLM's hybrid KV cache manager: a fresh engine loads its prompt;
+   then with chunks twice its window, whose sliding layer is stored and
+   read for the window only.
 5. **Preemption**: three long sequences in a KV cache too small for them;
    the preempted requests resume and match the plain engine under the same
    pressure.
@@ -140,6 +142,21 @@ def _hybrid_and_preemption(
     }
     if not report["hybrid"]["exact"] or not report["hybrid"]["hybrid_manager"]:
         failures.append(f"hybrid model: {report['hybrid']}")
+    # Chunks twice the window: the sliding layer stored and read for the
+    # window only (window parts gathered and scattered on the GPU).
+    long_prompt = rng.integers(1, 1000, 1100).tolist()
+    w = {**g, "prompts": [long_prompt]}
+    plain_w = run_engine(tmp, {**w, "kv": None}, "gemma-w-plain")["outputs"][0]
+    cfg = {"chunk_tokens": 512}
+    prod = run_engine(tmp, {**w, "kv": kv("kv_both", meta, "store-0", **cfg)}, "gemma-w-prod")
+    cons = run_engine(tmp, {**w, "kv": kv("kv_consumer", meta, "store-1", **cfg)}, "gemma-w-cons")
+    report["window_parts"] = {
+        "producer": prod["connector"],
+        "consumer": cons["connector"],
+        "exact": cons["outputs"][0] == plain_w,
+    }
+    if not report["window_parts"]["exact"] or cons["connector"]["tokens_hit"] < 1024:
+        failures.append(f"window parts: {report['window_parts']}")
     prompts = [rng.integers(1, 1000, 300).tolist() for _ in range(3)]
     squeeze = {**base, "prompts": prompts, "num_blocks": 64, "max_model_len": 768}
     squeeze |= {"together": True, "max_tokens": 250}

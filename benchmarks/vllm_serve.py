@@ -41,9 +41,13 @@ Comparisons, each alternating its A and B within this run:
 7. Cost-based loading against a store too slow for loading to pay
    (:mod:`benchmarks.vllm_cost_gate`): TTFT of the connector as shipped and
    of one loading every hit, over a plain engine's.
+8. Sliding-window layers on a Gemma3 (:mod:`benchmarks.vllm_swa`): bytes
+   stored and moved per token over the whole KV, against the full-attention
+   layers plus the window's share of the sliding ones; outputs against a
+   plain engine's.
 
     python benchmarks/vllm_serve.py [--quick] [--json] [--plot FILE.png]
-        [--only-hetero | --only-cost-gate]
+        [--only-hetero | --only-cost-gate | --only-swa]
 
 Needs vLLM (the CPU build works), ``aiohttp`` (the proxy) and ``tokenizers``;
 matplotlib for ``--plot``. The float32 model runs eagerly (``--enforce-eager``):
@@ -89,6 +93,7 @@ from benchmarks.vllm_servers import (
     wait_saves_settled,
     warm,
 )
+from benchmarks.vllm_swa import compare_swa
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +128,8 @@ class Plan:
     pd_rate: float
     # 5: direct requests through the proxy, prompt lengths
     pd_probe_lengths: tuple[int, ...]
+    # 8: sliding window, probe prompts of these many chunks (and a token)
+    swa_probe_chunks: tuple[int, ...] = (2, 3)
 
 
 QUICK = Plan(
@@ -165,6 +172,7 @@ FULL = replace(
     pd_output=64,
     pd_rate=0.125,
     pd_probe_lengths=(700, 1001, 1500),
+    swa_probe_chunks=(2, 3, 4, 6),
 )
 
 
@@ -490,6 +498,13 @@ def targets(result: dict[str, Any], block: int) -> dict[str, bool]:
             result.get("hetero_pd_bytes_per_rank_ratio") or 1.0
         )
         <= 0.51,
+        # Full-attention layers plus the window's share of the sliding ones
+        # (+1%: the parts' 64-byte headers).
+        "swa_bytes_ratio <= bound": (result.get("swa_bytes_ratio") or 9)
+        <= 1.01 * result.get("swa_bytes_bound", 0),
+        "swa_moved_ratio <= bound": (result.get("swa_moved_ratio") or 9)
+        <= 1.01 * result.get("swa_moved_bound", 0),
+        "swa_outputs_equal": bool(result.get("swa_outputs_equal")),
     }
 
 
@@ -551,13 +566,16 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             nodes=2, capacity="3GiB", log_dir=work / "cluster", lease_ttl_s=120
         ) as cluster:
             meta = cluster.metadata_address
-            only = args.only_hetero or args.only_cost_gate
-            if not only:
+            only = {"hetero": args.only_hetero, "cost": args.only_cost_gate, "swa": args.only_swa}
+            chosen = {k for k, v in only.items() if v}
+            if not chosen:
                 result.update(comparisons_1_to_5(procs, work, model, plan, meta, block, chunk))
                 procs.stop_all()
-            if not args.only_cost_gate:
+            if chosen <= {"hetero"}:
                 result.update(hetero(procs, work, model, plan, meta, chunk))
-            if not args.only_hetero:
+            if chosen <= {"swa"}:
+                result.update(compare_swa(procs, work, meta, probe_chunks=plan.swa_probe_chunks))
+            if chosen <= {"cost"}:
                 pids = [s.pid for s in cluster.stores]
                 result.update(
                     compare_cost_gate(
@@ -655,6 +673,11 @@ def main(argv: list[str] | None = None) -> int:
         "--only-cost-gate",
         action="store_true",
         help="only comparison 7 (cost-based loading against a slow store)",
+    )
+    p.add_argument(
+        "--only-swa",
+        action="store_true",
+        help="only comparison 8 (sliding-window bytes on a Gemma3)",
     )
     p.add_argument(
         "--replot",

@@ -38,12 +38,17 @@ VOCAB = 1024
 
 def build_model(path: Path, layers: int, hidden: int) -> Path:
     """A random Llama with a word-level tokenizer (``t<i>`` is token ``i``)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     from tests.integration.vllm.engine import build_tiny_llama
 
     build_tiny_llama(path, layers=layers, hidden=hidden, heads=16, kv_heads=4)
+    return save_word_tokenizer(path)
+
+
+def save_word_tokenizer(path: Path) -> Path:
+    """Save beside a model the word-level tokenizer of ``build_model``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
     vocab.update({f"t{i}": i for i in range(3, VOCAB)})
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))

@@ -11,8 +11,17 @@ import pytest
 
 from kvdepot.connector.codec import create_codec
 from kvdepot.connector.codec.base import CodecSpec
-from kvdepot.connector.vllm.chunk_format import HeadMap, build_object, head_key, tail_tokens
-from kvdepot.connector.vllm.layout import KVLayout
+from kvdepot.connector.vllm.chunk_format import (
+    FULL_PART,
+    WINDOW_PART,
+    HeadMap,
+    build_object,
+    head_key,
+    part_key,
+    tail_tokens,
+    window_tokens,
+)
+from kvdepot.connector.vllm.layout import CacheGroups, KVLayout
 from kvdepot.errors import InvalidArgument
 from kvdepot.keys import Namespace, chunk_keys
 
@@ -53,6 +62,28 @@ def test_golden_object_bytes_and_keys() -> None:
     assert hashlib.sha256(fp8).hexdigest()[:16] == GOLDEN_FP8_SHA
 
 
+def test_window_parts_have_keys_of_their_own_and_hold_the_last_window() -> None:
+    key = chunk_keys(replace(NS, chunk_tokens=4), [1, 2, 3, 4])[0]
+    assert part_key(NS.digest(), key, 1, FULL_PART) == head_key(NS.digest(), key, 1)
+    window = [part_key(NS.digest(), key, h, WINDOW_PART) for h in (0, 1)]
+    assert [w.hex() for w in window] == GOLDEN_WINDOW
+    assert key not in window and head_key(NS.digest(), key, 1) not in window
+    with pytest.raises(InvalidArgument):
+        part_key(NS.digest(), key, 0, 2)
+    # Chunks of 512 with a window of 256: their last 256 tokens; a window
+    # of a chunk or more, or a 32-token unit: all of it.
+    assert window_tokens(512, 256) == 256
+    assert window_tokens(256, 1024) == window_tokens(256, 256) == 256
+    assert window_tokens(32, 256) == 32 and window_tokens(256, 0) == 256
+    hybrid = CacheGroups(("sliding", "full"), (256, 0), (("l0",), ("l1",)))
+    assert hybrid.window == 256
+    assert hybrid.part_groups(FULL_PART) == (1,) and hybrid.part_groups(WINDOW_PART) == (0,)
+    plain = CacheGroups()
+    assert plain.window == 0
+    assert plain.part_groups(FULL_PART) == (0,) and plain.part_groups(WINDOW_PART) == ()
+
+
+GOLDEN_WINDOW = ["222bb811260e20645bb7894c3c9b539c", "f531c3c0999e156686ccaadcc8b7a434"]
 GOLDEN_SHA = "5efed4dff4ce5f4a"
 GOLDEN_HEAD1 = "8793be95485329e764f1f775a99a6ee4"
 GOLDEN_FP8_SHA = "169ea019d6821fc6"

@@ -84,16 +84,21 @@ def build_tiny_llama(
     return _save_random(path, "Llama", config, seed, "bfloat16")
 
 
-def build_tiny_gemma3(path: Path, *, sliding_window: int = 256, seed: int = 0) -> Path:
-    """A random-weight Gemma3 text model with one sliding-window and one
-    full-attention layer: vLLM's hybrid KV cache manager gives it two KV
-    cache groups."""
+def build_tiny_gemma3(
+    path: Path, *, sliding_window: int = 256, seed: int = 0, sliding_per_full: int = 1
+) -> Path:
+    """A random-weight Gemma3 text model with ``sliding_per_full``
+    sliding-window layers, then one full-attention layer (Gemma3's own
+    pattern is 5 to 1): vLLM's hybrid KV cache manager gives it KV cache
+    groups of both kinds."""
+    types = ["sliding_attention"] * sliding_per_full + ["full_attention"]
     config = {
         **_TINY,
+        "num_hidden_layers": len(types),
         "head_dim": 32,
         "query_pre_attn_scalar": 32,
         "sliding_window": sliding_window,
-        "layer_types": ["sliding_attention", "full_attention"],
+        "layer_types": types,
     }
     return _save_random(path, "Gemma3", config, seed, "bfloat16", "Gemma3TextConfig")
 
