@@ -20,10 +20,15 @@ times against the tokens they computed give the engine's cost of a token
 than a step and longer than ``_GATE_MARGIN`` times computing its tokens is
 declined: the engine recomputes them, as it would without kvdepot. A load
 that fits in a step is never declined (it costs the request at most the step
-it waits), nor is one before both costs are measured. After ``_PROBE_S`` of
-declines one load goes ahead to measure the store afresh (the loads' times
-are forgotten), the next ones waiting for its figure; while the store stays
-slow, such a probe comes half as often each time, up to ``_PROBE_MAX_S``.
+it waits), nor is one before both costs are measured. A load given up at its
+deadline took at least that long: after ``_LATE_IN_ROW`` such loads in a row
+(one stalled store's single timeout does not close the gate), each counts as
+a timed load of the deadline. After ``_PROBE_S`` of declines the scheduler
+sends a **probe**: a declined request's load, fetched by the workers into
+staging of their own and timed, while the request computes as if it had
+missed (no request waits for it); the loads' times are forgotten and the
+next requests wait for the probe's figure. While the store stays slow, a
+probe comes half as often each time, up to ``_PROBE_MAX_S``.
 """
 
 from __future__ import annotations
@@ -40,8 +45,9 @@ _MARGIN = 1.5  # an estimate within this factor of a step stays asynchronous
 _DEADLINE_STEPS = 2.0
 _COOLDOWN_S = 30.0  # after a failed or late load, every load is asynchronous
 _GATE_MARGIN = 2.0  # a load declined is expected to take this many times its compute
-_PROBE_S = 10.0  # a declining gate lets one load through after this long,
-_PROBE_MAX_S = 320.0  # then half as often each time, down to once in this long
+_PROBE_S = 10.0  # a declining gate probes the store after this long,
+_PROBE_MAX_S = 80.0  # then half as often each time, down to once in this long
+_LATE_IN_ROW = 2  # loads given up in a row before the deadline counts as a time
 _MIN_COMPUTE = 8  # steps timed before the engine's cost of a token is trusted
 
 
@@ -69,7 +75,9 @@ class LoadPacer:
         self._last_tokens = 0
         self._declining_since: float | None = None
         self._probe_every = _PROBE_S
-        self._probe_at: float | None = None  # a load measuring the store is under way
+        self._probe_at: float | None = None  # a probe measuring the store is under way
+        self._probe_wanted = False  # the scheduler is to send one
+        self._late_in_row = 0
 
     def step(self, now: float, scheduled_tokens: int) -> None:
         """An engine step started; ``scheduled_tokens`` is what it computes."""
@@ -116,13 +124,18 @@ class LoadPacer:
         if self._declining_since is None:
             self._declining_since = now
         elif now - self._declining_since >= self._probe_every:
-            # Measure the store afresh with this load; while it stays slow,
-            # measure it half as often each time.
+            # Measure the store afresh with a probe of this load (the request
+            # computes); while it stays slow, half as often each time.
             self._declining_since, self._probe_at = now, now
             self._probe_every = min(2 * self._probe_every, _PROBE_MAX_S)
             self._samples.clear()
-            return True
+            self._probe_wanted = True
         return False
+
+    def take_probe(self) -> bool:
+        """Whether the load just declined is to be sent as a probe (once)."""
+        wanted, self._probe_wanted = self._probe_wanted, False
+        return wanted
 
     def _fetch_s(self, tokens: int) -> float | None:
         """:meth:`estimate_s` from as little as one timed load."""
@@ -134,6 +147,17 @@ class LoadPacer:
     def observe(self, loads: int, seconds: float, tokens: int) -> None:
         """Workers fetched ``loads`` whole loads of ``tokens`` in ``seconds``."""
         if loads > 0 and seconds >= 0 and tokens > 0:
+            self._samples.append((tokens / loads, seconds / loads, loads))
+            self._late_in_row = 0
+
+    def late(self, loads: int, seconds: float, tokens: int) -> None:
+        """Workers gave up ``loads`` loads of ``tokens`` at their deadlines,
+        ``seconds`` in all."""
+        if loads <= 0 or tokens <= 0 or seconds <= 0:
+            return
+        self._late_in_row += loads
+        if self._late_in_row >= _LATE_IN_ROW or self._probe_at is not None:
+            # As a time, the deadline: a lower bound of the load's.
             self._samples.append((tokens / loads, seconds / loads, loads))
 
     def failed(self, now: float) -> None:

@@ -89,6 +89,8 @@ class LoadPlan:
         deadline_s: An in-step load's deadline from the start of its step
             (given up and recomputed after it); 0: ``load_timeout_s``.
         end: The token the load ends before (its objects may hold more).
+        probe: Only fetched and timed, never written into blocks: the
+            request computes (see ``LoadPacer``).
     """
 
     req_id: str
@@ -98,6 +100,7 @@ class LoadPlan:
     wait_for_commit: bool = False
     deadline_s: float = 0.0
     end: int = 1 << 62
+    probe: bool = False
 
     def loaded_positions(
         self, objects: Sequence[KVObject], block_size: int

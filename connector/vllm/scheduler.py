@@ -199,7 +199,7 @@ class SchedulerSide:
             state.saved_tail = max(state.saved_tail, tail)
         if not self.is_consumer:
             return 0, False
-        if self._declined(state, hit - num_computed_tokens, now):
+        if self._declined(state, num_computed_tokens, hit, now):
             state.load = None
             return 0, False
         deadline = self._in_step(state, hit, num_computed_tokens, len(tokens), now)
@@ -215,15 +215,20 @@ class SchedulerSide:
         state.load = (num_computed_tokens, hit, deadline)
         return external, deadline is None
 
-    def _declined(self, state: _Request, tokens: int, now: float) -> bool:
-        """Whether the load of ``tokens`` is declined as slower than computing
-        them (decided once a request, counted once)."""
+    def _declined(self, state: _Request, computed: int, hit: int, now: float) -> bool:
+        """Whether the load of ``computed..hit`` is declined as slower than
+        computing it (decided once a request, counted once); a declined load
+        may still be fetched, as the pacer's probe of the store."""
         if state.cost_declined is None:
+            tokens = hit - computed
             if tokens <= 0 or not self.settings.cost_gate:
                 return False
             state.cost_declined = not self._pacer.pays(tokens, now)
             if state.cost_declined:
                 self._counters.add(loads_declined_cost=1, tokens_declined_cost=tokens)
+                if self._pacer.take_probe():
+                    self._loads.append(self._load_plan(state, computed, hit, None, probe=True))
+                    self._counters.add(loads_probed=1)
         return state.cost_declined
 
     def _in_step(
@@ -294,7 +299,11 @@ class SchedulerSide:
             objects.append(self._object(state, key, start + n - w, w, WINDOW_PART))
         return objects
 
-    def _load_plan(self, state: _Request, first: int, end: int, deadline: float | None) -> LoadPlan:
+    def _load_plan(
+        self, state: _Request, first: int, end: int, deadline: float | None, probe: bool = False
+    ) -> LoadPlan:
+        """The load of tokens ``first..end``; a ``probe`` (no blocks yet: it
+        is never written) reads the objects' full parts."""
         c, bs, u = self.ns.chunk_tokens, self.layout.block_size, self._tail
         tokens = list(state.request.all_token_ids)
         objects: list[KVObject] = []
@@ -309,15 +318,16 @@ class SchedulerSide:
         # A window part is read only where the engine keeps blocks of its
         # tokens in a sliding-window group (the last window of the hit).
         sliding = self.groups.part_groups(WINDOW_PART)
-        objects = [o for o in objects if o.part == FULL_PART or o.touches(sliding)]
+        objects = [o for o in objects if o.part == FULL_PART or (not probe and o.touches(sliding))]
         return LoadPlan(
             state.request.request_id,
             tuple(objects),
             first // bs,
             deadline is None,
-            state.wait_for_commit,
+            state.wait_for_commit and not probe,
             deadline or 0.0,
             end,
+            probe,
         )
 
     # ---------------------------------------------------------------- steps
@@ -431,6 +441,11 @@ class SchedulerSide:
                 stats.get("load_timed", 0),
                 stats.get("load_timed_us", 0) / 1e6,
                 stats.get("load_timed_tokens", 0),
+            )
+            self._pacer.late(
+                stats.get("load_late", 0),
+                stats.get("load_late_us", 0) / 1e6,
+                stats.get("load_late_tokens", 0),
             )
         for req_id in (*finished_recving, *failed):
             state = self._requests.get(req_id)

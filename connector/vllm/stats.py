@@ -47,6 +47,10 @@ STAT_KEYS = (
     "load_timed",  # loads fetched whole: how long fetching took, for the
     "load_timed_us",  # scheduler's choice of in-step or asynchronous loads
     "load_timed_tokens",
+    "load_late",  # loads given up at their deadline (probes too): their
+    "load_late_us",  # deadlines and tokens, a lower bound of what fetching takes
+    "load_late_tokens",
+    "loads_probed",  # loads fetched beside a declined request to time the store
     # Saves.
     "chunks_saved",  # objects published
     "bytes_saved",

@@ -233,6 +233,7 @@ class WorkerSide:
         job.ok = [n // len(self.heads.local) for n in job.ok]
         if job.error == "timeout":
             self._counters.add(loads_timed_out=1)
+            self._late(self._sync_plans, job.deadline - job.started)
         whole = all(n == len(p.objects) for p, n in zip(self._sync_plans, job.ok, strict=True))
         if whole and job.fetch_s > 0:
             # The step's loads were fetched together: one timed load.
@@ -284,9 +285,27 @@ class WorkerSide:
                 plan.req_id,
             )
 
+    def _late(self, plans: Sequence[LoadPlan], seconds: float) -> None:
+        """Report loads given up at their deadline: they took at least that."""
+        tokens = sum(p.loaded_tokens(p.objects, self.layout.block_size) for p in plans)
+        self._counters.add(load_late=1, load_late_us=int(seconds * 1e6), load_late_tokens=tokens)
+
+    def _finish_probe(self, job: FetchJob) -> None:
+        """A probe's time goes to the scheduler; its bytes go nowhere."""
+        plan = job.plan
+        self._counters.add(loads_timed_out=int(job.timed_out))
+        if job.timed_out:
+            self._late([plan], self.settings.load_timeout_s)
+        elif job.ok == len(plan.objects) and job.fetch_s > 0:
+            self._timed(1, job.fetch_s, [plan])
+
     def _finish_async(self, job: FetchJob) -> None:
+        if job.plan.probe:
+            self._finish_probe(job)
+            return
         ok = job.ok
         if job.timed_out:
+            self._late([job.plan], self.settings.load_timeout_s)
             self._counters.add(loads_timed_out=1)
             self._warn.warn(
                 "late",

@@ -129,19 +129,44 @@ def test_a_declining_gate_measures_the_store_again_less_often_while_it_stays_slo
         pacer.observe(1, 0.05 + 1e-3 * 1024, 1024)
 
     slow()
-    assert not pacer.pays(4096, now)  # declining from now on
-    assert not pacer.pays(4096, now + 9.9)
-    # After 10 s one load measures the store; the others wait for its figure.
-    assert pacer.pays(4096, now + 10.0)
-    assert not pacer.pays(4096, now + 10.1)
+    assert not pacer.pays(4096, now) and not pacer.take_probe()  # declining from now on
+    assert not pacer.pays(4096, now + 9.9) and not pacer.take_probe()
+    # After 10 s a declined load is sent as a probe (its request computes);
+    # the others wait for its figure.
+    assert not pacer.pays(4096, now + 10.0)
+    assert pacer.take_probe() and not pacer.take_probe()
+    assert not pacer.pays(4096, now + 10.1) and not pacer.take_probe()
     slow()  # still slow: declined, and the next probe comes after 20 s
     assert not pacer.pays(4096, now + 11.0)
-    assert not pacer.pays(4096, now + 29.9)
-    assert pacer.pays(4096, now + 30.0)
+    assert not pacer.pays(4096, now + 29.9) and not pacer.take_probe()
+    assert not pacer.pays(4096, now + 30.0) and pacer.take_probe()
     # This time the store answers fast: loads go ahead again.
     pacer.observe(1, 0.001 + 1e-6 * 1024, 1024)
     assert pacer.pays(4096, now + 30.1)
     assert pacer.pays(65536, now + 30.2)
+
+
+def test_loads_given_up_in_a_row_count_as_their_deadline() -> None:
+    pacer = LoadPacer(None, timeout_s=5.0)
+    now = computing(pacer, 0.0, per_token_s=1e-4)
+    # One stalled store's single timeout does not close the gate ...
+    pacer.late(1, 5.0, 1024)
+    assert pacer.pays(1024, now)
+    # ... a store that keeps missing the deadline does: at least 5 s a load.
+    pacer.late(1, 5.0, 1024)
+    assert not pacer.pays(1024, now)
+    # A load fetched whole in between starts the count again.
+    fresh = LoadPacer(None, timeout_s=5.0)
+    now = computing(fresh, 0.0, per_token_s=1e-4)
+    fresh.late(1, 5.0, 1024)
+    fresh.observe(1, 0.01, 1024)
+    fresh.late(1, 5.0, 1024)
+    assert fresh.pays(1024, now)
+    # A probe given up at its deadline counts at once: still slow.
+    pacer.pays(1024, now + 10.0)
+    assert pacer.take_probe()
+    pacer.late(1, 5.0, 1024)
+    assert not pacer.pays(1024, now + 15.1) and not pacer.take_probe()
 
 
 def test_a_probe_that_never_reports_does_not_block_loads_for_good() -> None:
@@ -149,7 +174,7 @@ def test_a_probe_that_never_reports_does_not_block_loads_for_good() -> None:
     now = computing(pacer, 0.0, per_token_s=1e-4)
     pacer.observe(1, 1.0, 1024)
     assert not pacer.pays(4096, now)
-    assert pacer.pays(4096, now + 10.0)  # the probe; its load times out
+    assert not pacer.pays(4096, now + 10.0) and pacer.take_probe()  # it never reports
     assert not pacer.pays(4096, now + 19.9)  # waiting for it, 2 x the load deadline
     assert pacer.pays(4096, now + 20.0)  # nothing measured since: load and learn
 

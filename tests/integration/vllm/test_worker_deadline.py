@@ -21,6 +21,7 @@ import torch
 from kvdepot.apps.cluster import LocalCluster
 from kvdepot.connector.client import ClientConfig, KVDepotClient
 from kvdepot.connector.codec import CodecSpec, create_codec
+from kvdepot.connector.vllm.chunk_format import build_object, head_key
 from kvdepot.connector.vllm.layout import KVLayout
 from kvdepot.connector.vllm.plan import KVDepotConnectorMetadata, KVObject, LoadPlan
 from kvdepot.connector.vllm.settings import ConnectorSettings
@@ -75,7 +76,67 @@ def test_an_in_step_load_from_a_frozen_store_costs_one_deadline(cluster: LocalCl
     # Once for the deadline, not once per layer, nor the 5 s I/O timeout.
     assert DEADLINE_S * 0.9 <= waited < DEADLINE_S + 1.0, waited
     assert errors == {1}, errors  # the load's block is recomputed
-    assert nonzero(counters) == {"loads_timed_out": 1, "load_errors": 1}
+    counts = nonzero(counters)
+    # Reported as a load that took at least its deadline (the cost gate's figure).
+    assert abs(counts.pop("load_late_us") - DEADLINE_S * 1e6) < 1000, counts
+    want = {"loads_timed_out": 1, "load_errors": 1, "load_late": 1, "load_late_tokens": BLOCK}
+    assert counts == want, counts
+    worker.shutdown()
+    client.close()
+
+
+def test_a_probe_is_timed_and_written_nowhere(cluster: LocalCluster) -> None:
+    """The cost gate's probe: a declined request's load fetched and timed in
+    the background; no request waits for it, no block is written. From a
+    frozen store it is given up at the load deadline and reported late."""
+    meta = cluster.metadata_address
+    settings = ConnectorSettings(
+        metadata=meta, chunk_tokens=BLOCK, transport="tcp", load_timeout_s=DEADLINE_S
+    )
+    layout = KVLayout("cpu", "bfloat16", BLOCK, LAYERS, HEADS, HEAD, "test", BLOCK)
+    ns = Namespace("probe", chunk_tokens=BLOCK)
+    key = chunk_keys(ns, list(range(BLOCK)))[0]
+    counters = Counters()
+    store = cluster.stores[0]
+    client = KVDepotClient(
+        ClientConfig(
+            metadata=meta, node_id=store.info["node_id"], transport="tcp", io_timeout_s=5.0
+        )
+    )
+    codec = create_codec(CodecSpec("none", 128))
+    worker = WorkerSide(
+        settings, layout, codec, client, namespace=ns, is_producer=False, counters=counters
+    )
+    caches = {f"layer.{i}": torch.zeros((4, 2, BLOCK, HEADS, HEAD), dtype=torch.bfloat16)
+              for i in range(LAYERS)}  # fmt: skip
+    worker.register_kv_caches(caches)
+    objects = [
+        build_object(codec, [torch.randn(2, BLOCK, HEAD) for _ in range(LAYERS)], torch.bfloat16)
+        for _ in range(HEADS)
+    ]
+    keys = [head_key(ns.digest(), key, h) for h in range(HEADS)]
+    assert client.put(keys, [np.frombuffer(o, dtype=np.uint8) for o in objects]).stored == 2
+    probe = LoadPlan("req", (KVObject(key, 0, (), 0, BLOCK),), 0, True, False, 0.0, BLOCK, True)
+
+    def run_probe() -> dict[str, int]:
+        worker.start_load_kv(KVDepotConnectorMetadata(loads=[probe]))
+        deadline = time.monotonic() + 10
+        while worker._fetcher is not None and worker._fetcher.pending():
+            assert worker.get_finished() == (set(), set())  # no request waits for it
+            assert time.monotonic() < deadline
+        return nonzero(counters)
+
+    counts = run_probe()
+    assert counts.pop("load_timed_us") > 0
+    assert counts == {"load_timed": 1, "load_timed_tokens": BLOCK}, counts
+    assert all(not c.any() for c in caches.values())  # written nowhere
+    os.kill(store.pid, signal.SIGSTOP)
+    try:
+        counts = run_probe()
+    finally:
+        os.kill(store.pid, signal.SIGCONT)
+    assert counts.pop("load_late_us") == int(DEADLINE_S * 1e6)
+    assert counts == {"loads_timed_out": 1, "load_late": 1, "load_late_tokens": BLOCK}, counts
     worker.shutdown()
     client.close()
 
