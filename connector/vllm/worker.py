@@ -286,7 +286,11 @@ class WorkerSide:
             )
 
     def _late(self, plans: Sequence[LoadPlan], seconds: float) -> None:
-        """Report loads given up at their deadline: they took at least that."""
+        """Report loads given up at their deadline: they took at least that.
+        Rank 0 reports (every rank loads its heads of the same loads, and
+        the gate counts such loads in a row)."""
+        if self._rank != 0:
+            return
         tokens = sum(p.loaded_tokens(p.objects, self.layout.block_size) for p in plans)
         self._counters.add(load_late=1, load_late_us=int(seconds * 1e6), load_late_tokens=tokens)
 
