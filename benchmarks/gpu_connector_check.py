@@ -112,8 +112,13 @@ def main() -> int:
             if not report["multiturn"]["exact"]:
                 failures.append("turn 2 differs from the plain engine")
             failures += _hybrid_and_preemption(tmp, meta, base, build_tiny_gemma3, report)
+    return finish(report, failures, args.json)
+
+
+def finish(report: dict[str, Any], failures: list[str], as_json: bool) -> int:
+    """Print ``report`` with its ``failures``; the exit status (1: some failed)."""
     report["failures"] = failures
-    if args.json:
+    if as_json:
         print(json.dumps(report))
     else:
         for k, v in report.items():

@@ -24,7 +24,6 @@ reads more than its heads, or CUDA is not there.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -90,6 +89,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("CUDA is not available", file=sys.stderr)
         return 2
+    from benchmarks.gpu_connector_check import finish
     from benchmarks.procs import Cluster
     from tests.integration.vllm.engine import build_tiny_llama
     from tests.integration.vllm.test_connector import kv, run_engine
@@ -114,13 +114,7 @@ def main() -> int:
                 row, bad = _case(tmp, run_engine, base, kv, c.metadata_address, shapes, plain)
                 report.update(row)
                 failures += bad
-    report["failures"] = failures
-    if args.json:
-        print(json.dumps(report))
-    else:
-        for k, v in report.items():
-            print(f"{k}: {v}")
-    return 1 if failures else 0
+    return finish(report, failures, args.json)
 
 
 if __name__ == "__main__":
