@@ -77,6 +77,7 @@ class LoadPacer:
         self._probe_every = _PROBE_S
         self._probe_at: float | None = None  # a probe measuring the store is under way
         self._probe_wanted = False  # the scheduler is to send one
+        self._unanswered = False  # the last probe sent no figure in time
         self._late_in_row = 0
 
     def step(self, now: float, scheduled_tokens: int) -> None:
@@ -110,11 +111,17 @@ class LoadPacer:
         """Whether loading ``tokens`` is expected to beat computing them."""
         fetch = self._fetch_s(tokens)
         if self._probe_at is not None:
-            # One load measures the store; the others wait for its figure
-            # (or for twice the load deadline, if it never comes).
+            # A probe measures the store; loads wait for its figure (or for
+            # twice the load deadline, if it never comes).
             if fetch is None and now - self._probe_at < 2 * self._timeout_s:
                 return False
-            self._probe_at = None
+            if fetch is None and not self._unanswered:
+                # Its figure may wait for a step of an engine that went idle
+                # (workers report with steps): probe once more first.
+                self._unanswered = True
+                self._probe_at, self._probe_wanted = now, True
+                return False
+            self._probe_at, self._unanswered = None, False
         step, compute = self.step_s(), self.compute_s(tokens)
         if step is None or fetch is None or compute is None:
             return True
