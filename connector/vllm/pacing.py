@@ -16,9 +16,10 @@ once, and then every load is asynchronous for a while.
 
 A hit is loaded only when that pays (:meth:`LoadPacer.pays`): the steps'
 times against the tokens they computed give the engine's cost of a token
-(``fixed + per_token * tokens`` again), and a load expected to take longer
-than a step and longer than ``_GATE_MARGIN`` times computing its tokens is
-declined: the engine recomputes them, as it would without kvdepot. A load
+(``fixed + per_token * tokens`` again), the recent loads a fetch's time
+(robust to a lucky or unlucky one), and a load expected to take longer than
+a step and longer than computing its tokens is declined: the engine recomputes them, as
+it would without kvdepot. A load
 that fits in a step is never declined (it costs the request at most the step
 it waits), nor is one before both costs are measured. A load given up at its
 deadline took at least that long: after ``_LATE_IN_ROW`` such loads in a row
@@ -26,9 +27,11 @@ deadline took at least that long: after ``_LATE_IN_ROW`` such loads in a row
 a timed load of the deadline. After ``_PROBE_S`` of declines the scheduler
 sends a **probe**: a declined request's load, fetched by the workers into
 staging of their own and timed, while the request computes as if it had
-missed (no request waits for it); the loads' times are forgotten and the
-next requests wait for the probe's figure. While the store stays slow, a
-probe comes half as often each time, up to ``_PROBE_MAX_S``.
+missed (no request waits for it); the next requests wait for its figure,
+which joins the others. After a fast answer the next probe comes
+``_PROBE_S`` later, after a slow one half as often each time, up to
+``_PROBE_MAX_S``: a store that recovered is loaded from again once most of
+the recent figures are fast.
 """
 
 from __future__ import annotations
@@ -44,9 +47,10 @@ _IDLE_S = 30.0  # longer gaps between steps are idle time, not a step
 _MARGIN = 1.5  # an estimate within this factor of a step stays asynchronous
 _DEADLINE_STEPS = 2.0
 _COOLDOWN_S = 30.0  # after a failed or late load, every load is asynchronous
-_GATE_MARGIN = 2.0  # a load declined is expected to take this many times its compute
+_GATE_MARGIN = 1.0  # a load declined is expected to take this many times its compute
 _PROBE_S = 10.0  # a declining gate probes the store after this long,
 _PROBE_MAX_S = 80.0  # then half as often each time, down to once in this long
+_GATE_SAMPLES = 8  # recent timed loads the gate reads
 _LATE_IN_ROW = 2  # loads given up in a row before the deadline counts as a time
 _MIN_COMPUTE = 8  # steps timed before the engine's cost of a token is trusted
 
@@ -78,6 +82,7 @@ class LoadPacer:
         self._probe_at: float | None = None  # a probe measuring the store is under way
         self._probe_wanted = False  # the scheduler is to send one
         self._unanswered = False  # the last probe sent no figure in time
+        self._probe_answered = False  # a figure came since the probe was sent
         self._late_in_row = 0
 
     def step(self, now: float, scheduled_tokens: int) -> None:
@@ -109,20 +114,19 @@ class LoadPacer:
 
     def pays(self, tokens: int, now: float) -> bool:
         """Whether loading ``tokens`` is expected to beat computing them."""
-        fetch = self._fetch_s(tokens)
-        if self._probe_at is not None:
+        if self._probe_at is not None and not self._probe_answered:
             # A probe measures the store; loads wait for its figure (or for
             # twice the load deadline, if it never comes).
-            if fetch is None and now - self._probe_at < 2 * self._timeout_s:
+            if now - self._probe_at < 2 * self._timeout_s:
                 return False
-            if fetch is None and not self._unanswered:
+            if not self._unanswered:
                 # Its figure may wait for a step of an engine that went idle
                 # (workers report with steps): probe once more first.
                 self._unanswered = True
                 self._probe_at, self._probe_wanted = now, True
                 return False
-            self._probe_at, self._unanswered = None, False
-        step, compute = self.step_s(), self.compute_s(tokens)
+        self._probe_at, self._probe_answered, self._unanswered = None, False, False
+        fetch, step, compute = self._gate_fetch_s(tokens), self.step_s(), self.compute_s(tokens)
         if step is None or fetch is None or compute is None:
             return True
         if fetch <= step or fetch <= _GATE_MARGIN * compute:
@@ -131,13 +135,33 @@ class LoadPacer:
         if self._declining_since is None:
             self._declining_since = now
         elif now - self._declining_since >= self._probe_every:
-            # Measure the store afresh with a probe of this load (the request
-            # computes); while it stays slow, half as often each time.
+            # Measure the store again with a probe of this load (the request
+            # computes): soon again after a fast answer, less often after
+            # each slow one.
             self._declining_since, self._probe_at = now, now
-            self._probe_every = min(2 * self._probe_every, _PROBE_MAX_S)
-            self._samples.clear()
             self._probe_wanted = True
         return False
+
+    def _gate_fetch_s(self, tokens: int) -> float | None:
+        """Fetch time of ``tokens`` for the gate: the fit of the last
+        ``_GATE_SAMPLES`` loads, scaled by the median of their times over
+        the fit's, so that neither one lucky fast load of a store that is
+        mostly slow nor one slow load of a fast store decides."""
+        recent = list(self._samples)[-_GATE_SAMPLES:]
+        if not recent:
+            return None
+        fixed, per_token = _fit(recent)
+        ratios = [s / (fixed + per_token * t) for t, s, _ in recent if fixed + per_token * t > 0]
+        return (fixed + per_token * tokens) * (statistics.median(ratios) if ratios else 1.0)
+
+    def _probe_answer(self, tokens: float, seconds: float) -> None:
+        """A figure came while a probe was under way: its pace sets the next."""
+        if self._probe_at is None:
+            return
+        self._probe_answered = True
+        compute = self.compute_s(int(tokens))
+        fast = compute is not None and seconds <= _GATE_MARGIN * compute
+        self._probe_every = _PROBE_S if fast else min(2 * self._probe_every, _PROBE_MAX_S)
 
     def take_probe(self) -> bool:
         """Whether the load just declined is to be sent as a probe (once)."""
@@ -156,6 +180,7 @@ class LoadPacer:
         if loads > 0 and seconds >= 0 and tokens > 0:
             self._samples.append((tokens / loads, seconds / loads, loads))
             self._late_in_row = 0
+            self._probe_answer(tokens / loads, seconds / loads)
 
     def late(self, loads: int, seconds: float, tokens: int) -> None:
         """Workers gave up ``loads`` loads of ``tokens`` at their deadlines,
@@ -166,6 +191,7 @@ class LoadPacer:
         if self._late_in_row >= _LATE_IN_ROW or self._probe_at is not None:
             # As a time, the deadline: a lower bound of the load's.
             self._samples.append((tokens / loads, seconds / loads, loads))
+            self._probe_answer(tokens / loads, seconds / loads)
 
     def failed(self, now: float) -> None:
         """A load failed or ran late: the store may be stalled."""

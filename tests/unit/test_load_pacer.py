@@ -140,10 +140,22 @@ def test_a_declining_gate_measures_the_store_again_less_often_while_it_stays_slo
     assert not pacer.pays(4096, now + 11.0)
     assert not pacer.pays(4096, now + 29.9) and not pacer.take_probe()
     assert not pacer.pays(4096, now + 30.0) and pacer.take_probe()
-    # This time the store answers fast: loads go ahead again.
-    pacer.observe(1, 0.001 + 1e-6 * 1024, 1024)
-    assert pacer.pays(4096, now + 30.1)
-    assert pacer.pays(65536, now + 30.2)
+
+    def fast() -> None:
+        pacer.observe(1, 0.001 + 1e-6 * 1024, 1024)
+
+    # This time the store answers fast: one fast figure among slow ones
+    # (a lucky load) does not open the gate, but the next probe comes 10 s on.
+    fast()
+    assert not pacer.pays(4096, now + 30.1)
+    assert not pacer.pays(4096, now + 39.9) and not pacer.take_probe()
+    assert not pacer.pays(4096, now + 40.1) and pacer.take_probe()
+    fast()
+    assert not pacer.pays(4096, now + 40.2)  # 2 fast, 2 slow
+    assert not pacer.pays(4096, now + 50.2) and pacer.take_probe()
+    fast()  # most recent figures fast: loads go ahead again
+    assert pacer.pays(4096, now + 50.3)
+    assert pacer.pays(65536, now + 50.4)
 
 
 def test_loads_given_up_in_a_row_count_as_their_deadline() -> None:
@@ -169,7 +181,7 @@ def test_loads_given_up_in_a_row_count_as_their_deadline() -> None:
     assert not pacer.pays(1024, now + 15.1) and not pacer.take_probe()
 
 
-def test_a_probe_that_never_reports_does_not_block_loads_for_good() -> None:
+def test_a_probe_that_never_reports_is_sent_again() -> None:
     pacer = LoadPacer(None, timeout_s=5.0)
     now = computing(pacer, 0.0, per_token_s=1e-4)
     pacer.observe(1, 1.0, 1024)
@@ -179,7 +191,10 @@ def test_a_probe_that_never_reports_does_not_block_loads_for_good() -> None:
     # Its report may wait for an idle engine's next step: one more probe ...
     assert not pacer.pays(4096, now + 20.0) and pacer.take_probe()
     assert not pacer.pays(4096, now + 29.9) and not pacer.take_probe()
-    assert pacer.pays(4096, now + 30.0)  # ... then nothing measured since: load and learn
+    # ... then the figures it had decide, and probes go on.
+    assert not pacer.pays(4096, now + 30.0) and pacer.take_probe()
+    pacer.observe(1, 0.001, 1024)  # this one answers
+    assert not pacer.pays(4096, now + 30.1) and not pacer.take_probe()
 
 
 def test_a_fast_store_is_always_loaded() -> None:
