@@ -228,6 +228,12 @@ PROM_SERIES: tuple[tuple[str, str, str, dict[str, Callable[[Mapping[str, Any]], 
         {"": _key("tokens_declined_cost")},
     ),
     (
+        "vllm:kvdepot_probed_loads",
+        "Declined loads fetched in the background to time the store (the request computed).",
+        "",
+        {"": _key("loads_probed")},
+    ),
+    (
         "vllm:kvdepot_saved_objects",
         "Objects published to kvdepot.",
         "",

@@ -16,7 +16,15 @@ from kvdepot.connector.vllm import KVDepotConnector
 from kvdepot.connector.vllm.stats import PROM_SERIES, STAT_KEYS, KVDepotConnectorStats
 
 # Read by the scheduler's load pacing and by tests, not an operator's figures.
-_INTERNAL = {"load_timed", "load_timed_us", "load_timed_tokens", "bytes_loaded_rank0"}
+_INTERNAL = {
+    "load_timed",
+    "load_timed_us",
+    "load_timed_tokens",
+    "load_late",
+    "load_late_us",
+    "load_late_tokens",
+    "bytes_loaded_rank0",
+}
 
 
 def _metrics(registry: CollectorRegistry) -> Any:
