@@ -18,10 +18,10 @@ A hit is loaded only when that pays (:meth:`LoadPacer.pays`): the steps'
 times against the tokens they computed give the engine's cost of a token
 (``fixed + per_token * tokens`` again), the recent loads a fetch's time
 (robust to a lucky or unlucky one), and a load expected to take longer than
-a step and longer than computing its tokens is declined: the engine recomputes them, as
-it would without kvdepot. A load
-that fits in a step is never declined (it costs the request at most the step
-it waits), nor is one before both costs are measured. A load given up at its
+a step and longer than computing its tokens is declined: the engine
+recomputes them, as it would without kvdepot. A load that fits in a step is
+never declined (it costs the request at most the step it waits), nor is one
+before both costs are measured. A load given up at its
 deadline took at least that long: after ``_LATE_IN_ROW`` such loads in a row
 (one stalled store's single timeout does not close the gate), each counts as
 a timed load of the deadline. After ``_PROBE_S`` of declines the scheduler
