@@ -24,6 +24,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+from benchmarks.vllm_hetero import EXTERNAL, LOADED_BYTES
 from benchmarks.vllm_servers import (
     VOCAB,
     Processes,
@@ -41,10 +42,7 @@ WINDOW = 256
 CHUNK = 512
 SLIDING, FULL = 5, 1
 KV_HEADS, HEAD_SIZE, DTYPE_BYTES = 2, 32, 4  # build_tiny_gemma3's, served as float32
-EXTERNAL = "vllm:prompt_tokens_by_source_total[external_kv_transfer]"
 SAVED = "vllm:kvdepot_saved_bytes_total"
-LOADED = "vllm:kvdepot_loaded_bytes_total"
-BLOCK = 128  # the CPU backend's
 
 
 def build_gemma(path: Path) -> Path:
@@ -96,7 +94,7 @@ def compare_swa(
             {
                 "prompt_tokens": len(prompt),
                 "loaded_tokens": int(delta(m1, m0, EXTERNAL)),
-                "loaded_bytes": int(delta(m1, m0, LOADED)),
+                "loaded_bytes": int(delta(m1, m0, LOADED_BYTES)),
                 "tokens_equal_plain": out["choices"][0].get("token_ids") == ref,
             }
         )

@@ -64,7 +64,6 @@ class ObjectFormat:
         self.codec = codec
         self.token_values = token_values
         self.dtype = dtype
-        self.num_layers = num_layers
         self.part_layers = (num_layers - window_layers, window_layers)
         self.geometry = lru_cache(maxsize=16)(self._geometry)
 

@@ -168,13 +168,6 @@ class LoadPacer:
         wanted, self._probe_wanted = self._probe_wanted, False
         return wanted
 
-    def _fetch_s(self, tokens: int) -> float | None:
-        """:meth:`estimate_s` from as little as one timed load."""
-        if not self._samples:
-            return None
-        fixed, per_token = _fit(list(self._samples))
-        return fixed + per_token * tokens
-
     def observe(self, loads: int, seconds: float, tokens: int) -> None:
         """Workers fetched ``loads`` whole loads of ``tokens`` in ``seconds``."""
         if loads > 0 and seconds >= 0 and tokens > 0:
@@ -207,7 +200,8 @@ class LoadPacer:
         """Expected seconds to fetch a load of ``tokens``, or None if unknown."""
         if len(self._samples) < _MIN_SAMPLES:
             return None
-        return self._fetch_s(tokens)
+        fixed, per_token = _fit(list(self._samples))
+        return fixed + per_token * tokens
 
     def in_step(self, tokens: int, now: float) -> float | None:
         """The deadline in seconds of an in-step load of ``tokens``, or None
