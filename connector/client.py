@@ -31,7 +31,6 @@ from kvdepot.connector.results import (
 from kvdepot.connector.transport import create_transport
 from kvdepot.connector.transport.base import (
     GetItem,
-    GetOutcome,
     IndexingTransport,
     PutStatus,
     Transport,
@@ -539,9 +538,32 @@ class KVDepotClient(NamespaceCalls):
         except Unavailable as exc:
             return self._fallback.lookup(exc, self._local_address, _check_keys(keys))
 
+    def lookup_where(
+        self,
+        keys: Sequence[bytes],
+        *,
+        key_tokens: Sequence[int] = (),
+        count: LookupCount = "all",
+        timeout_s: float | None = None,
+    ) -> LookupResult:
+        """As :meth:`lookup`, with each hit's replicas (this node's first);
+        without the metadata service, this node's store's hits, no replicas."""
+        self._check_open()
+        if not len(_sequence(keys, "keys")):
+            return LookupResult(0)
+        try:
+            return unpack_lookup(self._lookup(keys, key_tokens, count, timeout_s))
+        except Unavailable as exc:
+            return LookupResult(self._fallback.lookup(exc, self._local_address, _check_keys(keys)))
+
     # -- pull ---------------------------------------------------------------------
     def get_into(
-        self, keys: Sequence[bytes], buffers: Sequence[Buffer], *, count: LookupCount = "all"
+        self,
+        keys: Sequence[bytes],
+        buffers: Sequence[Buffer],
+        *,
+        count: LookupCount = "all",
+        prefer: str | None = None,
     ) -> GetResult:
         """Pull the leading cached chunks of ``keys`` into ``buffers``.
 
@@ -550,16 +572,16 @@ class KVDepotClient(NamespaceCalls):
         than its buffer is a miss (``loaded[i]`` is False, ``reasons[i]`` says
         why) and its buffer content is undefined.
         One store is read first, before any lookup: this node's store, or,
-        with ``count="none"``, the one other store that served the last read
-        (a decode node reading what one prefill node published). When it
-        holds every chunk, the metadata service is not asked at all. After a
-        read that no single store served, the next one asks the metadata
-        service first (its answer lists this node's replicas first).
-        ``count`` is passed to the lookup it makes (``none`` when the caller
-        counted the prompt already). A counted read waits for its lookup
-        ``fallback_wait_s`` at most where a store served the last read
-        whole, then reads that store; without the metadata service, this
-        node's store serves what it holds (connector/fallback.py).
+        with ``count="none"``, the store at ``prefer`` (one a lookup named) or
+        else the one other store that served the last read (a decode node
+        reading what one prefill node published). When it holds every chunk,
+        the metadata service is not asked at all. After a read that no single
+        store served, the next one asks the metadata service first (its
+        answer lists this node's replicas first). ``count`` is passed to the
+        lookup (``none`` when the caller counted the prompt already). A
+        counted read waits for its lookup ``fallback_wait_s`` at most where a
+        store served the last read whole, then reads that store; without the
+        metadata service, this node's store serves what it holds.
 
         Raises:
             InvalidArgument: mismatched keys and buffers, or bad keys.
@@ -576,14 +598,13 @@ class KVDepotClient(NamespaceCalls):
         # prompt already: a counted read always reaches the index, so the
         # cluster's hits agree with what was read (and hot chunks' readers
         # spread over their replicas).
-        sticky = self._sticky if count == "none" else None
+        sticky = (prefer or self._sticky) if count == "none" else None
         first = sticky or (None if self._lookup_first else local)
         early = None
         if first is not None:
-            # A key names its bytes wherever they are found, and each read is
-            # verified against its checksum: a store that holds every chunk
-            # makes the metadata round trip unnecessary.
-            early = self._read_all(first, ckeys, views)
+            # A key names its bytes wherever they are, and reads are verified:
+            # a store that holds every chunk saves the metadata round trip.
+            early = self._transport.get_whole(first, ckeys, views)
             if all(o.ok for o in early):
                 if first != local and self.config.replicate_on_read:
                     self._replicate(
@@ -593,7 +614,6 @@ class KVDepotClient(NamespaceCalls):
         try:
             reply = self._read_lookup(ckeys, views, count, first)
         except Unavailable as exc:
-            # This node's store serves what it holds.
             return self._fallback.read(exc, ckeys, views, local, first, early)
         if isinstance(reply, GetResult):
             return reply  # the store that served the last read, without the index
@@ -632,12 +652,6 @@ class KVDepotClient(NamespaceCalls):
             self.config.rpc_timeout_s,
         )
 
-    def _read_all(
-        self, address: str, keys: list[ChunkKey], views: list[memoryview]
-    ) -> list[GetOutcome]:
-        """Read every chunk from the store at ``address`` (each verified)."""
-        return self._transport.get_whole(address, keys, views)
-
     def _remember(self, sources: list[str]) -> None:
         """Which store the next read tries first, from where this one's chunks came."""
         served = {a for a in sources if a}
@@ -662,7 +676,9 @@ class KVDepotClient(NamespaceCalls):
         if hits == len(keys) or any(pull.sources[i] != local for i in range(hits)):
             return
         tail = list(range(hits, len(keys)))
-        outcomes = self._read_all(local, [keys[i] for i in tail], [views[i] for i in tail])
+        outcomes = self._transport.get_whole(
+            local, [keys[i] for i in tail], [views[i] for i in tail]
+        )
         if all(o.ok for o in outcomes):
             pull.extend(tail, outcomes, local)
 
@@ -694,21 +710,12 @@ class KVDepotClient(NamespaceCalls):
 
     def _fits(self, pull: Pull, i: int, views: Sequence[memoryview]) -> bool:
         """Whether chunk ``i`` fits its buffer; a miss with its reason if not."""
-        size = pull.reply.locations[i].size
-        if views[i].nbytes >= size:
+        if pull.fits(i, views[i]):
             return True
-        pull.reasons[i] = (
-            f"buffer too small: the chunk is {size} bytes, the buffer {views[i].nbytes}"
-        )
         if not self._warned_small:
             self._warned_small = True
-            logger.warning(
-                "get_into: key %d's chunk is %d bytes but its buffer %d: a miss (buffers must "
-                "hold a whole chunk; GetResult.reasons says which; logged once per client)",
-                i,
-                size,
-                views[i].nbytes,
-            )
+            logger.warning("get_into: key %d: %s: a miss (buffers must hold a whole chunk; "
+                           "logged once per client)", i, pull.reasons[i])  # fmt: skip
         return False
 
     def _replicate(self, keys: list[ChunkKey], views: list[memoryview]) -> None:

@@ -162,6 +162,13 @@ class Pull:
         self.reasons[i] = ""
         self.sizes[i] = self.reply.locations[i].size if size < 0 else size
 
+    def fits(self, i: int, view: memoryview) -> bool:
+        """Whether chunk ``i`` fits ``view``; a miss with its reason if not."""
+        size, have = self.reply.locations[i].size, view.nbytes
+        if have < size:
+            self.reasons[i] = f"buffer too small: the chunk is {size} bytes, the buffer {have}"
+        return have >= size
+
     def extend(self, idx: list[int], outcomes: list[GetOutcome], address: str) -> None:
         """Chunks the lookup did not name, read from ``address`` anyway."""
         for i, out in zip(idx, outcomes, strict=True):

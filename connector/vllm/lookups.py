@@ -25,6 +25,7 @@ from kvdepot.connector.vllm.stats import Counters
 from kvdepot.errors import KVDepotError
 from kvdepot.keys import ChunkKey
 from kvdepot.repeat_log import RepeatLog
+from kvdepot.types import LookupResult
 
 logger = logging.getLogger(__name__)
 
@@ -97,9 +98,12 @@ class LookupBreaker:
         self._open_until = 0.0
         self._failures = 0
 
-    def lookup(self, keys: PrefixKeys, counters: Counters, *, repeat: bool = False) -> int | None:
-        """Leading hits of ``keys``, or None when kvdepot cannot answer now.
-        ``repeat``: the request was looked up before (the cluster counts it once)."""
+    def lookup(
+        self, keys: PrefixKeys, counters: Counters, *, repeat: bool = False
+    ) -> LookupResult | None:
+        """Leading hits of ``keys`` and where they live, or None when kvdepot
+        cannot answer now. ``repeat``: the request was looked up before (the
+        cluster counts it once)."""
         now = time.monotonic()
         with self._lock:
             if now < self._open_until:
@@ -107,13 +111,13 @@ class LookupBreaker:
                 return None
         limit = self.deadline.seconds
         try:
-            hits = self._client.lookup(
+            found = self._client.lookup_where(
                 keys.keys,
                 key_tokens=keys.key_tokens,
                 count="none" if repeat else "all",
                 timeout_s=limit,
             )
-            hits = self._every_shard(keys.keys, hits, limit)
+            hits = self._every_shard(keys.keys, found.hits, limit)
         except KVDepotError as exc:
             self._failed(exc, time.monotonic() - now >= 0.9 * limit, counters, repeat)
             return None
@@ -124,7 +128,7 @@ class LookupBreaker:
                 logger.info("kvdepot lookups answer again")
             self._failures = 0
             self._open_until = 0.0
-        return hits
+        return LookupResult(hits, found.locations[:hits])
 
     def _failed(
         self, exc: KVDepotError, timed_out: bool, counters: Counters, repeat: bool = False

@@ -16,10 +16,14 @@ once, and then every load is asynchronous for a while.
 
 A hit is loaded only when that pays (:meth:`LoadPacer.pays`): the steps'
 times against the tokens they computed give the engine's cost of a token
-(``fixed + per_token * tokens`` again), the recent loads a fetch's time
-(robust to a lucky or unlucky one), and a load expected to take longer than
-a step and longer than computing its tokens is declined: the engine
-recomputes them, as it would without kvdepot. A load that fits in a step is
+(``fixed + per_token * tokens`` again), the recent loads *from the same
+source* a fetch's time (robust to a lucky or unlucky one), and a load
+expected to take longer than a step and longer than computing its tokens is
+declined: the engine recomputes them, as it would without kvdepot. A source
+is a store's node and tier as the lookup names them (the scheduler labels
+each load with the one most of its chunks live on, and the workers report
+its time under that label), so while one store or tier is slow, loads from
+the others go ahead. A load that fits in a step is
 never declined (it costs the request at most the step it waits), nor is one
 before both costs are measured. A load given up at its
 deadline took at least that long: after ``_LATE_IN_ROW`` such loads in a row
@@ -31,13 +35,13 @@ missed (no request waits for it); the next requests wait for its figure,
 which joins the others. After a fast answer the next probe comes
 ``_PROBE_S`` later, after a slow one half as often each time, up to
 ``_PROBE_MAX_S``: a store that recovered is loaded from again once most of
-the recent figures are fast.
+the recent figures are fast. Probes too are per source.
 """
 
 from __future__ import annotations
 
 import statistics
-from collections import deque
+from collections import OrderedDict, deque
 
 _STEPS = 16  # recent steps whose median is the step time
 _SAMPLES = 32  # recent reports of timed loads
@@ -53,10 +57,84 @@ _PROBE_MAX_S = 80.0  # then half as often each time, down to once in this long
 _GATE_SAMPLES = 8  # recent timed loads the gate reads
 _LATE_IN_ROW = 2  # loads given up in a row before the deadline counts as a time
 _MIN_COMPUTE = 8  # steps timed before the engine's cost of a token is trusted
+_SOURCES = 64  # sources whose figures are kept (the least recently used go)
+
+
+class _Gate:
+    """One source's side of the cost gate: its recent loads' times and its
+    probes. A source is where a load's objects are read from (a store's
+    node and tier, as the scheduler's lookup names them); the engine reaches
+    a node over one transport (shared memory on its host, TCP or NIXL
+    otherwise), so a source also stands for the transport."""
+
+    __slots__ = (
+        "declining_since",
+        "late_in_row",
+        "probe_answered",
+        "probe_at",
+        "probe_every",
+        "probe_wanted",
+        "samples",
+        "unanswered",
+    )
+
+    def __init__(self) -> None:
+        self.samples: deque[tuple[float, float, int]] = deque(maxlen=_GATE_SAMPLES)
+        self.declining_since: float | None = None
+        self.probe_every = _PROBE_S
+        self.probe_at: float | None = None  # a probe measuring the source is under way
+        self.probe_wanted = False  # the scheduler is to send one
+        self.unanswered = False  # the last probe sent no figure in time
+        self.probe_answered = False  # a figure came since the probe was sent
+        self.late_in_row = 0
+
+    def fetch_s(self, tokens: int) -> float | None:
+        """Fetch time of ``tokens`` from this source: the fit of its recent
+        loads, scaled by the median of their times over the fit's, so that
+        neither one lucky fast load of a source that is mostly slow nor one
+        slow load of a fast source decides."""
+        recent = list(self.samples)
+        if not recent:
+            return None
+        fixed, per_token = _fit(recent)
+        ratios = [s / (fixed + per_token * t) for t, s, _ in recent if fixed + per_token * t > 0]
+        return (fixed + per_token * tokens) * (statistics.median(ratios) if ratios else 1.0)
+
+    def waiting(self, now: float, timeout_s: float) -> bool:
+        """Whether loads wait for a probe's figure (or for twice the load
+        deadline, if it never comes)."""
+        if self.probe_at is not None and not self.probe_answered:
+            if now - self.probe_at < 2 * timeout_s:
+                return True
+            if not self.unanswered:
+                # Its figure may wait for a step of an engine that went idle
+                # (workers report with steps): probe once more first.
+                self.unanswered = True
+                self.probe_at, self.probe_wanted = now, True
+                return True
+        self.probe_at, self.probe_answered, self.unanswered = None, False, False
+        return False
+
+    def decline(self, now: float) -> None:
+        """A load was declined: after ``probe_every`` of declines, measure
+        the source again with a probe of this load (the request computes)."""
+        if self.declining_since is None:
+            self.declining_since = now
+        elif now - self.declining_since >= self.probe_every:
+            self.declining_since, self.probe_at = now, now
+            self.probe_wanted = True
+
+    def answer(self, fast: bool) -> None:
+        """A figure came: while a probe was under way, its pace sets the next
+        (soon again after a fast answer, less often after each slow one)."""
+        if self.probe_at is None:
+            return
+        self.probe_answered = True
+        self.probe_every = _PROBE_S if fast else min(2 * self.probe_every, _PROBE_MAX_S)
 
 
 class LoadPacer:
-    """Chooses in-step or asynchronous loads and the in-step deadline.
+    """Chooses in-step or asynchronous loads, their deadline, and which loads pay.
 
     Args:
         max_tokens: ``None``: decide from the measured step and load times
@@ -69,7 +147,9 @@ class LoadPacer:
         self._max_tokens = max_tokens
         self._timeout_s = timeout_s
         self._steps: deque[float] = deque(maxlen=_STEPS)
+        # Every source's loads, for in-step loads (a step's may come from several).
         self._samples: deque[tuple[float, float, int]] = deque(maxlen=_SAMPLES)
+        self._gates: OrderedDict[str, _Gate] = OrderedDict()
         self._last_step: float | None = None
         self._failed_at = -1e18
         self._granted = 0  # tokens loaded inside the coming step so far
@@ -77,13 +157,6 @@ class LoadPacer:
         # the engine's cost of a token is the slope of their fastest steps.
         self._computed: dict[int, deque[tuple[float, float]]] = {}
         self._last_tokens = 0
-        self._declining_since: float | None = None
-        self._probe_every = _PROBE_S
-        self._probe_at: float | None = None  # a probe measuring the store is under way
-        self._probe_wanted = False  # the scheduler is to send one
-        self._unanswered = False  # the last probe sent no figure in time
-        self._probe_answered = False  # a figure came since the probe was sent
-        self._late_in_row = 0
 
     def step(self, now: float, scheduled_tokens: int) -> None:
         """An engine step started; ``scheduled_tokens`` is what it computes."""
@@ -112,79 +185,67 @@ class LoadPacer:
         _, per_token = _fit([(t, s, 1) for t, s in fastest])
         return per_token * tokens
 
-    def pays(self, tokens: int, now: float) -> bool:
-        """Whether loading ``tokens`` is expected to beat computing them."""
-        if self._probe_at is not None and not self._probe_answered:
-            # A probe measures the store; loads wait for its figure (or for
-            # twice the load deadline, if it never comes).
-            if now - self._probe_at < 2 * self._timeout_s:
-                return False
-            if not self._unanswered:
-                # Its figure may wait for a step of an engine that went idle
-                # (workers report with steps): probe once more first.
-                self._unanswered = True
-                self._probe_at, self._probe_wanted = now, True
-                return False
-        self._probe_at, self._probe_answered, self._unanswered = None, False, False
-        fetch, step, compute = self._gate_fetch_s(tokens), self.step_s(), self.compute_s(tokens)
+    def _gate(self, source: str) -> _Gate:
+        gate = self._gates.get(source)
+        if gate is None:
+            gate = self._gates[source] = _Gate()
+            if len(self._gates) > _SOURCES:
+                self._gates.popitem(last=False)
+        self._gates.move_to_end(source)
+        return gate
+
+    def pays(self, tokens: int, now: float, source: str = "") -> bool:
+        """Whether loading ``tokens`` from ``source`` is expected to beat
+        computing them. A source never timed is loaded from (and so timed)."""
+        gate = self._gate(source)
+        if gate.waiting(now, self._timeout_s):
+            return False
+        fetch, step, compute = gate.fetch_s(tokens), self.step_s(), self.compute_s(tokens)
         if step is None or fetch is None or compute is None:
             return True
         if fetch <= step or fetch <= _GATE_MARGIN * compute:
-            self._declining_since, self._probe_every = None, _PROBE_S
+            gate.declining_since, gate.probe_every = None, _PROBE_S
             return True
-        if self._declining_since is None:
-            self._declining_since = now
-        elif now - self._declining_since >= self._probe_every:
-            # Measure the store again with a probe of this load (the request
-            # computes): soon again after a fast answer, less often after
-            # each slow one.
-            self._declining_since, self._probe_at = now, now
-            self._probe_wanted = True
+        gate.decline(now)
         return False
 
-    def _gate_fetch_s(self, tokens: int) -> float | None:
-        """Fetch time of ``tokens`` for the gate: the fit of the last
-        ``_GATE_SAMPLES`` loads, scaled by the median of their times over
-        the fit's, so that neither one lucky fast load of a store that is
-        mostly slow nor one slow load of a fast store decides."""
-        recent = list(self._samples)[-_GATE_SAMPLES:]
-        if not recent:
-            return None
-        fixed, per_token = _fit(recent)
-        ratios = [s / (fixed + per_token * t) for t, s, _ in recent if fixed + per_token * t > 0]
-        return (fixed + per_token * tokens) * (statistics.median(ratios) if ratios else 1.0)
-
-    def _probe_answer(self, tokens: float, seconds: float) -> None:
-        """A figure came while a probe was under way: its pace sets the next."""
-        if self._probe_at is None:
-            return
-        self._probe_answered = True
-        compute = self.compute_s(int(tokens))
-        fast = compute is not None and seconds <= _GATE_MARGIN * compute
-        self._probe_every = _PROBE_S if fast else min(2 * self._probe_every, _PROBE_MAX_S)
-
-    def take_probe(self) -> bool:
-        """Whether the load just declined is to be sent as a probe (once)."""
-        wanted, self._probe_wanted = self._probe_wanted, False
+    def take_probe(self, source: str = "") -> bool:
+        """Whether the load from ``source`` just declined is to be sent as a
+        probe (once)."""
+        gate = self._gates.get(source)
+        if gate is None:
+            return False
+        wanted, gate.probe_wanted = gate.probe_wanted, False
         return wanted
 
-    def observe(self, loads: int, seconds: float, tokens: int) -> None:
-        """Workers fetched ``loads`` whole loads of ``tokens`` in ``seconds``."""
-        if loads > 0 and seconds >= 0 and tokens > 0:
-            self._samples.append((tokens / loads, seconds / loads, loads))
-            self._late_in_row = 0
-            self._probe_answer(tokens / loads, seconds / loads)
+    def _answer(self, gate: _Gate, tokens: float, seconds: float) -> None:
+        compute = self.compute_s(int(tokens))
+        gate.answer(compute is not None and seconds <= _GATE_MARGIN * compute)
 
-    def late(self, loads: int, seconds: float, tokens: int) -> None:
-        """Workers gave up ``loads`` loads of ``tokens`` at their deadlines,
-        ``seconds`` in all."""
+    def observe(self, loads: int, seconds: float, tokens: int, source: str = "") -> None:
+        """Workers fetched ``loads`` whole loads of ``tokens`` from ``source``
+        in ``seconds``."""
+        if loads > 0 and seconds >= 0 and tokens > 0:
+            sample = (tokens / loads, seconds / loads, loads)
+            self._samples.append(sample)
+            gate = self._gate(source)
+            gate.samples.append(sample)
+            gate.late_in_row = 0
+            self._answer(gate, sample[0], sample[1])
+
+    def late(self, loads: int, seconds: float, tokens: int, source: str = "") -> None:
+        """Workers gave up ``loads`` loads of ``tokens`` from ``source`` at
+        their deadlines, ``seconds`` in all."""
         if loads <= 0 or tokens <= 0 or seconds <= 0:
             return
-        self._late_in_row += loads
-        if self._late_in_row >= _LATE_IN_ROW or self._probe_at is not None:
+        gate = self._gate(source)
+        gate.late_in_row += loads
+        if gate.late_in_row >= _LATE_IN_ROW or gate.probe_at is not None:
             # As a time, the deadline: a lower bound of the load's.
-            self._samples.append((tokens / loads, seconds / loads, loads))
-            self._probe_answer(tokens / loads, seconds / loads)
+            sample = (tokens / loads, seconds / loads, loads)
+            self._samples.append(sample)
+            gate.samples.append(sample)
+            self._answer(gate, sample[0], sample[1])
 
     def failed(self, now: float) -> None:
         """A load failed or ran late: the store may be stalled."""

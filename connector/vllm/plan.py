@@ -73,6 +73,27 @@ class KVObject:
 
 
 @dataclass(frozen=True, slots=True)
+class Source:
+    """Where a load is read from: the store a lookup named first for its
+    chunks (the lookup lists this node's replicas first) and the tier there.
+
+    Attributes:
+        node: The store's node ("" unknown: no lookup named one).
+        address: Its data-plane address, read first.
+        tier: The tier the lookup named.
+    """
+
+    node: str = ""
+    address: str = ""
+    tier: str = ""
+
+    @property
+    def label(self) -> str:
+        """The cost gate's name of it: loads from one are timed together."""
+        return f"{self.node}/{self.tier}" if self.node else ""
+
+
+@dataclass(frozen=True, slots=True)
 class LoadPlan:
     """One request's load.
 
@@ -91,6 +112,8 @@ class LoadPlan:
         end: The token the load ends before (its objects may hold more).
         probe: Only fetched and timed, never written into blocks: the
             request computes (see ``LoadPacer``).
+        source: Where most of its objects live, as the lookup named it: read
+            from there first, and its time is reported under its label.
     """
 
     req_id: str
@@ -101,6 +124,7 @@ class LoadPlan:
     deadline_s: float = 0.0
     end: int = 1 << 62
     probe: bool = False
+    source: Source = Source()
 
     def loaded_positions(
         self, objects: Sequence[KVObject], block_size: int

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -39,13 +40,15 @@ from kvdepot.connector.vllm.plan import (
     LoadPlan,
     PrefixKeys,
     SavePlan,
+    Source,
     prefix_keys,
     tail_keys,
 )
 from kvdepot.connector.vllm.settings import ConnectorSettings
-from kvdepot.connector.vllm.stats import Counters
+from kvdepot.connector.vllm.stats import SOURCES_KEY, Counters
 from kvdepot.keys import ChunkKey, Namespace
 from kvdepot.repeat_log import RepeatLog
+from kvdepot.types import Replica
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -78,6 +81,7 @@ class _Request:
     decline_counted: bool = False
     skip_counted: bool = False
     cost_declined: bool | None = None  # loading it was judged slower than computing
+    sources: tuple[Source, ...] = ()  # per hit chunk, where the lookup found it
 
 
 class SchedulerSide:
@@ -152,9 +156,11 @@ class SchedulerSide:
             return 0
         # A request looked up again (it waited) is counted once by the cluster.
         repeat = state.looked_up > 0
-        hits = self._breaker.lookup(keys, self._counters, repeat=repeat)
-        if hits is None:
+        answer = self._breaker.lookup(keys, self._counters, repeat=repeat)
+        if answer is None:
             return 0
+        hits = answer.hits
+        state.sources = tuple(_source(loc.replicas) for loc in answer.locations[: len(keys.chunks)])
         found = keys.tokens_of(hits)
         if hits < len(keys.chunks) and self._tail < self.ns.chunk_tokens:
             # Chunk `hits` is missing, but units of it may be stored: the
@@ -223,10 +229,11 @@ class SchedulerSide:
             tokens = hit - computed
             if tokens <= 0 or not self.settings.cost_gate:
                 return False
-            state.cost_declined = not self._pacer.pays(tokens, now)
+            source = self._source(state, computed, hit).label
+            state.cost_declined = not self._pacer.pays(tokens, now, source)
             if state.cost_declined:
                 self._counters.add(loads_declined_cost=1, tokens_declined_cost=tokens)
-                if self._pacer.take_probe():
+                if self._pacer.take_probe(source):
                     self._loads.append(self._load_plan(state, computed, hit, None, probe=True))
                     self._counters.add(loads_probed=1)
         return state.cost_declined
@@ -328,7 +335,15 @@ class SchedulerSide:
             deadline or 0.0,
             end,
             probe,
+            self._source(state, first, end),
         )
+
+    def _source(self, state: _Request, first: int, end: int) -> Source:
+        """Where most chunks of the load of tokens ``first..end`` live (tail
+        units count as the last chunk found: one writer published both)."""
+        c = self.ns.chunk_tokens
+        found = state.sources[first // c : max(end // c, first // c + 1)] or state.sources[-1:]
+        return Counter(found).most_common(1)[0][0] if found else Source()
 
     # ---------------------------------------------------------------- steps
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVDepotConnectorMetadata:
@@ -437,16 +452,7 @@ class SchedulerSide:
             report_served(self._client, stats)
             if stats.get("loads_timed_out", 0) or stats.get("load_errors", 0):
                 self._pacer.failed(now)
-            self._pacer.observe(
-                stats.get("load_timed", 0),
-                stats.get("load_timed_us", 0) / 1e6,
-                stats.get("load_timed_tokens", 0),
-            )
-            self._pacer.late(
-                stats.get("load_late", 0),
-                stats.get("load_late_us", 0) / 1e6,
-                stats.get("load_late_tokens", 0),
-            )
+            self._observe(stats.get(SOURCES_KEY))
         for req_id in (*finished_recving, *failed):
             state = self._requests.get(req_id)
             if state is None or not state.loading:
@@ -454,6 +460,15 @@ class SchedulerSide:
             if req_id in failed or state.loading & invalid_blocks:
                 state.load_failed = True
             state.loading = frozenset()
+
+    def _observe(self, sources: Any) -> None:
+        """The workers' timed and late loads, by source, to the pacer."""
+        if not isinstance(sources, Mapping):
+            return
+        for source, figures in sources.items():
+            timed, timed_us, timed_tokens, late, late_us, late_tokens = figures
+            self._pacer.observe(timed, timed_us / 1e6, timed_tokens, source)
+            self._pacer.late(late, late_us / 1e6, late_tokens, source)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -475,3 +490,9 @@ class SchedulerSide:
         for state in self._requests.values():
             state.looked_up = -1e9
         return True
+
+
+def _source(replicas: Sequence[Replica]) -> Source:
+    """A chunk's source: its first replica (the lookup lists this node's first)."""
+    first = replicas[0] if replicas else None
+    return Source(first.node_id, first.address, first.tier) if first else Source()

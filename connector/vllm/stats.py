@@ -60,6 +60,12 @@ STAT_KEYS = (
     "bytes_loaded_rank0",  # bytes_loaded by tensor-parallel rank 0 alone (its heads)
 )
 
+# Timed and late loads by source (a store's node and tier, as the scheduler
+# labelled the load): {source: [SOURCE_FIELDS...]}, for the cost gate. Kept
+# apart from the counters: vLLM's log line and Prometheus show the totals.
+SOURCES_KEY = "load_sources"
+SOURCE_FIELDS = ("timed", "timed_us", "timed_tokens", "late", "late_us", "late_tokens")
+
 # Cumulative counters of this process (tests and operators read them; vLLM's
 # own stats interface gets per-interval deltas).
 PROCESS_STATS: dict[str, int] = dict.fromkeys(STAT_KEYS, 0)
@@ -82,12 +88,19 @@ class KVDepotConnectorStats(KVConnectorStats):
         self.data = dict.fromkeys(STAT_KEYS, 0)
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        data: dict[str, Any] = self.data
         for k, v in other.data.items():
-            self.data[k] = self.data.get(k, 0) + v
+            if k == SOURCES_KEY:
+                # A copy: the dict may be shared with the report it came from.
+                mine = {src: list(f) for src, f in data.get(SOURCES_KEY, {}).items()}
+                merge_sources(mine, v)
+                data[SOURCES_KEY] = mine
+            else:
+                data[k] = data.get(k, 0) + v
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return dict(self.data)
+        return {k: v for k, v in self.data.items() if k != SOURCES_KEY}
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
@@ -108,6 +121,15 @@ class Counters:
                 if self._scheduler:
                     ENGINE_STATS[k] += v
 
+    def add_source(self, source: str, **deltas: int) -> None:
+        """Count a load's time under its ``source`` (``SOURCE_FIELDS``)."""
+        data: dict[str, Any] = self._interval.data
+        with _lock:
+            merge_sources(
+                data.setdefault(SOURCES_KEY, {}),
+                {source: [deltas.get(f, 0) for f in SOURCE_FIELDS]},
+            )
+
     @staticmethod
     def add_workers(data: dict[str, int]) -> None:
         """Count what the workers reported for a step into ``ENGINE_STATS``."""
@@ -124,6 +146,14 @@ class Counters:
                 return None
             out, self._interval = self._interval, KVDepotConnectorStats()
             return out
+
+
+def merge_sources(into: dict[str, list[int]], more: Mapping[str, Any]) -> None:
+    """Add one report's figures by source to another's."""
+    for source, values in more.items():
+        have = into.setdefault(str(source), [0] * len(SOURCE_FIELDS))
+        for i, v in enumerate(list(values)[: len(SOURCE_FIELDS)]):
+            have[i] += int(v)
 
 
 def attach_to_vllm_logging() -> None:

@@ -134,7 +134,8 @@ class Fetcher:
             if plan.wait_for_commit and not self._wait_committed(keys, job.deadline):
                 return 0
             started = time.monotonic()
-            result = self._client.get_into(keys, rows, count="none")
+            prefer = plan.source.address or None
+            result = self._client.get_into(keys, rows, count="none", prefer=prefer)
         except KVDepotError as exc:
             self._warn.warn("load", "kvdepot load of %s failed: %s", plan.req_id, exc)
             return 0

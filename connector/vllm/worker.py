@@ -245,9 +245,9 @@ class WorkerSide:
     def _timed(self, loads: int, seconds: float, plans: Sequence[LoadPlan]) -> None:
         """Report how long whole loads took (the scheduler paces loads by it)."""
         tokens = sum(p.loaded_tokens(p.objects, self.layout.block_size) for p in plans)
-        self._counters.add(
-            load_timed=loads, load_timed_us=int(seconds * 1e6), load_timed_tokens=tokens
-        )
+        us = int(seconds * 1e6)
+        self._counters.add(load_timed=loads, load_timed_us=us, load_timed_tokens=tokens)
+        self._counters.add_source(_source(plans), timed=loads, timed_us=us, timed_tokens=tokens)
 
     def _account(self, plan: LoadPlan, loaded: int) -> None:
         """Count a finished load; blocks from its first missing object are recomputed."""
@@ -292,7 +292,9 @@ class WorkerSide:
         if self._rank != 0:
             return
         tokens = sum(p.loaded_tokens(p.objects, self.layout.block_size) for p in plans)
-        self._counters.add(load_late=1, load_late_us=int(seconds * 1e6), load_late_tokens=tokens)
+        us = int(seconds * 1e6)
+        self._counters.add(load_late=1, load_late_us=us, load_late_tokens=tokens)
+        self._counters.add_source(_source(plans), late=1, late_us=us, late_tokens=tokens)
 
     def _finish_probe(self, job: FetchJob) -> None:
         """A probe's time goes to the scheduler; its bytes go nowhere."""
@@ -477,3 +479,10 @@ class WorkerSide:
 
 
 __all__ = ["WorkerSide"]
+
+
+def _source(plans: Sequence[LoadPlan]) -> str:
+    """The source loads fetched together are timed under: theirs where they
+    share one, else none ("": a step's in-step loads from several stores)."""
+    sources = {p.source.label for p in plans}
+    return sources.pop() if len(sources) == 1 else ""

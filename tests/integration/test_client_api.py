@@ -62,7 +62,7 @@ def test_buffer_smaller_than_its_chunk_is_a_miss_that_says_why(
                 )
         warned = [r for r in caplog.records if "buffer" in r.getMessage()]
         assert len(warned) == 1, "the small buffer is logged once per client, not per call"
-        assert f"{CHUNK} bytes but its buffer {CHUNK - 1}" in warned[0].getMessage()
+        assert f"the chunk is {CHUNK} bytes, the buffer {CHUNK - 1}" in warned[0].getMessage()
         # Keys after the leading hits say so too.
         missing = chunk_keys(NS, [4] * 16)
         result = client.get_into(keys[:1] + missing, [bytearray(CHUNK)] * 2)

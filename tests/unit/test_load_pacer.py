@@ -218,3 +218,25 @@ def test_a_slow_first_step_does_not_make_computing_look_expensive() -> None:
     pacer.observe(1, 0.3, 512)
     pacer.observe(1, 0.32, 512)
     assert not pacer.pays(512, t)  # 300 ms to fetch what computes in 90
+
+
+def test_each_source_is_judged_by_its_own_loads() -> None:
+    """While one store is slow, loads from another (or from a tier of it
+    never timed) go ahead; probes measure the slow one alone."""
+    pacer = LoadPacer(None, timeout_s=5.0)
+    now = computing(pacer, 0.0, per_token_s=1e-4)
+    for tokens in (256, 1024):
+        pacer.observe(1, 0.05 + 1e-3 * tokens, tokens, source="node-a/cpu")
+        pacer.observe(1, 0.002 + 1e-6 * tokens, tokens, source="node-b/cpu")
+    assert not pacer.pays(4096, now, "node-a/cpu")
+    assert pacer.pays(4096, now, "node-b/cpu")
+    assert pacer.pays(4096, now, "node-a/disk")  # never timed: loaded, so timed
+    assert not pacer.pays(4096, now + 10.0, "node-a/cpu")
+    assert not pacer.take_probe("node-b/cpu") and pacer.take_probe("node-a/cpu")
+    # While node-a's probe is under way, node-b's loads do not wait for it.
+    assert pacer.pays(4096, now + 10.1, "node-b/cpu")
+    # Loads given up at their deadline count against their own source only.
+    pacer.late(1, 5.0, 1024, source="node-c/cpu")
+    pacer.late(1, 5.0, 1024, source="node-c/cpu")
+    assert not pacer.pays(1024, now + 10.2, "node-c/cpu")
+    assert pacer.pays(1024, now + 10.2, "node-b/cpu")

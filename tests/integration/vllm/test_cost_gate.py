@@ -16,16 +16,19 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 
 from kvdepot.apps.cluster import LocalCluster
+from kvdepot.proto.gen import store_pb2, store_pb2_grpc
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kvdepot[vllm]')")
 
 from .engine import build_tiny_llama
-from .test_connector import kv, run_engine, spec
+from .test_connector import kv, object_bytes, run_engine, spec
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -84,3 +87,47 @@ def test_loads_slower_than_computing_are_declined(tmp_path: Path) -> None:
     loads = on["loads_async"] + on["loads_sync"]
     assert loads + on["loads_declined_cost"] == len(PROMPTS)
     assert on["tokens_hit"] <= off["tokens_hit"] - on["tokens_declined_cost"]
+
+
+def test_a_slow_store_does_not_stop_loads_from_a_fast_one(tmp_path: Path) -> None:
+    """The gate judges each store by its own loads: prompts published to a
+    store made slow are declined, those on a fast store beside it are all
+    loaded, each read first from the store the lookup named. The model is
+    wider than the others' (same KV: 2 layers, 2 KV heads of 32): its 512
+    tokens take tens of milliseconds to compute, more than a fast store's load."""
+    model = str(build_tiny_llama(tmp_path / "model", hidden=512, heads=16))
+    slow_prompts = PROMPTS
+    fast_prompts = [np.random.default_rng(80 + i).integers(1, 1000, 600).tolist() for i in range(6)]
+    with LocalCluster(nodes=2, capacity="64MiB", log_dir=tmp_path / "logs") as cluster:
+        meta = cluster.metadata_address
+        slow, fast = cluster.stores
+        made = {}
+        for store, prompts in ((slow, slow_prompts), (fast, fast_prompts)):
+            cfg = kv("kv_producer", meta, store.info["node_id"])
+            name = f"producer-{len(made)}"
+            made[store.info["node_id"]] = run_engine(tmp_path, spec(model, prompts, cfg), name)
+        served_before = store_stats(fast).bytes_out
+        mixed = [p for pair in zip(slow_prompts, fast_prompts, strict=True) for p in pair]
+        cfg = kv("kv_consumer", meta, fast.info["node_id"], load_timeout_s=30.0)
+        with throttled(slow.pid, stop_s=0.5):
+            run = run_engine(tmp_path, spec(model, mixed, cfg), "consumer")
+        served = store_stats(fast).bytes_out - served_before
+
+    # Token-exact against the producers, which computed every prompt.
+    expected = [made[s.info["node_id"]]["outputs"] for s in (slow, fast)]
+    wanted = [o["tokens"] for pair in zip(*expected, strict=True) for o in pair]
+    assert [o["tokens"] for o in run["outputs"]] == wanted
+    c = run["engine_connector"]
+    print({k: v for k, v in c.items() if v}, "fast served", served)
+    # Every prompt's load was decided once; the slow store's later ones declined.
+    assert c["loads_async"] + c["loads_sync"] + c["loads_declined_cost"] == len(mixed)
+    assert 2 <= c["loads_declined_cost"] < len(slow_prompts)
+    # Every fast prompt's four whole chunks came from the fast store (one
+    # prompt declined would leave it short: 5 x (4 chunks + 2 units) < 24 chunks).
+    assert served >= len(fast_prompts) * 4 * object_bytes("none")
+
+
+def store_stats(store: Any) -> Any:
+    """The store's own counters, over its gRPC service."""
+    with grpc.insecure_channel(store.info["grpc_address"]) as ch:
+        return store_pb2_grpc.StoreStub(ch).GetStats(store_pb2.StoreStatsRequest(), timeout=5)

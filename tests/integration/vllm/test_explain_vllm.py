@@ -128,8 +128,9 @@ def test_a_request_looked_up_again_counts_once(cluster: LocalCluster) -> None:
             c, LookupDeadline(1.0, 2.0), 1.0, 3, RepeatLog(logging.getLogger(__name__))
         )
         counters = Counters()
-        assert breaker.lookup(keys, counters) == 0
-        assert breaker.lookup(keys, counters, repeat=True) == 0
+        for repeat in (False, True):
+            found = breaker.lookup(keys, counters, repeat=repeat)
+            assert found is not None and found.hits == 0
         assert breaker.lookup_more(keys.keys, 16, repeat=True) == 0
         stats = c.stats()
         assert (stats.lookups, stats.miss_keys, stats.miss_tokens) == (1, 4, 64)

@@ -23,6 +23,7 @@ from kvdepot.connector.vllm.plan import PrefixKeys
 from kvdepot.connector.vllm.stats import Counters
 from kvdepot.keys import Namespace, chunk_keys
 from kvdepot.repeat_log import RepeatLog
+from kvdepot.types import LookupResult
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration, pytest.mark.faults]
 
@@ -60,13 +61,13 @@ def test_one_slow_lookup_does_not_skip_the_next_requests(tmp_path: Path) -> None
                 3,
                 RepeatLog(logging.getLogger(__name__)),
             )
-            assert breaker.lookup(prefix, counters) == len(keys)
+            assert hits(breaker.lookup(prefix, counters)) == len(keys)
 
             resumed = _pause(cluster.metadata.proc.pid, 0.3)
             assert breaker.lookup(prefix, counters) is None  # this one request misses
             resumed.join()
             # The next request is looked up again, and hits.
-            assert breaker.lookup(prefix, counters) == len(keys)
+            assert hits(breaker.lookup(prefix, counters)) == len(keys)
             assert counters._interval.data["lookups_skipped"] == 0
             assert counters._interval.data["lookup_timeouts"] == 1
 
@@ -96,3 +97,8 @@ def test_the_deadline_follows_the_measured_latency() -> None:
     for _ in range(64):
         d.answered(0.004)  # and back once the host is quiet again
     assert d.seconds == 0.05
+
+
+def hits(found: LookupResult | None) -> int | None:
+    """The hits of a lookup's answer (None: none came)."""
+    return None if found is None else found.hits

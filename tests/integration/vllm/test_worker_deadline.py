@@ -23,9 +23,9 @@ from kvdepot.connector.client import ClientConfig, KVDepotClient
 from kvdepot.connector.codec import CodecSpec, create_codec
 from kvdepot.connector.vllm.chunk_format import build_object, head_key
 from kvdepot.connector.vllm.layout import KVLayout
-from kvdepot.connector.vllm.plan import KVDepotConnectorMetadata, KVObject, LoadPlan
+from kvdepot.connector.vllm.plan import KVDepotConnectorMetadata, KVObject, LoadPlan, Source
 from kvdepot.connector.vllm.settings import ConnectorSettings
-from kvdepot.connector.vllm.stats import Counters
+from kvdepot.connector.vllm.stats import SOURCES_KEY, Counters
 from kvdepot.connector.vllm.worker import WorkerSide
 from kvdepot.keys import Namespace, chunk_keys
 
@@ -78,7 +78,10 @@ def test_an_in_step_load_from_a_frozen_store_costs_one_deadline(cluster: LocalCl
     assert errors == {1}, errors  # the load's block is recomputed
     counts = nonzero(counters)
     # Reported as a load that took at least its deadline (the cost gate's figure).
-    assert abs(counts.pop("load_late_us") - DEADLINE_S * 1e6) < 1000, counts
+    late_us = counts.pop("load_late_us")
+    assert abs(late_us - DEADLINE_S * 1e6) < 1000, counts
+    # ... under no source (the plan named none).
+    assert counts.pop(SOURCES_KEY) == {"": [0, 0, 0, 1, late_us, BLOCK]}
     want = {"loads_timed_out": 1, "load_errors": 1, "load_late": 1, "load_late_tokens": BLOCK}
     assert counts == want, counts
     worker.shutdown()
@@ -116,7 +119,9 @@ def test_a_probe_is_timed_and_written_nowhere(cluster: LocalCluster) -> None:
     ]
     keys = [head_key(ns.digest(), key, h) for h in range(HEADS)]
     assert client.put(keys, [np.frombuffer(o, dtype=np.uint8) for o in objects]).stored == 2
-    probe = LoadPlan("req", (KVObject(key, 0, (), 0, BLOCK),), 0, True, False, 0.0, BLOCK, True)
+    source = Source(store.info["node_id"], store.info["address"], "cpu")
+    objects = (KVObject(key, 0, (), 0, BLOCK),)
+    probe = LoadPlan("req", objects, 0, True, False, 0.0, BLOCK, True, source)
 
     def run_probe() -> dict[str, int]:
         worker.start_load_kv(KVDepotConnectorMetadata(loads=[probe]))
@@ -127,7 +132,10 @@ def test_a_probe_is_timed_and_written_nowhere(cluster: LocalCluster) -> None:
         return nonzero(counters)
 
     counts = run_probe()
-    assert counts.pop("load_timed_us") > 0
+    took_us = counts.pop("load_timed_us")
+    assert took_us > 0
+    # Its time goes under its source, for the gate of that store alone.
+    assert counts.pop(SOURCES_KEY) == {source.label: [1, took_us, BLOCK, 0, 0, 0]}
     assert counts == {"load_timed": 1, "load_timed_tokens": BLOCK}, counts
     assert all(not c.any() for c in caches.values())  # written nowhere
     os.kill(store.pid, signal.SIGSTOP)
@@ -135,7 +143,9 @@ def test_a_probe_is_timed_and_written_nowhere(cluster: LocalCluster) -> None:
         counts = run_probe()
     finally:
         os.kill(store.pid, signal.SIGCONT)
-    assert counts.pop("load_late_us") == int(DEADLINE_S * 1e6)
+    late_us = counts.pop("load_late_us")
+    assert late_us == int(DEADLINE_S * 1e6)
+    assert counts.pop(SOURCES_KEY) == {source.label: [0, 0, 0, 1, late_us, BLOCK]}
     assert counts == {"loads_timed_out": 1, "load_late": 1, "load_late_tokens": BLOCK}, counts
     worker.shutdown()
     client.close()
