@@ -62,6 +62,7 @@ logger = logging.getLogger(__name__)
 PD_TOKENS_PARAM = "kvdepot_tokens"
 _LOOKUP_REUSE_S = 2.0  # a request that could not be scheduled asks again
 _CONNECT_S = 5.0
+_NO_CUT = 1 << 62  # every run of the hit pays
 
 
 @dataclass
@@ -80,7 +81,7 @@ class _Request:
     load_failed: bool = False  # then the request recomputes: no second try
     decline_counted: bool = False
     skip_counted: bool = False
-    cost_declined: bool | None = None  # loading it was judged slower than computing
+    paying: int | None = None  # where its load ends: what follows is slower to load than compute
     sources: tuple[Source, ...] = ()  # per hit chunk, where the lookup found it
 
 
@@ -205,9 +206,7 @@ class SchedulerSide:
             state.saved_tail = max(state.saved_tail, tail)
         if not self.is_consumer:
             return 0, False
-        if self._declined(state, num_computed_tokens, hit, now):
-            state.load = None
-            return 0, False
+        hit = self._paying(state, num_computed_tokens, hit, now)
         deadline = self._in_step(state, hit, num_computed_tokens, len(tokens), now)
         if deadline is not None:
             # Inside the step whole chunks are loaded, and one prompt token
@@ -221,22 +220,51 @@ class SchedulerSide:
         state.load = (num_computed_tokens, hit, deadline)
         return external, deadline is None
 
-    def _declined(self, state: _Request, computed: int, hit: int, now: float) -> bool:
-        """Whether the load of ``computed..hit`` is declined as slower than
-        computing it (decided once a request, counted once); a declined load
-        may still be fetched, as the pacer's probe of the store."""
-        if state.cost_declined is None:
-            tokens = hit - computed
-            if tokens <= 0 or not self.settings.cost_gate:
-                return False
-            source = self._source(state, computed, hit).label
-            state.cost_declined = not self._pacer.pays(tokens, now, source)
-            if state.cost_declined:
-                self._counters.add(loads_declined_cost=1, tokens_declined_cost=tokens)
-                if self._pacer.take_probe(source):
-                    self._loads.append(self._load_plan(state, computed, hit, None, probe=True))
-                    self._counters.add(loads_probed=1)
-        return state.cost_declined
+    def _paying(self, state: _Request, computed: int, hit: int, now: float) -> int:
+        """The end of the leading part of the load of ``computed..hit`` that
+        is expected to beat computing it (decided once a request)."""
+        if state.paying is None:
+            if hit <= computed or not self.settings.cost_gate:
+                return hit
+            state.paying = self._judge(state, computed, hit, now)
+        return min(hit, state.paying)
+
+    def _judge(self, state: _Request, computed: int, hit: int, now: float) -> int:
+        """Where the load of ``computed..hit`` is cut: before the first run
+        of its chunks from one source that is slower to load than to compute
+        (counted once; that run may still be fetched, as its source's probe)."""
+        for start, end, source in self._runs(state, computed, hit):
+            if self._pacer.pays(end - start, now, source.label):
+                continue
+            bs = self.layout.block_size
+            cut = max(computed, start // bs * bs)
+            self._counters.add(
+                loads_declined_cost=int(cut == computed),
+                loads_cut_cost=int(cut > computed),
+                tokens_declined_cost=hit - cut,
+            )
+            if self._pacer.take_probe(source.label):
+                self._loads.append(self._load_plan(state, start, end, None, probe=True))
+                self._counters.add(loads_probed=1)
+            return cut
+        return _NO_CUT
+
+    def _runs(self, state: _Request, first: int, end: int) -> list[tuple[int, int, Source]]:
+        """``first..end`` as runs of chunks from one source each (tail units
+        count as the last chunk found: one writer published both)."""
+        c, known = self.ns.chunk_tokens, state.sources
+        runs: list[tuple[int, int, Source]] = []
+        pos = first
+        while pos < end:
+            i = pos // c
+            source = known[min(i, len(known) - 1)] if known else Source()
+            stop = min(end, (i + 1) * c)
+            if runs and runs[-1][2] == source:
+                runs[-1] = (runs[-1][0], stop, source)
+            else:
+                runs.append((pos, stop, source))
+            pos = stop
+        return runs
 
     def _in_step(
         self, state: _Request, hit: int, computed: int, num_tokens: int, now: float

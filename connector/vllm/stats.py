@@ -43,7 +43,8 @@ STAT_KEYS = (
     "loads_timed_out",  # loads given up at their deadline
     "loads_declined_failed",  # requests asked again after a failed load: recomputed
     "loads_declined_cost",  # hits not loaded: loading was expected to be slower
-    "tokens_declined_cost",  # ... their tokens (computed instead)
+    "tokens_declined_cost",  # ... their tokens, and those of loads cut short (computed instead)
+    "loads_cut_cost",  # hits loaded in part: the rest was expected slower to load than compute
     "load_timed",  # loads fetched whole: how long fetching took, for the
     "load_timed_us",  # scheduler's choice of in-step or asynchronous loads
     "load_timed_tokens",
@@ -243,12 +244,15 @@ PROM_SERIES: tuple[tuple[str, str, str, dict[str, Callable[[Mapping[str, Any]], 
         "vllm:kvdepot_loads_declined",
         "Requests the connector did not load for, by reason (breaker_open: not looked up, "
         "lookups kept failing; after_failed_load: recomputed after their load failed; "
-        "slower_than_compute: loading was expected to take longer than computing).",
+        "slower_than_compute: loading was expected to take longer than computing; "
+        "partly_slower_than_compute: only a leading part was loaded, the rest lives where "
+        "loading it was expected to take longer).",
         "reason",
         {
             "breaker_open": _key("lookups_skipped"),
             "after_failed_load": _key("loads_declined_failed"),
             "slower_than_compute": _key("loads_declined_cost"),
+            "partly_slower_than_compute": _key("loads_cut_cost"),
         },
     ),
     (

@@ -92,39 +92,51 @@ def test_loads_slower_than_computing_are_declined(tmp_path: Path) -> None:
 def test_a_slow_store_does_not_stop_loads_from_a_fast_one(tmp_path: Path) -> None:
     """The gate judges each store by its own loads: prompts published to a
     store made slow are declined, those on a fast store beside it are all
-    loaded, each read first from the store the lookup named. The model is
-    wider than the others' (same KV: 2 layers, 2 KV heads of 32): its 512
-    tokens take tens of milliseconds to compute, more than a fast store's load."""
+    loaded, each read first from the store the lookup named; a prompt whose
+    first chunks are on the fast store and the rest on the slow one loads
+    the first and computes the rest. The model is wider than the others'
+    (same KV: 2 layers, 2 KV heads of 32): its 512 tokens take tens of
+    milliseconds to compute, more than a fast store's load."""
     model = str(build_tiny_llama(tmp_path / "model", hidden=512, heads=16))
     slow_prompts = PROMPTS
     fast_prompts = [np.random.default_rng(80 + i).integers(1, 1000, 600).tolist() for i in range(6)]
+    split = [np.random.default_rng(90 + i).integers(1, 1000, 600).tolist() for i in range(4)]
     with LocalCluster(nodes=2, capacity="64MiB", log_dir=tmp_path / "logs") as cluster:
         meta = cluster.metadata_address
         slow, fast = cluster.stores
+        # The fast store first: the split prompts' first two chunks go there,
+        # and the slow store's producer publishes only the rest of them.
         made = {}
-        for store, prompts in ((slow, slow_prompts), (fast, fast_prompts)):
+        for name, store, prompts in (
+            ("fast", fast, fast_prompts + [p[:256] for p in split]),
+            ("slow", slow, slow_prompts + split),
+        ):
             cfg = kv("kv_producer", meta, store.info["node_id"])
-            name = f"producer-{len(made)}"
-            made[store.info["node_id"]] = run_engine(tmp_path, spec(model, prompts, cfg), name)
+            made[name] = run_engine(tmp_path, spec(model, prompts, cfg), name)["outputs"]
         served_before = store_stats(fast).bytes_out
         mixed = [p for pair in zip(slow_prompts, fast_prompts, strict=True) for p in pair]
         cfg = kv("kv_consumer", meta, fast.info["node_id"], load_timeout_s=30.0)
         with throttled(slow.pid, stop_s=0.5):
-            run = run_engine(tmp_path, spec(model, mixed, cfg), "consumer")
+            run = run_engine(tmp_path, spec(model, mixed + split, cfg), "consumer")
         served = store_stats(fast).bytes_out - served_before
 
     # Token-exact against the producers, which computed every prompt.
-    expected = [made[s.info["node_id"]]["outputs"] for s in (slow, fast)]
-    wanted = [o["tokens"] for pair in zip(*expected, strict=True) for o in pair]
+    n = len(slow_prompts)
+    pairs = zip(made["slow"][:n], made["fast"][:n], strict=True)
+    wanted = [o["tokens"] for pair in pairs for o in pair] + [o["tokens"] for o in made["slow"][n:]]
     assert [o["tokens"] for o in run["outputs"]] == wanted
     c = run["engine_connector"]
     print({k: v for k, v in c.items() if v}, "fast served", served)
-    # Every prompt's load was decided once; the slow store's later ones declined.
-    assert c["loads_async"] + c["loads_sync"] + c["loads_declined_cost"] == len(mixed)
+    # Every prompt's load was decided once; the slow store's later ones
+    # declined, the split prompts' loads cut after their fast chunks.
+    assert c["loads_async"] + c["loads_sync"] + c["loads_declined_cost"] == len(mixed + split)
     assert 2 <= c["loads_declined_cost"] < len(slow_prompts)
-    # Every fast prompt's four whole chunks came from the fast store (one
-    # prompt declined would leave it short: 5 x (4 chunks + 2 units) < 24 chunks).
-    assert served >= len(fast_prompts) * 4 * object_bytes("none")
+    assert c["loads_cut_cost"] == len(split)
+    declined = c["loads_declined_cost"] * 512 + len(split) * 256
+    assert c["tokens_declined_cost"] == declined
+    # Every fast prompt's four whole chunks and the split prompts' first two
+    # came from the fast store (one fast prompt declined would leave it short).
+    assert served >= (len(fast_prompts) * 4 + len(split) * 2) * object_bytes("none")
 
 
 def store_stats(store: Any) -> Any:
