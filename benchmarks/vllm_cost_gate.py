@@ -17,6 +17,12 @@ measure the slow store. Reported: TTFT of each (mean of the rounds' means),
 no more than noise) and ``cost_gate_off_ttft_ratio`` (what it costs without
 the gate), and the gated engine's declined loads and tokens from its
 ``/metrics``.
+
+Then only the first store stays slow, and ``plain`` and ``gate_on`` are
+measured in alternating rounds on a third set a second publisher put on the
+other store: the gate judges each store by its own loads, so these load
+(``cost_gate_fast_store_ttft_ratio``, gate on / plain: the restart gain,
+not the slow store's verdict).
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from benchmarks.vllm_servers import (
     warm,
 )
 
-MEASURED, WARMUP = 7000, 7001  # the two prompt sets (random dataset seeds)
+MEASURED, WARMUP, FAST = 7000, 7001, 7002  # the prompt sets (random dataset seeds)
 DECLINED = "vllm:kvdepot_loads_declined_total"
 DECLINED_TOKENS = "vllm:kvdepot_declined_tokens_total"
 LOADED = "vllm:kvdepot_loaded_tokens_total"
@@ -76,6 +82,13 @@ def compare_cost_gate(
         bench(work, publisher, model, f"gate-publish-{seed}", args(seed))
     wait_saves_settled(meta)
     procs.stop(publisher)
+    publisher = _engine(
+        procs, work, model, "gate-publisher-1", kv_config("kv_both", meta, "store-1", chunk)
+    )
+    warm(publisher, 72)
+    bench(work, publisher, model, f"gate-publish-{FAST}", args(FAST))
+    wait_saves_settled(meta)
+    procs.stop(publisher)
 
     def consumer(gate: bool) -> dict[str, Any]:
         kv = kv_config("kv_consumer", meta, "store-0", chunk)
@@ -98,11 +111,25 @@ def compare_cost_gate(
             for name, server in order:
                 result = bench(work, server, model, f"gate-{name}-{r}", args(MEASURED))
                 ttft[name].append(float(result["mean_ttft_ms"]) / 1000)
+    # The second store, fast again, holds the third set; the first stays slow.
+    fast: dict[str, list[float]] = {"plain": [], "gate_on": []}
+    with throttled(store_pids[:1], run_ms=1.0, stop_ms=2000.0):
+        for r in range(rounds):
+            for name in sorted(fast, reverse=bool(r % 2)):
+                result = bench(work, engines[name], model, f"gate-fast-{name}-{r}", args(FAST))
+                fast[name].append(float(result["mean_ttft_ms"]) / 1000)
         gated = metrics(engines["gate_on"])
     for server in engines.values():
         procs.stop(server)
     mean = {name: statistics.fmean(v) for name, v in ttft.items()}
+    fast_mean = {name: statistics.fmean(v) for name, v in fast.items()}
     return {
+        "cost_gate_fast_store_ttft_ratio": round(fast_mean["gate_on"] / fast_mean["plain"], 4),
+        "cost_gate_fast_store": {
+            "ttft_mean_s": {name: round(v, 4) for name, v in fast_mean.items()},
+            "ttft_per_round_s": {name: [round(x, 4) for x in v] for name, v in fast.items()},
+            "store_duty": "first store 1 ms running in every 2001, second store unthrottled",
+        },
         "cost_gate_ttft_ratio": round(mean["gate_on"] / mean["plain"], 4),
         "cost_gate_off_ttft_ratio": round(mean["gate_off"] / mean["plain"], 4),
         "cost_gate": {
