@@ -367,11 +367,11 @@ class SchedulerSide:
         )
 
     def _source(self, state: _Request, first: int, end: int) -> Source:
-        """Where most chunks of the load of tokens ``first..end`` live (tail
-        units count as the last chunk found: one writer published both)."""
-        c = self.ns.chunk_tokens
-        found = state.sources[first // c : max(end // c, first // c + 1)] or state.sources[-1:]
-        return Counter(found).most_common(1)[0][0] if found else Source()
+        """Where most of the tokens ``first..end`` live."""
+        held: Counter[Source] = Counter()
+        for start, stop, source in self._runs(state, first, end):
+            held[source] += stop - start
+        return held.most_common(1)[0][0] if held else Source()
 
     # ---------------------------------------------------------------- steps
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVDepotConnectorMetadata:
