@@ -21,12 +21,12 @@ source* a fetch's time (robust to a lucky or unlucky one), and a load
 expected to take longer than a step and longer than computing its tokens is
 declined: the engine recomputes them, as it would without kvdepot. A source
 is a store's node and tier as the lookup names them (the scheduler labels
-each load with the one most of its chunks live on, and the workers report
+each load with the one holding most of its tokens, and the workers report
 its time under that label), so while one store or tier is slow, loads from
 the others go ahead. The scheduler judges a hit whose chunks live on several
-sources run by run, and loads it up to the first run that does not pay. A load that fits in a step is
-never declined (it costs the request at most the step it waits), nor is one
-before both costs are measured. A load given up at its
+sources run by run, and loads it up to the first run that does not pay. A
+load that fits in a step is never declined (it costs the request at most the
+step it waits), nor is one before both costs are measured. A load given up at its
 deadline took at least that long: after ``_LATE_IN_ROW`` such loads in a row
 (one stalled store's single timeout does not close the gate), each counts as
 a timed load of the deadline. After ``_PROBE_S`` of declines the scheduler
