@@ -112,24 +112,13 @@ def compare_cost_gate(
                 result = bench(work, server, model, f"gate-{name}-{r}", args(MEASURED))
                 ttft[name].append(float(result["mean_ttft_ms"]) / 1000)
     # The second store, fast again, holds the third set; the first stays slow.
-    fast: dict[str, list[float]] = {"plain": [], "gate_on": []}
-    with throttled(store_pids[:1], run_ms=1.0, stop_ms=2000.0):
-        for r in range(rounds):
-            for name in sorted(fast, reverse=bool(r % 2)):
-                result = bench(work, engines[name], model, f"gate-fast-{name}-{r}", args(FAST))
-                fast[name].append(float(result["mean_ttft_ms"]) / 1000)
-        gated = metrics(engines["gate_on"])
+    fast = _fast_store(work, model, engines, store_pids[0], rounds, args(FAST))
+    gated = metrics(engines["gate_on"])
     for server in engines.values():
         procs.stop(server)
     mean = {name: statistics.fmean(v) for name, v in ttft.items()}
-    fast_mean = {name: statistics.fmean(v) for name, v in fast.items()}
     return {
-        "cost_gate_fast_store_ttft_ratio": round(fast_mean["gate_on"] / fast_mean["plain"], 4),
-        "cost_gate_fast_store": {
-            "ttft_mean_s": {name: round(v, 4) for name, v in fast_mean.items()},
-            "ttft_per_round_s": {name: [round(x, 4) for x in v] for name, v in fast.items()},
-            "store_duty": "first store 1 ms running in every 2001, second store unthrottled",
-        },
+        **fast,
         "cost_gate_ttft_ratio": round(mean["gate_on"] / mean["plain"], 4),
         "cost_gate_off_ttft_ratio": round(mean["gate_off"] / mean["plain"], 4),
         "cost_gate": {
@@ -139,5 +128,27 @@ def compare_cost_gate(
             "declined_tokens": gated.get(DECLINED_TOKENS, 0.0),
             "loaded_tokens": gated.get(LOADED, 0.0),
             "store_duty": "1 ms running in every 2001",
+        },
+    }
+
+
+def _fast_store(
+    work: Path, model: Path, engines: dict[str, Server], slow_pid: int, rounds: int, args: list[str]
+) -> dict[str, Any]:
+    """``plain`` and ``gate_on`` in alternating rounds on the prompts of
+    ``args``, which the second store holds, while the first stays slow."""
+    ttft: dict[str, list[float]] = {"plain": [], "gate_on": []}
+    with throttled([slow_pid], run_ms=1.0, stop_ms=2000.0):
+        for r in range(rounds):
+            for name in sorted(ttft, reverse=bool(r % 2)):
+                result = bench(work, engines[name], model, f"gate-fast-{name}-{r}", args)
+                ttft[name].append(float(result["mean_ttft_ms"]) / 1000)
+    mean = {name: statistics.fmean(v) for name, v in ttft.items()}
+    return {
+        "cost_gate_fast_store_ttft_ratio": round(mean["gate_on"] / mean["plain"], 4),
+        "cost_gate_fast_store": {
+            "ttft_mean_s": {name: round(v, 4) for name, v in mean.items()},
+            "ttft_per_round_s": {name: [round(x, 4) for x in v] for name, v in ttft.items()},
+            "store_duty": "first store 1 ms running in every 2001, second store unthrottled",
         },
     }
