@@ -37,7 +37,7 @@ import logging
 import mmap
 import os
 import threading
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
@@ -139,29 +139,19 @@ win: a put of 8 x 1 MiB went from 0.71 to 0.88-1.01 x raw-shm (the same
 runs with 16 MiB and 4 MiB alternating); 2 MiB batches gained nothing."""
 
 
-def _copy_group(jobs: Sequence[tuple[memoryview, memoryview, bool]]) -> list[int]:
-    return [copy_hashed(dst, src, hash_dst=hash_dst) for dst, src, hash_dst in jobs]
-
-
-def _split(
-    jobs: Sequence[tuple[memoryview, memoryview, bool]], ways: int
-) -> list[Sequence[tuple[memoryview, memoryview, bool]]]:
-    # Contiguous groups, in order, each cut where the bytes before it come
-    # closest to an equal share.
-    sums: list[int] = []
-    total = 0
-    for _, src, _ in jobs:
-        total += src.nbytes
-        sums.append(total)
-    cuts: list[int] = []
-    for k in range(1, ways):
-        target = total * k / ways
-        first = cuts[-1] + 1 if cuts else 1
-        if first >= len(jobs):
-            break
-        cuts.append(min(range(first, len(jobs)), key=lambda j: abs(sums[j - 1] - target)))
-    bounds = [0, *cuts, len(jobs)]
-    return [jobs[a:b] for a, b in itertools.pairwise(bounds) if b > a]
+def _drain(
+    jobs: Sequence[tuple[memoryview, memoryview, bool]],
+    sums: list[int | None],
+    take: Callable[[], int],
+    stop: threading.Event,
+) -> None:
+    """Copy the jobs ``take`` hands out until none is left (or ``stop``)."""
+    while not stop.is_set():
+        i = take()
+        if i >= len(jobs):
+            return
+        dst, src, hash_dst = jobs[i]
+        sums[i] = copy_hashed(dst, src, hash_dst=hash_dst)
 
 
 class Copier:
@@ -170,9 +160,13 @@ class Copier:
     One core does not saturate memory bandwidth with copies: two threads
     moved nearly twice the bytes of one on the CI machine kind. Copies and
     hashes release the GIL (numpy ``copyto``, xxh3 through ctypes), so the
-    threads really run in parallel. The batch is cut into contiguous groups
-    of about equal bytes: the caller copies the first, a pool thread each
-    other one, so a batch wakes each helper once. Waking a thread cost
+    threads really run in parallel. The caller and the pool threads take
+    the batch's chunks one at a time, in order, each the next one left, so
+    a batch wakes each helper once, and a thread the store's or the index's
+    work takes the core from leaves its share to the others: with a fixed
+    share each, the batch waited for the thread that lost its core (a put
+    of 8 x 16 MiB with the store and the metadata service on the same two
+    cores). Waking a thread cost
     0.1 ms to several ms on the 2-vCPU CI machine kind (more while the host
     was busy), so small batches stay on the caller's thread.
 
@@ -202,21 +196,42 @@ class Copier:
         the end: closing waits for the copies still running.
         """
         pool = self._pool
-        futures = []
-        groups: Sequence[Sequence[tuple[memoryview, memoryview, bool]]] = [jobs]
-        if pool is not None and sum(src.nbytes for _, src, _ in jobs) >= self._parallel_bytes:
-            groups = _split(jobs, self._threads)
-            futures = [pool.submit(_copy_group, g) for g in groups[1:]]
-        try:
-            for dst, src, hash_dst in groups[0]:
+        if (
+            pool is None
+            or len(jobs) < 2
+            or (sum(src.nbytes for _, src, _ in jobs) < self._parallel_bytes)
+        ):
+            for dst, src, hash_dst in jobs:
                 yield copy_hashed(dst, src, hash_dst=hash_dst)
+            return
+        sums: list[int | None] = [None] * len(jobs)
+        counter = itertools.count()
+        lock = threading.Lock()
+        stop = threading.Event()
+
+        def take() -> int:
+            with lock:
+                return next(counter)
+
+        helpers = min(self._threads - 1, len(jobs) - 1)
+        futures = [pool.submit(_drain, jobs, sums, take, stop) for _ in range(helpers)]
+        head = 0
+        try:
+            while (i := take()) < len(jobs):
+                dst, src, hash_dst = jobs[i]
+                sums[i] = copy_hashed(dst, src, hash_dst=hash_dst)
+                while head < len(jobs) and (ck := sums[head]) is not None:
+                    yield ck
+                    head += 1
             for f in futures:
-                yield from f.result()
+                f.result()  # raises what a helper raised
+            for ck in sums[head:]:
+                assert ck is not None
+                yield ck
         finally:
             # A caller that stops early (an error) must not leave copies
             # running into memory it is about to give back.
-            for f in futures:
-                f.cancel()
+            stop.set()
             wait(futures)
 
     def close(self) -> None:

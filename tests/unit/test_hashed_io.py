@@ -12,6 +12,7 @@ import pytest
 from kvdepot.connector.transport.shm import Copier, copy_hashed
 from kvdepot.store.chunks import checksum
 from kvdepot.wire.sockets import CHECKSUM_SIZE, recv_exact, recv_hashed_into, send_hashed
+from kvdepot.wire.xxh3 import xxh3_64
 
 
 def test_send_hashed_then_recv_hashed_agree_with_checksum() -> None:
@@ -112,18 +113,38 @@ def test_closing_the_copier_early_waits_for_every_copy() -> None:
         copier.close()
 
 
-def test_copier_splits_a_batch_into_contiguous_groups_of_about_equal_bytes() -> None:
-    from kvdepot.connector.transport.shm import _split
+def test_a_copy_thread_that_stalls_leaves_the_rest_of_the_batch_to_the_others(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # On two cores the store's and the index's work takes a copy thread's
+    # core now and then: the batch must not wait for that thread's share.
+    from kvdepot.connector.transport import shm
 
-    def jobs(*sizes: int) -> list[tuple[memoryview, memoryview, bool]]:
-        return [(memoryview(bytearray(n)), memoryview(bytearray(n)), True) for n in sizes]
+    copied_here: list[int] = []
+    others_done = threading.Event()
+    main = threading.get_ident()
+    real = shm.copy_hashed
+    n = 6
 
-    def shape(groups: list) -> list[list[int]]:  # type: ignore[type-arg]
-        return [[src.nbytes for _, src, _ in g] for g in groups]
+    def copy(dst: memoryview, src: memoryview, *, hash_dst: bool) -> int:
+        if threading.get_ident() == main:
+            copied_here.append(src.nbytes)
+            if len(copied_here) == n - 1:
+                others_done.set()
+        else:
+            # The helper's first chunk waits until the caller copied the rest.
+            assert others_done.wait(10), "the caller left chunks to a stalled helper"
+        return real(dst, src, hash_dst=hash_dst)
 
-    assert shape(_split(jobs(4, 4, 4, 4), 2)) == [[4, 4], [4, 4]]
-    assert shape(_split(jobs(8, 1, 1, 1, 1), 2)) == [[8], [1, 1, 1, 1]]
-    assert shape(_split(jobs(1, 1, 1, 9), 2)) == [[1, 1, 1], [9]]
-    assert shape(_split(jobs(1, 2, 3, 4, 5, 6), 3)) == [[1, 2, 3], [4, 5], [6]]
-    assert shape(_split(jobs(3, 3, 3), 3)) == [[3], [3], [3]]
-    assert shape(_split(jobs(5), 2)) == [[5]]
+    monkeypatch.setattr(shm, "copy_hashed", copy)
+    copier = Copier(2, parallel_bytes=1)
+    try:
+        srcs = [os.urandom(4096 + k) for k in range(n)]
+        dsts = [bytearray(len(s)) for s in srcs]
+        jobs = [(memoryview(d), memoryview(s), False) for d, s in zip(dsts, srcs, strict=True)]
+        sums = list(copier.map(jobs))
+    finally:
+        copier.close()
+    assert sums == [xxh3_64(memoryview(s)) for s in srcs]  # in job order
+    assert dsts == [bytearray(s) for s in srcs]
+    assert len(copied_here) == n - 1
