@@ -13,9 +13,10 @@ nothing else in it, in the same rounds as the rest:
   it receives (a store checks a put's checksum as it receives it); a
   visible put is raw-tcp's with these sends;
 * ``raw-shm-xxh3``: ``raw-shm`` whose put copies with the writer's checksums
-  (``copy_hashed(dst, src, hash_dst=False)``) and whose get copies and hashes
-  what it copied (``hash_dst=True``), on one thread, as raw-shm copies; a
-  visible put is raw-shm's with this copy.
+  through the ``shm`` transport's own :class:`~kvdepot.connector.transport.shm.Copier`
+  (``hash_dst=False``; several threads from 4 MiB a batch, as kvdepot-shm's
+  puts) and whose get copies and hashes what it copied (``hash_dst=True``),
+  on one thread, as raw-shm copies; a visible put is raw-shm's with this copy.
 
 Every digest is compared with one computed in ``prepare``, so the hashing
 cannot be skipped; a mismatch raises.
@@ -31,7 +32,7 @@ import socket
 import numpy as np
 
 from benchmarks.systems import RawShm, RawTcp
-from kvdepot.connector.transport.shm import copy_hashed
+from kvdepot.connector.transport.shm import DEFAULT_COPY_THREADS, Copier, copy_hashed
 from kvdepot.wire.protocol import HASH_BLOCK
 from kvdepot.wire.sockets import recv_hashed_into
 from kvdepot.wire.xxh3 import BlockHasher, xxh3_64
@@ -72,7 +73,7 @@ class RawTcpXxh3(RawTcp):
 
 
 class RawShmXxh3(RawShm):
-    """raw-shm, copying with checksums as the ``shm`` transport does (one thread)."""
+    """raw-shm, copying with checksums as the ``shm`` transport does."""
 
     name = "raw-shm-xxh3"
 
@@ -82,14 +83,13 @@ class RawShmXxh3(RawShm):
         self._dst_views = [memoryview(d) for d in self._dst]
         self._slot_views = [[memoryview(d) for d in slot] for slot in self._slots]
         self._sums = [xxh3_64(v) for v in self._src_views]  # slot 0 holds the source
+        self._copier = Copier(DEFAULT_COPY_THREADS)
 
     def _copy_in(self, k: int) -> None:
         self._next = self._next % (len(self._slot_views) - 1) + 1  # slot 0 is what gets read
         dst = self._slot_views[self._next]
-        sums = [
-            copy_hashed(d, s, hash_dst=False)
-            for s, d in zip(self._src_views[:k], dst[:k], strict=True)
-        ]
+        jobs = [(d, s, False) for s, d in zip(self._src_views[:k], dst[:k], strict=True)]
+        sums = list(self._copier.map(jobs))
         if sums != self._sums[:k]:
             raise RuntimeError(f"{self.name}: put checksums differ from the source's")
 
@@ -104,4 +104,7 @@ class RawShmXxh3(RawShm):
     def close(self) -> None:
         # The views hold the segment's mapping: drop them before raw-shm unmaps it.
         self._src_views, self._dst_views, self._slot_views = [], [], []
+        if getattr(self, "_copier", None) is not None:
+            self._copier.close()
+            self._copier = None
         super().close()

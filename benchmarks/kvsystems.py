@@ -56,6 +56,7 @@ class KVDepot(System):
 
         self.name = f"kvdepot-{transport}{self.suffix}"
         self._metadata = cluster.metadata_address
+        self._pids = [d.proc.pid for d in cluster.daemons()]
         self._client = KVDepotClient(
             ClientConfig(
                 metadata=cluster.metadata_address,
@@ -105,6 +106,10 @@ class KVDepot(System):
         if result.leading != len(self._keys):
             raise RuntimeError(f"{self.name}: get loaded {result.leading} of {len(self._keys)}")
 
+    def server_pids(self) -> list[int]:
+        # The metadata service and the stores: a put's index commit is their work.
+        return self._pids
+
     def close(self) -> None:
         self._client.close()
 
@@ -144,6 +149,7 @@ class KVDepotRemote(KVDepot):
 
         self.name = name
         self._first = READ_FIRST[name]
+        self._pids = [d.proc.pid for d in cluster.daemons()]
         nodes = [s.info["node_id"] for s in cluster.stores]
         address = self._metadata = cluster.metadata_address
         self._writer = KVDepotClient(ClientConfig(metadata=address, transport="tcp"))

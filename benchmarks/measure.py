@@ -18,11 +18,13 @@ one trial to the next), so that ratios compare runs under the same load:
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
-from benchmarks.systems import KiB, Row, System, percentile
+from benchmarks.systems import KiB, Row, System, cpu_seconds, percentile
 
 
 def _rotated(systems: list[System], trial: int) -> list[System]:
@@ -30,10 +32,32 @@ def _rotated(systems: list[System], trial: int) -> list[System]:
     return systems[k:] + systems[:k]
 
 
-def _row(name: str, op: str, size: int, count: int, ts: list[float], timing: str) -> Row:
+def _row(
+    name: str, op: str, size: int, count: int, ts: list[float], timing: str,
+    cpu: list[tuple[float, float]] | None = None,
+) -> Row:  # fmt: skip
     med = statistics.median(ts)
+    client = statistics.median(c for c, _ in cpu) * 1e3 if cpu else 0.0
+    server = statistics.median(s for _, s in cpu) * 1e3 if cpu else 0.0
     return Row(name, op, size, size * count / med / 1e9,
-               percentile(ts, 0.5) * 1e3, percentile(ts, 0.99) * 1e3, timing, count)  # fmt: skip
+               percentile(ts, 0.5) * 1e3, percentile(ts, 0.99) * 1e3, timing, count,
+               client, server)  # fmt: skip
+
+
+class _Cpu:
+    """CPU seconds of this process and of a system's processes over a span."""
+
+    def __init__(self, s: System) -> None:
+        self._pids = s.server_pids()
+        # Reading /proc is outside this process's span: it is not the system's work.
+        self._server = cpu_seconds(self._pids)
+        self._client = time.process_time()
+
+    def per(self, n: int) -> tuple[float, float]:
+        """(client, server) CPU seconds since the start, over ``n``."""
+        client = time.process_time() - self._client
+        server = cpu_seconds(self._pids) - self._server
+        return client / n, server / n
 
 
 def _prepared(
@@ -49,43 +73,56 @@ def _prepared(
     return ready
 
 
-def _run(s: System, burst: int) -> float:
-    """Seconds per batch of ``burst`` puts back to back, the system's own work included."""
+def _run(s: System, burst: int) -> tuple[float, tuple[float, float]]:
+    """Seconds per batch of ``burst`` puts back to back, the system's own
+    work included, and the (client, server) CPU seconds per batch."""
+    cpu = _Cpu(s)
     t0 = time.perf_counter()
     for _ in range(burst):
         s.put()
     s.settle()
     elapsed = time.perf_counter() - t0
+    used = cpu.per(burst)
     s.release()
-    return elapsed / burst
+    return elapsed / burst, used
 
 
 def put_throughput(
     ready: list[System], size: int, batch: int, trials: int, burst: int
 ) -> list[Row]:
     times: dict[str, list[float]] = {s.name: [] for s in ready}
+    cpu: dict[str, list[tuple[float, float]]] = {s.name: [] for s in ready}
     for s in ready:  # warm-up
         _run(s, 1)
     for t in range(trials):
         for s in _rotated(ready, t):
-            times[s.name].append(_run(s, burst))
-    return [_row(s.name, "put", size, batch, times[s.name], "throughput") for s in ready]
+            seconds, used = _run(s, burst)
+            times[s.name].append(seconds)
+            cpu[s.name].append(used)
+    return [
+        _row(s.name, "put", size, batch, times[s.name], "throughput", cpu[s.name]) for s in ready
+    ]
 
 
 def gets(ready: list[System], size: int, batch: int, trials: int) -> list[Row]:
     """Gets as they have always been timed: one batch at a time."""
     times: dict[str, list[float]] = {s.name: [] for s in ready}
+    cpu: dict[str, list[tuple[float, float]]] = {s.name: [] for s in ready}
     for s in ready:  # warm-up
         s.before_get()
         s.get()
         s.quiesce()
     for t in range(trials):
         for s in _rotated(ready, t):
+            used = _Cpu(s)
             t0 = time.perf_counter()
             s.get()
             times[s.name].append(time.perf_counter() - t0)
+            cpu[s.name].append(used.per(1))
             s.quiesce()
-    return [_row(s.name, "get", size, batch, times[s.name], "throughput") for s in ready]
+    return [
+        _row(s.name, "get", size, batch, times[s.name], "throughput", cpu[s.name]) for s in ready
+    ]
 
 
 def measure(
@@ -151,7 +188,8 @@ def over_rounds(per_round: list[list[Row]]) -> list[Row]:
     return [
         Row(s, op, size, statistics.median(r.gbps for r in rs),
             statistics.median(r.p50_ms for r in rs), statistics.median(r.p99_ms for r in rs),
-            timing, batch)
+            timing, batch, statistics.median(r.client_cpu_ms for r in rs),
+            statistics.median(r.server_cpu_ms for r in rs))
         for (s, op, size, timing, batch), rs in keyed.items()
     ]  # fmt: skip
 
@@ -160,14 +198,43 @@ def table(rows: list[Row]) -> list[str]:
     """The rows as a text table, throughput first."""
     lines = [
         f"{'system':18s} {'timing':10s} {'op':3s} {'size':>8s} {'batch':>5s} "
-        f"{'GB/s':>6s} {'p50 ms':>8s} {'p99 ms':>8s}"
+        f"{'GB/s':>6s} {'p50 ms':>8s} {'p99 ms':>8s} {'cpu ms':>8s} {'srv ms':>8s}"
     ]
     order = sorted(rows, key=lambda r: (r.timing != "throughput", r.op, r.size, r.batch))
     for r in order:
+        cpu = (f" {r.client_cpu_ms:8.3f} {r.server_cpu_ms:8.3f}"
+               if r.timing == "throughput" else "")  # fmt: skip
         lines.append(
             f"{r.system:18s} {r.timing:10s} {r.op:3s} {r.size // KiB:>6d}Ki {r.batch:>5d} "
-            f"{r.gbps:6.2f} {r.p50_ms:8.3f} {r.p99_ms:8.3f}"
+            f"{r.gbps:6.2f} {r.p50_ms:8.3f} {r.p99_ms:8.3f}{cpu}"
         )
+    return lines
+
+
+def cpu_bounds(rows: list[Row], pairs: list[tuple[Any, ...]]) -> list[str]:
+    """For each ``(a, b, op, sizes, target)``: the best ratio ``a``'s CPU allows.
+
+    A batch's work, ``a``'s client and server CPU, is done on this machine's
+    cores whatever overlaps: over the cores it bounds ``a``'s time per batch
+    from below, and so its ratio against ``b`` (same run) from above.
+    """
+    cores = len(os.sched_getaffinity(0))
+    index = {(r.system, r.op, r.size): r for r in rows if r.timing == "throughput"}
+    lines = []
+    for a, b, op, sizes, target in pairs:
+        for size in sizes:
+            ra, rb = index.get((a, op, size)), index.get((b, op, size))
+            if ra is None or rb is None or not (ra.client_cpu_ms or ra.server_cpu_ms):
+                continue
+            cpu = ra.client_cpu_ms + ra.server_cpu_ms
+            bound, took = cpu / cores, ra.size * ra.batch / ra.gbps / 1e6
+            other = rb.size * rb.batch / rb.gbps / 1e6
+            lines.append(
+                f"  {a} {op} {size // KiB} KiB: CPU {ra.client_cpu_ms:.2f} + "
+                f"{ra.server_cpu_ms:.2f} ms a batch on {cores} cores >= {bound:.2f} ms "
+                f"(took {took:.2f}); {b} {other:.2f} ms: at best {other / bound:.2f}x "
+                f"(target >= {target})"
+            )
     return lines
 
 

@@ -65,6 +65,13 @@ class Row:
     own work included; p50/p99: the time per batch of each run) or
     ``visible`` (a put from its start until another process's lookup names
     its chunks; p50/p99 of that latency, GB/s the batch's bytes over its median).
+
+    ``client_cpu_ms`` / ``server_cpu_ms`` (throughput rows): CPU time per
+    batch, medians over the runs, of the benchmark's process (every thread:
+    the client, its copy threads, a peer's client library) and of the
+    system's own processes (:meth:`System.server_pids`). Their sum over the
+    cores bounds the time per batch from below: the work is done on this
+    machine's cores whatever overlaps.
     """
 
     system: str
@@ -75,6 +82,8 @@ class Row:
     p99_ms: float
     timing: str = "throughput"
     batch: int = 0
+    client_cpu_ms: float = 0.0
+    server_cpu_ms: float = 0.0
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -98,6 +107,24 @@ def recv_clock(sock: socket.socket) -> int:
     buf = bytearray(_CLOCK.size)
     recv_into(sock, memoryview(buf))
     return int(_CLOCK.unpack(buf)[0])
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """CPU time so far of every live thread of the processes ``pids`` (Linux
+    ``schedstat``, nanoseconds; 0 where there is none to read)."""
+    total = 0
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    total += int(f.read().split()[0])
+            except (OSError, ValueError, IndexError):
+                continue  # a thread that just ended
+    return total / 1e9
 
 
 class System(abc.ABC):
@@ -137,6 +164,11 @@ class System(abc.ABC):
         visible latencies): wait until the last one's work has ended, so that
         it is not charged to the next system."""
         self.settle()
+
+    def server_pids(self) -> list[int]:
+        """The processes besides this one that do the system's work (its
+        servers, stores, index), for the CPU columns of throughput rows."""
+        return []
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Stop whatever the system started."""
@@ -246,6 +278,10 @@ class RawTcp(System):
         for b in self._dst:
             recv_into(self._sock, b)
 
+    def server_pids(self) -> list[int]:
+        proc = getattr(self, "_proc", None)
+        return [proc.pid] if proc is not None and proc.pid is not None else []
+
     def close(self) -> None:
         if getattr(self, "_sock", None) is not None:
             self._sock.close()
@@ -339,6 +375,10 @@ class RawShm(System):
         for s, d in zip(self._slots[0], self._dst, strict=True):
             np.copyto(d, s)
 
+    def server_pids(self) -> list[int]:
+        proc = getattr(self, "_proc", None)
+        return [proc.pid] if proc is not None and proc.pid is not None else []
+
     def close(self) -> None:
         if getattr(self, "_sock", None) is None:
             return
@@ -411,6 +451,9 @@ class Redis(System):
         for k in self._keys:
             pipe.get(k)
         pipe.execute()
+
+    def server_pids(self) -> list[int]:
+        return [self._proc.pid]
 
     def close(self) -> None:
         self._r.close()
