@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 
@@ -140,10 +139,6 @@ class StoreDaemon:
         self.security = security or NO_SECURITY
         self._loop: asyncio.AbstractEventLoop | None = None
         self._removed: set[ChunkKey] = set()
-        # Removals from data-plane threads not yet handed to the loop: one
-        # wakeup of the loop carries all that came before it ran.
-        self._handoff: list[ChunkKey] = []
-        self._handoff_lock = threading.Lock()
         # Chunks that changed tier, reported with the tier they are in then.
         self._moved: set[ChunkKey] = set()
         self._moves_recorded = True  # until the metadata service says otherwise
@@ -220,20 +215,10 @@ class StoreDaemon:
     # -- removal reports: called from data-plane threads --------------------
     def _on_removed(self, keys: list[ChunkKey]) -> None:
         loop = self._loop
-        if not keys or loop is None or loop.is_closed():
+        if loop is None or loop.is_closed():
             return
-        with self._handoff_lock:
-            waiting = bool(self._handoff)
-            self._handoff.extend(keys)
-        if waiting:
-            return  # the wakeup already asked for takes these too
         with contextlib.suppress(RuntimeError):  # loop shutting down
-            loop.call_soon_threadsafe(self._take_handoff)
-
-    def _take_handoff(self) -> None:
-        with self._handoff_lock:
-            keys, self._handoff = self._handoff, []
-        self._queue_removed(keys)
+            loop.call_soon_threadsafe(self._queue_removed, keys)
 
     def _registered(self) -> bool:
         """Whether this store holds its lease now (from a data-plane thread)."""
