@@ -414,11 +414,18 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
             writer = self._node_id(request.writer_node_id, required=bool(request.written))
             request_id = check_request_id(request.request_id)
             written = self._written(keys, request.written)
-            allocations = await self._index.put_start(
-                keys, sizes, writer, time.monotonic(), request_id
-            )
-            if written:
-                committed = await self._commit_written(writer, keys, sizes, written)
+            if written and len(written) == len(keys):
+                # A store's own index commit (every chunk in its store already).
+                allocations, n = await self._index.commit_written(
+                    writer, keys, sizes, time.monotonic(), request_id
+                )
+                committed = self._stored(writer, keys, n)
+            else:
+                allocations = await self._index.put_start(
+                    keys, sizes, writer, time.monotonic(), request_id
+                )
+                if written:
+                    committed = await self._commit_written(writer, keys, sizes, written)
         except KVDepotError as exc:
             await self._guard(context, exc)
         if self.advertised:
@@ -450,9 +457,14 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
         # key stored elsewhere gets this node as one more replica: its bytes
         # are here anyway, and never crossed the network).
         done = [keys[i] for i in written]
-        committed = await self._index.put_end(writer, done, [sizes[i] for i in written])
+        n = await self._index.put_end(writer, done, [sizes[i] for i in written])
+        return self._stored(writer, done, n)
+
+    def _stored(self, writer: str, keys: Sequence[ChunkKey], committed: int) -> bool:
+        """Whether a commit of written chunks went through (``committed`` of them
+        new replicas); the KV events say so."""
         if committed and self._events is not None:
-            self._events.stored(writer, done)
+            self._events.stored(writer, keys)
         # 0 when the writer is no live node (its replicas already listed
         # would count 0 too: a written key is one its store did not hold).
         return committed > 0

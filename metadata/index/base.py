@@ -376,6 +376,25 @@ class IndexBackend(abc.ABC):
     async def put_end(self, node_id: NodeId, keys: Sequence[ChunkKey], sizes: Sequence[int]) -> int:
         """Commit chunks written to ``node_id``; returns how many were committed."""
 
+    async def commit_written(
+        self,
+        node_id: NodeId,
+        keys: Sequence[ChunkKey],
+        sizes: Sequence[int],
+        now: float,
+        request_id: bytes = b"",
+    ) -> tuple[list[Allocation], int]:
+        """A put whose every chunk ``node_id``'s store holds already.
+
+        The allocations :meth:`put_start` answers for them (a new chunk is
+        ``WRITE``), then committed on ``node_id`` as :meth:`put_end` does;
+        returns both answers. A backend may do it in one step, with the same
+        answers and effects (a store's index commits take this path on every
+        put).
+        """
+        allocations = await self.put_start(keys, sizes, node_id, now, request_id)
+        return allocations, await self.put_end(node_id, keys, sizes)
+
     @abc.abstractmethod
     async def put_revoke(self, node_id: NodeId, keys: Sequence[ChunkKey]) -> int:
         """Drop pending allocations of ``keys`` on ``node_id``."""

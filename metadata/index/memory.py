@@ -85,6 +85,8 @@ async def _pause(since: float) -> None:
 
 
 _CPU = TIER_RANK["cpu"]
+_SKIP_EXISTS = Allocation(Action.SKIP_EXISTS)
+_SKIP_PENDING = Allocation(Action.SKIP_PENDING)
 _MAX_SLOT = 0xFFFE
 
 
@@ -387,6 +389,35 @@ class MemoryIndex(IndexBackend, ReplicaTierIndex):
         self._c.chunks_deduplicated += decided.deduplicated
         self._c.bytes_saved += decided.bytes_saved
         return [a for a in decided.allocations if a is not None]
+
+    async def commit_written(
+        self,
+        node_id: NodeId,
+        keys: Sequence[ChunkKey],
+        sizes: Sequence[int],
+        now: float,
+        request_id: bytes = b"",
+    ) -> tuple[list[Allocation], int]:
+        entry = self._nodes.get(node_id)
+        if entry is None:
+            # Placed elsewhere, as put_start places (the writer sends them there).
+            return await super().commit_written(node_id, keys, sizes, now, request_id)
+        # What admit() decides for a writer that is a live node, without
+        # placing: a new chunk stays where it is (no allocation is recorded).
+        here = Allocation(Action.WRITE, Replica(node_id, entry.info.address, "cpu"))
+        allocations: list[Allocation] = []
+        batch: set[ChunkKey] = set()
+        for key, size in zip(keys, sizes, strict=True):
+            state = ABSENT if key in batch else self._key_state(key, now, request_id)
+            if state.exists or key in batch or (state.pending and state.retried is None):
+                allocations.append(_SKIP_EXISTS if state.exists else _SKIP_PENDING)
+                self._c.chunks_deduplicated += 1
+                self._c.bytes_saved += size
+                continue
+            self.placement.placed(node_id, size)
+            batch.add(key)
+            allocations.append(here)
+        return allocations, await self.put_end(node_id, keys, sizes)
 
     def _live_rows(self, key: ChunkKey) -> tuple[int, list[tuple[int, int]]] | None:
         found = self._table.find(key)

@@ -217,3 +217,51 @@ def test_lookup_orders_replicas_and_follows_every_change(index) -> None:  # type
         assert (await index.lookup([key(1)], "", 0)).hits == 0
 
     run(go())
+
+
+def test_a_commit_of_written_chunks_answers_and_acts_as_put_start_then_put_end() -> None:
+    """The memory index's one-step commit of a store's chunks against the
+    generic two steps, on twin indexes: the same answers, hits and counters."""
+
+    async def scene(index, commit):  # type: ignore[no-untyped-def]
+        for name in ("a", "b"):
+            await index.register_node(node(name), [], now=0)
+        await index.put_start([key(1)], [100], "b", now=0)
+        await index.put_end("b", [key(1)], [100])  # stored elsewhere
+        await index.put_start([key(2)], [100], "b", now=0)  # pending elsewhere
+        await index.put_start([key(3)], [100], "a", now=0, request_id=b"r")  # this put's own
+        keys = [key(1), key(2), key(3), key(4), key(4), key(5)]
+        allocs, committed = await commit(index, "a", keys, [100] * 6, 1, b"r")
+        located = await index.lookup(keys, "", 0)
+        stats = await index.stats(now=1)
+        # An unknown writer: placed on a live node, as put_start places.
+        stray, none = await commit(index, "nobody", [key(6)], [100], 1, b"")
+        return (
+            [(a.action, a.node.node_id if a.node else None) for a in allocs],
+            committed,
+            [sorted(r.node_id for r in loc.replicas) for loc in located.locations],
+            (stats.chunks, stats.chunks_deduplicated, stats.bytes_saved),
+            [(a.action, a.node.node_id if a.node else None) for a in stray],
+            none,
+        )
+
+    async def two_steps(index, writer, keys, sizes, now, rid):  # type: ignore[no-untyped-def]
+        allocs = await index.put_start(keys, sizes, writer, now, rid)
+        return allocs, await index.put_end(writer, keys, sizes)
+
+    async def one_step(index, writer, keys, sizes, now, rid):  # type: ignore[no-untyped-def]
+        return await index.commit_written(writer, keys, sizes, now, rid)
+
+    def fresh():  # type: ignore[no-untyped-def]
+        return create_backend(IndexConfig(lease_ttl_s=5.0, allocation_ttl_s=10.0))
+
+    expected = run(scene(fresh(), two_steps))
+    got = run(scene(fresh(), one_step))
+    assert got == expected
+    allocs, committed, replicas, _, stray, none = got
+    assert [a for a, _ in allocs] == [
+        Action.SKIP_EXISTS, Action.SKIP_PENDING, Action.WRITE, Action.WRITE,
+        Action.SKIP_PENDING, Action.WRITE,
+    ]  # fmt: skip
+    assert committed == 5 and replicas[0] == ["a", "b"] and none == 0
+    assert stray[0][0] is Action.WRITE
