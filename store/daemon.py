@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 
@@ -139,6 +140,13 @@ class StoreDaemon:
         self.security = security or NO_SECURITY
         self._loop: asyncio.AbstractEventLoop | None = None
         self._removed: set[ChunkKey] = set()
+        # Removals from data-plane threads, taken by the reporter: the first
+        # after each report wakes the loop; the rest of its gathering moment
+        # only queue (a full store evicts on nearly every put, and a wakeup
+        # costs the evicting thread a syscall and the loop's thread the GIL).
+        self._inbox: list[ChunkKey] = []
+        self._inbox_lock = threading.Lock()
+        self._inbox_armed = False  # the loop was woken for what is queued
         # Chunks that changed tier, reported with the tier they are in then.
         self._moved: set[ChunkKey] = set()
         self._moves_recorded = True  # until the metadata service says otherwise
@@ -214,11 +222,19 @@ class StoreDaemon:
 
     # -- removal reports: called from data-plane threads --------------------
     def _on_removed(self, keys: list[ChunkKey]) -> None:
+        with self._inbox_lock:
+            self._inbox.extend(keys)
+            if self._inbox_armed:
+                return
+            self._inbox_armed = True
         loop = self._loop
         if loop is None or loop.is_closed():
+            # Not serving yet: the registration's inventory has them.
+            with self._inbox_lock:
+                self._inbox_armed = False
             return
         with contextlib.suppress(RuntimeError):  # loop shutting down
-            loop.call_soon_threadsafe(self._queue_removed, keys)
+            loop.call_soon_threadsafe(self._removed_event.set)
 
     def _registered(self) -> bool:
         """Whether this store holds its lease now (from a data-plane thread)."""
@@ -236,12 +252,17 @@ class StoreDaemon:
             self._moved.update(keys)
             self._removed_event.set()
 
-    def _queue_removed(self, keys: list[ChunkKey]) -> None:
+    def _take_removed(self) -> None:
+        """On the loop: the removals the data-plane threads queued, into the next report."""
+        with self._inbox_lock:
+            keys, self._inbox = self._inbox, []
+            self._inbox_armed = False
+        if not keys:
+            return
         self._removed.update(keys)
         if not self._removed_count:
             self._removed_since = time.monotonic()
         self._removed_count += len(keys)
-        self._removed_event.set()
 
     def _queue_unheld(self, keys: list[ChunkKey]) -> None:
         # Named by the index for this node, not held (reconciliation): reported
@@ -462,6 +483,8 @@ class StoreDaemon:
         held, and looks it up under one short hold of the table's lock."""
         keys = self.chunks.keys()
         # The inventory is authoritative: removals and moves queued before it are moot.
+        with self._inbox_lock:
+            self._inbox.clear()
         self._removed.clear()
         self._moved.clear()
         self._moves_recorded = True
@@ -515,6 +538,7 @@ class StoreDaemon:
             self._removed_event.clear()
             assert self.lease is not None
             await self.lease.settled.wait()
+            self._take_removed()
             # A key written again since its eviction is still held.
             reasons = self.chunks.removal_reasons(self._removed)
             keys = [k for k in self._removed if not self.chunks.contains(k)]
