@@ -222,17 +222,13 @@ class StoreDaemon:
 
     # -- removal reports: called from data-plane threads --------------------
     def _on_removed(self, keys: list[ChunkKey]) -> None:
+        loop = self._loop
         with self._inbox_lock:
             self._inbox.extend(keys)
-            if self._inbox_armed:
+            # Not serving yet: nothing to wake (the registration's inventory has them).
+            if self._inbox_armed or loop is None or loop.is_closed():
                 return
             self._inbox_armed = True
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            # Not serving yet: the registration's inventory has them.
-            with self._inbox_lock:
-                self._inbox_armed = False
-            return
         with contextlib.suppress(RuntimeError):  # loop shutting down
             loop.call_soon_threadsafe(self._removed_event.set)
 

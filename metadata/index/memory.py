@@ -85,8 +85,6 @@ async def _pause(since: float) -> None:
 
 
 _CPU = TIER_RANK["cpu"]
-_SKIP_EXISTS = Allocation(Action.SKIP_EXISTS)
-_SKIP_PENDING = Allocation(Action.SKIP_PENDING)
 _MAX_SLOT = 0xFFFE
 
 
@@ -402,21 +400,14 @@ class MemoryIndex(IndexBackend, ReplicaTierIndex):
         if entry is None:
             # Placed elsewhere, as put_start places (the writer sends them there).
             return await super().commit_written(node_id, keys, sizes, now, request_id)
-        # What admit() decides for a writer that is a live node, without
-        # placing: a new chunk stays where it is (no allocation is recorded).
+        # Admission over the writer alone: a new chunk stays where it is,
+        # and no allocation is recorded (put_end would drop it at once).
+        states = [self._key_state(key, now, request_id) for key in keys]
+        decided = admit(keys, sizes, states, {node_id: entry.info}, node_id, self.placement)
+        self._c.chunks_deduplicated += decided.deduplicated
+        self._c.bytes_saved += decided.bytes_saved
         here = Allocation(Action.WRITE, Replica(node_id, entry.info.address, "cpu"))
-        allocations: list[Allocation] = []
-        batch: set[ChunkKey] = set()
-        for key, size in zip(keys, sizes, strict=True):
-            state = ABSENT if key in batch else self._key_state(key, now, request_id)
-            if state.exists or key in batch or (state.pending and state.retried is None):
-                allocations.append(_SKIP_EXISTS if state.exists else _SKIP_PENDING)
-                self._c.chunks_deduplicated += 1
-                self._c.bytes_saved += size
-                continue
-            self.placement.placed(node_id, size)
-            batch.add(key)
-            allocations.append(here)
+        allocations = [a if a is not None else here for a in decided.allocations]
         return allocations, await self.put_end(node_id, keys, sizes)
 
     def _live_rows(self, key: ChunkKey) -> tuple[int, list[tuple[int, int]]] | None:
