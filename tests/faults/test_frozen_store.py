@@ -37,6 +37,7 @@ from kvdepot.connector.transport import AutoTransport, Transport, create_transpo
 from kvdepot.keys import ChunkKey
 from kvdepot.wire.nixl import nixl_available
 from tests.faults.support import wait_for
+from tests.procs import freeze
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration]
 
@@ -88,23 +89,6 @@ def chunk_set(seed: str, n: int = 4) -> tuple[list[ChunkKey], list[np.ndarray]]:
     rng = random.Random(seed)
     keys = [ChunkKey(rng.randbytes(16)) for _ in range(n)]
     return keys, [np.frombuffer(rng.randbytes(CHUNK), dtype=np.uint8) for _ in keys]
-
-
-def freeze(pid: int) -> None:
-    """SIGSTOP ``pid`` and wait until every thread of it is stopped."""
-    os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        states = set()
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            try:
-                states.add((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
-            except OSError:
-                continue  # a thread that just ended
-        if states <= {"T", "t"}:
-            return
-        time.sleep(0.005)
-    raise AssertionError(f"process {pid} did not stop")
 
 
 @pytest.fixture(scope="module")

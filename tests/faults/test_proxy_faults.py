@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 
 from kvdepot.apps.cluster import wait_ready
+from tests.procs import freeze
 
 pytest.importorskip("aiohttp", reason="the proxy needs aiohttp")
 
@@ -237,7 +238,7 @@ def closed_port_url() -> str:
 
 
 def frozen(proc: subprocess.Popen[bytes]) -> Callable[[], None]:
-    os.kill(proc.pid, signal.SIGSTOP)
+    freeze(proc.pid)
     return lambda: os.kill(proc.pid, signal.SIGCONT)
 
 

@@ -17,6 +17,7 @@ import pytest
 from kvdepot.apps.cluster import LocalCluster
 from kvdepot.connector.client import ClientConfig, KVDepotClient
 from tests.integration.test_cluster import payload
+from tests.procs import freeze
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration]
 
@@ -45,7 +46,7 @@ def test_chunks_stored_while_the_index_was_frozen_are_indexed_once_it_answers(
         with KVDepotClient(config) as w:
             w.put(_keys(1), [np.ones(SIZE, dtype=np.uint8)])  # learns its node's store
             batches = [_keys(4) for _ in range(5)]
-            c.metadata.proc.send_signal(signal.SIGSTOP)
+            freeze(c.metadata.proc.pid)
             try:
                 for keys in batches:
                     assert w.put(keys, [payload(k, SIZE) for k in keys]).pending == len(keys)

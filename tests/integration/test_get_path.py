@@ -26,6 +26,7 @@ from kvdepot.store.dataplane import DataPlaneServer
 from kvdepot.wire.xxh3 import _address
 from tests.integration.test_cluster import payload, store_stats
 from tests.integration.test_put_path import CallLog
+from tests.procs import freeze
 
 pytestmark = pytest.mark.integration
 
@@ -131,7 +132,7 @@ def test_own_chunks_the_index_does_not_name_stay_readable_with_the_index_first(
     _put(holder, more)
     _exact(reader, more)  # node 1 first again
     assert cluster.metadata is not None
-    cluster.metadata.proc.send_signal(signal.SIGSTOP)
+    freeze(cluster.metadata.proc.pid)
     try:
         _exact(reader, own)  # the lookup times out; the own store serves them
     finally:

@@ -29,6 +29,7 @@ from kvdepot.keys import ChunkKey
 from kvdepot.proto.gen import metadata_pb2, metadata_pb2_grpc
 from kvdepot.wire.protocol import IndexCode, IndexSettled
 from tests.integration.test_cluster import payload, store_stats
+from tests.procs import freeze
 
 SIZE = 64 << 10
 
@@ -210,7 +211,7 @@ def test_a_stalled_metadata_service_costs_a_put_a_bounded_wait(tmp_path: Path) -
                 w.put(_keys(1), [np.ones(SIZE, dtype=np.uint8)])  # learns its node's store
                 stalled, late = _keys(3), _keys(2)
                 data = [payload(k, SIZE) for k in stalled + late]
-                c.metadata.proc.send_signal(signal.SIGSTOP)
+                freeze(c.metadata.proc.pid)
                 try:
                     t0 = time.monotonic()
                     statuses, indexed = w._transport.put_indexed(
@@ -362,7 +363,7 @@ def test_a_stalled_metadata_service_never_holds_a_deferred_put(tmp_path: Path) -
                 w.put(_keys(1), [np.ones(SIZE, dtype=np.uint8)])  # learns its node's store
                 keys = _keys(3)
                 data = [payload(k, SIZE) for k in keys]
-                c.metadata.proc.send_signal(signal.SIGSTOP)
+                freeze(c.metadata.proc.pid)
                 try:
                     t0 = time.monotonic()
                     r = w.put(keys, data)  # a synchronous commit would raise Unavailable

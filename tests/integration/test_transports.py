@@ -4,7 +4,6 @@ and clients that die mid-transfer as real processes."""
 from __future__ import annotations
 
 import contextlib
-import glob
 import os
 import random
 import signal
@@ -38,6 +37,7 @@ from kvdepot.proto.gen import store_pb2, store_pb2_grpc
 from kvdepot.store.chunks import ChunkStore, checksum
 from kvdepot.store.dataplane import DataPlaneServer
 from kvdepot.wire import protocol as p
+from tests.procs import freeze
 
 pytestmark = pytest.mark.integration
 
@@ -69,21 +69,6 @@ def granted_bytes(t: ShmTransport, address: str) -> int:
     return sum(
         -(-size // page) * page * len(offsets) for c in idle for size, offsets in c.grants.items()
     )
-
-
-def freeze(pid: int) -> None:
-    """SIGSTOP ``pid`` and wait until every thread of it is stopped."""
-    os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        states = {
-            Path(f).read_text().rsplit(")", 1)[1].split()[0]
-            for f in glob.glob(f"/proc/{pid}/task/*/stat")
-        }
-        if states <= {"T", "t"}:
-            return
-        time.sleep(0.005)
-    raise AssertionError(f"process {pid} did not stop")
 
 
 def chunks(rng: random.Random, sizes: list[int]) -> tuple[list[ChunkKey], list[bytes]]:
@@ -245,7 +230,7 @@ def test_a_node_reads_its_own_chunks_without_the_metadata_service(tmp_path: Path
         with KVDepotClient(config) as client:
             assert client.put(keys, data).stored == 3
             assert c.metadata is not None
-            c.metadata.proc.send_signal(signal.SIGSTOP)
+            freeze(c.metadata.proc.pid)
             try:
                 bufs = [bytearray(len(d)) for d in data]
                 result = client.get_into(keys, bufs)

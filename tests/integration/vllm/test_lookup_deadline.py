@@ -6,6 +6,7 @@ metadata service and store; slowness by SIGSTOP of the service."""
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -24,6 +25,7 @@ from kvdepot.connector.vllm.stats import Counters
 from kvdepot.keys import Namespace, chunk_keys
 from kvdepot.repeat_log import RepeatLog
 from kvdepot.types import LookupResult
+from tests.procs import freeze
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration, pytest.mark.faults]
 
@@ -32,9 +34,7 @@ NS = Namespace("test/lookup-deadline", chunk_tokens=16)
 
 def _pause(pid: int, seconds: float) -> threading.Thread:
     """SIGSTOP ``pid`` now and SIGCONT it after ``seconds``, on a thread."""
-    import os
-
-    os.kill(pid, signal.SIGSTOP)
+    freeze(pid)
 
     def resume() -> None:
         time.sleep(seconds)

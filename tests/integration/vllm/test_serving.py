@@ -26,6 +26,8 @@ from kvdepot.proto.gen import store_pb2, store_pb2_grpc
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kvdepot[vllm]')")
 
+from tests.procs import freeze
+
 from .engine import build_tiny_llama
 from .test_connector import kv
 from .test_proxy import free_port, post, serve, wait_http
@@ -121,7 +123,7 @@ def wait_published(cluster: LocalCluster, at_least: int, timeout_s: float = 15.0
 def frozen(pid: int) -> Any:
     class _Frozen:
         def __enter__(self) -> None:
-            os.kill(pid, signal.SIGSTOP)
+            freeze(pid)
 
         def __exit__(self, *exc: object) -> None:
             os.kill(pid, signal.SIGCONT)

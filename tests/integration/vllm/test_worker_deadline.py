@@ -28,6 +28,7 @@ from kvdepot.connector.vllm.settings import ConnectorSettings
 from kvdepot.connector.vllm.stats import SOURCES_KEY, Counters
 from kvdepot.connector.vllm.worker import WorkerSide
 from kvdepot.keys import Namespace, chunk_keys
+from tests.procs import freeze
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -63,7 +64,7 @@ def test_an_in_step_load_from_a_frozen_store_costs_one_deadline(cluster: LocalCl
     # Listed in the index, on the store about to freeze (its bytes are never read).
     assert client.put([key], [np.zeros(4096, dtype=np.uint8)]).stored == 1
     plan = LoadPlan("req", (KVObject(key, 0, ((1,),)),), 0, False, False, DEADLINE_S)
-    os.kill(store.pid, signal.SIGSTOP)
+    freeze(store.pid)
     try:
         t0 = time.monotonic()
         worker.start_load_kv(KVDepotConnectorMetadata(loads=[plan]))
@@ -138,7 +139,7 @@ def test_a_probe_is_timed_and_written_nowhere(cluster: LocalCluster) -> None:
     assert counts.pop(SOURCES_KEY) == {source.label: [1, took_us, BLOCK, 0, 0, 0]}
     assert counts == {"load_timed": 1, "load_timed_tokens": BLOCK}, counts
     assert all(not c.any() for c in caches.values())  # written nowhere
-    os.kill(store.pid, signal.SIGSTOP)
+    freeze(store.pid)
     try:
         counts = run_probe()
     finally:
