@@ -30,6 +30,7 @@ from tests.faults.support import (
     store_stats,
     wait_for,
 )
+from tests.procs import freeze
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration]
 
@@ -119,7 +120,7 @@ def kill_mid_put(
         )
         # Frozen, the store holds the writer inside its next transfer: the
         # kill then lands in the middle of a put, never between two.
-        os.kill(victim.pid, signal.SIGSTOP)
+        freeze(victim.pid)
         frozen.set()
         # Inside a transfer to the store: its batch, or the own-node write
         # (or a put to a placed node) still setting up its connection.
