@@ -105,6 +105,29 @@ class IndexClient(Protocol):
         """
         ...
 
+    def send_put_start(
+        self, request: metadata_pb2.PutStartRequest, *, timeout_s: float
+    ) -> SentPutStart | None:
+        """Send a PutStart now, its answer read later; ``None``: not sent
+        (the caller makes the whole call with :meth:`put_start`)."""
+        ...
+
+
+class SentPutStart(Protocol):
+    """A PutStart sent, its answer to be read (on the committer thread)."""
+
+    def result(self) -> metadata_pb2.PutStartResponse:
+        """The answer (or the call made again, within the send's time).
+
+        Raises:
+            KVDepotError: No replica answered, or the one that did refused.
+        """
+        ...
+
+    def abandon(self) -> None:
+        """Leave the answer unread."""
+        ...
+
 
 INDEX_RETRY = RetryPolicy(rounds=3, backoff=Backoff(base_s=0.02, cap_s=0.5))
 """How the store's metadata client for index commits tries the replicas: a
@@ -146,6 +169,15 @@ class _Writer:
     new: int = 0
     elsewhere: int = 0
     not_indexed: int = 0
+
+
+@dataclass(slots=True)
+class _Sent:
+    """A deferred call a data-plane thread sent, for the committer to answer."""
+
+    batch: list[_Request]
+    order: dict[ChunkKey, int]
+    call: SentPutStart
 
 
 @dataclass(slots=True)
@@ -220,6 +252,8 @@ class IndexCommitter(Indexer):
         self._deferred_keys = 0  # queued or in flight
         self._writers: OrderedDict[WriterId, _Writer] = OrderedDict()
         self._thread: threading.Thread | None = None
+        self._dsending = False  # a deferred call is being made (sent, or answered)
+        self._sent: _Sent | None = None  # sent by a data-plane thread, to be answered
         # Held but not indexed (key: size), oldest first; under the deferred lock.
         self._owed: OrderedDict[ChunkKey, int] = OrderedDict()
         self._kicked = False  # the service answered since the last owed call
@@ -294,20 +328,20 @@ class IndexCommitter(Indexer):
     def _call(self, batch: list[_Request], deadline_s: float) -> list[list[IndexCode]] | None:
         if self._registered is not None and not self._registered():
             return None
-        # One entry per distinct key: a key's bytes are in one reservation at
-        # a time, but a duplicate must not confuse the answer.
-        order: dict[ChunkKey, int] = {}
-        sizes: list[int] = []
-        for request in batch:
-            for key, size in zip(request.keys, request.sizes, strict=True):
-                if key not in order:
-                    order[key] = len(sizes)
-                    sizes.append(size)
+        order, sizes = _distinct(batch)
         self.stats.requests += len(batch)
-        reply = self._put_start(list(order), sizes, deadline_s)
+        return self._codes(batch, order, self._put_start(list(order), sizes, deadline_s))
+
+    def _codes(
+        self,
+        batch: list[_Request],
+        order: dict[ChunkKey, int],
+        reply: metadata_pb2.PutStartResponse | None,
+    ) -> list[list[IndexCode]] | None:
+        """Each commit's codes from a PutStart's answer; ``None``: not committed."""
         if reply is None:
             return None
-        if not reply.written_committed or len(reply.allocations) != len(sizes):
+        if not reply.written_committed or len(reply.allocations) != len(order):
             # This node is no live node of the index (or the service predates
             # written flags): the writers place the chunks themselves.
             self.stats.failures += 1
@@ -325,16 +359,7 @@ class IndexCommitter(Indexer):
         when no replica answered."""
         self.stats.calls += 1
         try:
-            reply = self._client.put_start(
-                metadata_pb2.PutStartRequest(
-                    keys=keys,
-                    sizes=sizes,
-                    writer_node_id=self._node_id,
-                    request_id=os.urandom(16),
-                    written=[True] * len(sizes),
-                ),
-                timeout_s=deadline_s,
-            )
+            reply = self._client.put_start(self._request(keys, sizes), timeout_s=deadline_s)
         except Exception as exc:  # no replica answered, a closed client: the writers commit
             self.stats.failures += 1
             # The lease reports an outage (rate-limited), and the writers see NOT_INDEXED.
@@ -342,6 +367,15 @@ class IndexCommitter(Indexer):
             return None
         self.answered()
         return reply
+
+    def _request(self, keys: list[ChunkKey], sizes: list[int]) -> metadata_pb2.PutStartRequest:
+        return metadata_pb2.PutStartRequest(
+            keys=keys,
+            sizes=sizes,
+            writer_node_id=self._node_id,
+            request_id=os.urandom(16),
+            written=[True] * len(sizes),
+        )
 
     # -- deferred commits ---------------------------------------------------
     def defer(self, writer: WriterId, keys: Sequence[ChunkKey], sizes: Sequence[int]) -> bool:
@@ -362,8 +396,46 @@ class IndexCommitter(Indexer):
             self._deferred_keys += len(keys)
             self.stats.deferred += len(keys)
             self._start_thread()
+            batch = None
+            if not self._dsending:
+                # No call in flight: this thread sends it now, the committer
+                # thread reads the answer (its wakeup is not on the way).
+                batch = self._take_deferred()
+                self._dsending = True
             self._dcond.notify_all()
+        if batch is not None:
+            self._send_deferred(batch)
         return True
+
+    def _send_deferred(self, batch: list[_Request]) -> None:
+        """On a data-plane thread, with ``_dsending`` taken: send the call;
+        the committer thread answers it (or makes it, when it was not sent)."""
+        order, sizes = _distinct(batch)
+        call: SentPutStart | None = None
+        if self._registered is None or self._registered():
+            left = max(r.deadline for r in batch) - time.monotonic()
+            try:
+                call = self._client.send_put_start(
+                    self._request(list(order), sizes), timeout_s=left
+                )
+            except Exception as exc:  # a closed client: the committer makes the call
+                logger.debug("index commit of %d chunks not sent: %s", len(sizes), exc)
+        with self._dcond:
+            if call is not None and not self._closed:
+                self.stats.calls += 1
+                self.stats.requests += len(batch)
+                self._sent = _Sent(batch, order, call)
+                self._dcond.notify_all()
+                return
+            self._dsending = False
+            closed = self._closed
+            if not closed:
+                self._deferred.extendleft(reversed(batch))
+            self._dcond.notify_all()
+        if call is not None:
+            call.abandon()
+        if closed:  # the committer has settled what was queued, and ended
+            self._settle(batch, None)
 
     def _start_thread(self) -> None:
         """Under the deferred lock: the committer thread, started when first needed."""
@@ -410,22 +482,51 @@ class IndexCommitter(Indexer):
         failed = 0
         while True:
             with self._dcond:
-                while not (self._deferred or self._closed or (self._owed and self._kicked)):
+                while not (self._sent or self._closed or (not self._dsending and self._work())):
                     self._dcond.wait()
+                sent, self._sent = self._sent, None
                 if self._closed:
+                    if sent is not None:
+                        sent.call.abandon()
+                        self._deferred.extendleft(reversed(sent.batch))
                     self._settle(list(self._deferred), None)
                     self._deferred.clear()
                     return
                 owed: list[tuple[ChunkKey, int]] = []
-                if not self._deferred:
-                    self._kicked = False  # set again by this call's answer
-                    owed = list(islice(self._owed.items(), MAX_KEYS_PER_CALL))
+                if sent is None:
+                    self._dsending = True
+                    if not self._deferred:
+                        self._kicked = False  # set again by this call's answer
+                        owed = list(islice(self._owed.items(), MAX_KEYS_PER_CALL))
+                    else:
+                        batch = self._take_deferred()
+            try:
+                if sent is not None:
+                    failed = self._answer_sent(sent, failed)
+                elif owed:
+                    self._commit_owed(owed)
                 else:
-                    batch = self._take_deferred()
-            if owed:
-                self._commit_owed(owed)
-            else:
-                failed = self._commit_batch(batch, failed)
+                    failed = self._commit_batch(batch, failed)
+            finally:
+                with self._dcond:
+                    self._dsending = False
+
+    def _work(self) -> bool:
+        """Under the deferred lock: whether a call is to be made."""
+        return bool(self._deferred) or bool(self._owed and self._kicked)
+
+    def _answer_sent(self, sent: _Sent, failed: int) -> int:
+        """Read the answer of a call a data-plane thread sent; as
+        :meth:`_commit_batch` from there."""
+        try:
+            reply = sent.call.result()
+        except Exception as exc:  # no replica answered: tried again after the backoff
+            self.stats.failures += 1
+            logger.debug("index commit of %d chunks failed: %s", len(sent.order), exc)
+            reply = None
+        else:
+            self.answered()
+        return self._after_call(sent.batch, self._codes(sent.batch, sent.order, reply), failed)
 
     def _commit_batch(self, batch: list[_Request], failed: int) -> int:
         """Send deferred commits (again after a backoff if the call failed,
@@ -436,7 +537,13 @@ class IndexCommitter(Indexer):
         live = self._still_held(live)
         if not live:
             return failed
-        results = self._call(live, max(r.deadline for r in live) - now)
+        return self._after_call(live, self._call(live, max(r.deadline for r in live) - now), failed)
+
+    def _after_call(
+        self, live: list[_Request], results: list[list[IndexCode]] | None, failed: int
+    ) -> int:
+        """Settle a deferred call's commits, or queue them again after a
+        backoff; returns the calls failed in a row."""
         if results is not None:
             self._settle(live, results)
             return 0
@@ -620,3 +727,16 @@ def _split(batch: list[_Request], until: float) -> tuple[list[_Request], list[_R
     for r in batch:
         (yes if r.deadline > until else no).append(r)
     return yes, no
+
+
+def _distinct(batch: list[_Request]) -> tuple[dict[ChunkKey, int], list[int]]:
+    """One entry per distinct key of a call, and its size: a key's bytes are in
+    one reservation at a time, but a duplicate must not confuse the answer."""
+    order: dict[ChunkKey, int] = {}
+    sizes: list[int] = []
+    for request in batch:
+        for key, size in zip(request.keys, request.sizes, strict=True):
+            if key not in order:
+                order[key] = len(sizes)
+                sizes.append(size)
+    return order, sizes

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -56,6 +57,50 @@ class FakeMetadata:
             allocations=[metadata_pb2.Allocation(action=a) for a in actions],
             written_committed=self.committed,
         )
+
+    def send_put_start(
+        self, request: metadata_pb2.PutStartRequest, *, timeout_s: float
+    ) -> Sent | None:
+        return None  # no framed socket: the committer thread makes every call
+
+
+class Sent:
+    """A call sent by :class:`SendingMetadata`: its answer is the fake's ``put_start``."""
+
+    def __init__(self, fake: SendingMetadata, request: Any, timeout_s: float) -> None:
+        self.fake, self.request, self.timeout_s = fake, request, timeout_s
+        self.answered_on = ""
+        self.abandoned = False
+
+    def result(self) -> metadata_pb2.PutStartResponse:
+        self.answered_on = threading.current_thread().name
+        self.fake.answered.append(self)
+        return self.fake.put_start(self.request, timeout_s=self.timeout_s)
+
+    def abandon(self) -> None:
+        self.abandoned = True
+
+
+class SendingMetadata(FakeMetadata):
+    """A fake whose calls can be sent by one thread and answered on another;
+    ``refuse_send``: sending fails (no framed socket, a closed client)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: list[tuple[str, Sent]] = []
+        self.answered: list[Sent] = []
+        self.refuse_send = False
+        self.on_send: Callable[[], None] = lambda: None
+
+    def send_put_start(
+        self, request: metadata_pb2.PutStartRequest, *, timeout_s: float
+    ) -> Sent | None:
+        if self.refuse_send:
+            return None
+        call = Sent(self, request, timeout_s)
+        self.sent.append((threading.current_thread().name, call))
+        self.on_send()
+        return call
 
 
 def test_a_commit_is_one_put_start_with_written_flags_for_the_node() -> None:
@@ -189,6 +234,62 @@ def test_deferred_commits_queued_behind_a_call_share_the_next_one() -> None:
     assert all(ix.sync(("", 100 + i), 5.0).new == 1 for i in range(1, 9))
     assert len(fake.requests) == 2
     assert sorted(fake.requests[1].keys) == sorted(key(i) for i in range(1, 9))
+
+
+def test_a_deferred_commit_is_sent_by_the_deferring_thread_and_answered_by_the_committer() -> None:
+    fake = SendingMetadata()
+    fake.elsewhere.add(key(2))
+    ix = IndexCommitter("node-a", fake, 5.0)
+    here = threading.current_thread().name
+    assert ix.defer(W, [key(1), key(2)], [10, 20])
+    # Sent before defer() returned (the store's reply goes out after it).
+    assert [(on, list(c.request.keys)) for on, c in fake.sent] == [(here, [key(1), key(2)])]
+    got = ix.sync(W, 5.0)
+    assert (got.new, got.elsewhere, got.not_indexed, got.pending) == (1, 1, 0, 0)
+    assert [c.answered_on for c in fake.answered] == ["kvdepot-index"]
+    assert (ix.stats.calls, ix.stats.requests) == (1, 1)
+    # While that call is answered, the next deferrals queue for the committer's next call.
+    fake.gate.clear()
+    assert ix.defer(W, [key(3)], [1])
+    while not fake.answered or len(fake.answered) < 2:
+        time.sleep(0.001)
+    for i in range(4, 7):
+        assert ix.defer(W, [key(i)], [1])  # none of these waits, nor sends
+    assert len(fake.sent) == 2
+    fake.gate.set()
+    got = ix.sync(W, 5.0)
+    assert (got.new, got.not_indexed, got.pending) == (4, 0, 0)
+    assert sorted(fake.requests[-1].keys) == [key(4), key(5), key(6)]
+    assert fake.requests[-1] not in [c.request for _, c in fake.sent]  # the committer's call
+
+
+def test_a_deferred_commit_the_thread_cannot_send_is_made_by_the_committer() -> None:
+    fake = SendingMetadata()
+    fake.refuse_send = True
+    ix = IndexCommitter("node-a", fake, 5.0)
+    assert ix.defer(W, [key(1)], [1])
+    assert ix.sync(W, 5.0).new == 1
+    assert fake.sent == [] and len(fake.requests) == 1
+    # A sent call the service does not answer is made again after the backoff.
+    fake.refuse_send, fake.fail = False, True
+    assert ix.defer(W, [key(2)], [1])
+    while len(fake.requests) < 3:  # the sent call, then the committer's own
+        time.sleep(0.001)
+    fake.fail = False
+    got = ix.sync(W, 5.0)
+    assert (got.new, got.not_indexed) == (1, 0)
+    assert len(fake.sent) == 1 and ix.stats.failures >= 1
+
+
+def test_a_commit_sent_as_the_committer_closes_is_abandoned_and_not_indexed() -> None:
+    fake = SendingMetadata()
+    ix = IndexCommitter("node-a", fake, 5.0)
+    fake.on_send = ix.close  # the store stops while the data-plane thread sends
+    assert ix.defer(W, [key(1)], [1])
+    got = ix.sync(W, 5.0)
+    assert (got.new, got.not_indexed, got.pending) == (0, 1, 0)
+    ((_, call),) = fake.sent
+    assert call.abandoned and fake.answered == []
 
 
 def test_a_failed_deferred_call_is_tried_again_within_its_time() -> None:
