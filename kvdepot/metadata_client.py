@@ -46,6 +46,10 @@ RETRYABLE = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
 )
 _MAX_MESSAGE = 64 << 20
+SEND_WAIT_S = 0.05
+"""Longest :meth:`MetadataClient.send_put_start` waits to send: a request
+fits the socket's buffers, and a service that stopped reading them is not
+waited for by the thread that sends (a store's data-plane thread)."""
 _FRAME_REPLIES: dict[str, Any] = {"Lookup": pb.LookupResponse, "PutStart": pb.PutStartResponse}
 
 
@@ -138,9 +142,11 @@ class MetadataClient:
         return reply
 
     def send_put_start(self, request: pb.PutStartRequest, *, timeout_s: float) -> SentCall | None:
-        """Send a PutStart to the replica in use now, over its framed socket,
-        and return what reads the answer (:meth:`SentCall.result`, on any
-        thread); ``None`` where that socket cannot take it (then :meth:`put_start`).
+        """Send a PutStart to the replica in use now, over an idle connection
+        of its framed socket, and return what reads the answer
+        (:meth:`SentCall.result`, on any thread, within ``timeout_s`` of now);
+        ``None`` where there is no such connection (then :meth:`put_start`).
+        Sending waits :data:`SEND_WAIT_S` at most.
         """
         idx = self.replicas.current
         link = self.links[idx] if self.links else None
@@ -148,10 +154,10 @@ class MetadataClient:
             return None
         until = time.monotonic() + timeout_s
         try:
-            sent = link.send("PutStart", request, timeout_s)
+            sent = link.send("PutStart", request, min(timeout_s, SEND_WAIT_S), idle_only=True)
         except (FrameDown, grpc.RpcError):
             return None
-        return SentCall(self, idx, sent, request, until)
+        return None if sent is None else SentCall(self, idx, sent, request, until)
 
     def put_end(self, request: pb.PutEndRequest) -> pb.PutEndResponse:
         reply: pb.PutEndResponse = self.call("PutEnd", request)

@@ -93,17 +93,29 @@ class FrameLink:
                 deadline passed (DEADLINE_EXCEEDED).
             FrameDown: The socket failed; the call was not answered.
         """
-        return self.send(method, request, timeout_s).reply(reply_type, timeout_s)
+        sent = self.send(method, request, timeout_s)
+        assert sent is not None
+        return sent.reply(reply_type, timeout_s)
 
-    def send(self, method: str, request: Any, timeout_s: float) -> SentFrame:
+    def send(
+        self, method: str, request: Any, timeout_s: float, *, idle_only: bool = False
+    ) -> SentFrame | None:
         """Send ``method`` now; its answer is read with :meth:`SentFrame.reply`
         (by another thread, if need be). The connection is the call's until then.
+        With ``idle_only``, only over an idle connection (``None`` when there is
+        none): no connection is opened, so no handshake is waited for.
 
         Raises:
             FrameError: DEADLINE_EXCEEDED: the request could not be sent in time.
             FrameDown: The socket failed; nothing was sent.
         """
-        sock = self._checkout(timeout_s)
+        if idle_only:
+            with self._lock:
+                if not self._idle:
+                    return None
+                sock = self._idle.pop()
+        else:
+            sock = self._checkout(timeout_s)
         try:
             sock.settimeout(max(timeout_s, 0.001))
             sock.sendall(

@@ -30,8 +30,12 @@ then finds them stored.
 A writer may instead defer (``HeaderFlags.DEFER``): its reply goes out right
 after the store's own commit and the chunks are queued here for a committer
 thread of their own, which sends everything queued as one ``PutStart`` and,
-while that call is in flight, gathers the next. A writer's put then costs no
-index round trip at all, and back-to-back puts share calls. What the index
+while that call is in flight, gathers the next. When no call is in flight,
+the data-plane thread sends that ``PutStart`` itself before its reply (over
+the metadata client's framed socket, where it has one) and the committer
+thread only reads the answer: its wakeup is not on the way to the index. A
+writer's put then costs no index round trip at all, and back-to-back puts
+share calls. What the index
 did is counted per writer until it asks (:meth:`IndexCommitter.sync`). A
 deferred commit is tried until ``timeout_s`` after it was queued (a failed
 call is retried after a backoff); what is still not committed then, or what

@@ -115,10 +115,13 @@ def test_a_put_start_sent_on_one_thread_is_answered_on_another(cluster: LocalClu
                 request_id=os.urandom(16), written=[True] * len(ks),
             )  # fmt: skip
 
-        # The port is learned from a gRPC reply: nothing is sent before.
+        # The port is learned from a gRPC reply: nothing is sent before; and
+        # only over an idle connection, never one opened by the sending thread.
         assert client.send_put_start(request(keys[:1]), timeout_s=5) is None
         assert client.lookup(pb.LookupRequest(keys=keys[:1])).hits == 0
         assert client.links[0].port > 0
+        assert client.send_put_start(request(keys[:1]), timeout_s=5) is None
+        assert client.lookup(pb.LookupRequest(keys=keys[:1])).hits == 0  # over the socket
         sent = client.send_put_start(request(keys[:2]), timeout_s=5)
         assert sent is not None
         answers: list[pb.PutStartResponse] = []
@@ -127,15 +130,15 @@ def test_a_put_start_sent_on_one_thread_is_answered_on_another(cluster: LocalClu
         reader.join(10)
         (reply,) = answers
         assert reply.written_committed and len(reply.allocations) == 2
-        assert client.links[0].calls == 1  # the lookup went over gRPC (it named the port)
+        assert client.links[0].calls == 2  # the second lookup, then this one
         assert client.lookup(pb.LookupRequest(keys=keys)).hits == 2
-        assert client.links[0].calls == 2
+        assert client.links[0].calls == 3
         # Its connection fails before the answer is read: made again over gRPC.
         sent = client.send_put_start(request(keys[2:]), timeout_s=5)
         assert sent is not None
         sent._sent._sock.close()  # type: ignore[attr-defined]
         reply = sent.result()  # whether or not the service had read it first
-        assert len(reply.allocations) == 1 and client.links[0].calls == 2
+        assert len(reply.allocations) == 1 and client.links[0].calls == 3
         assert not client.links[0].usable()  # gRPC for a while, as after any failure
         assert client.lookup(pb.LookupRequest(keys=keys)).hits == 3
     finally:
