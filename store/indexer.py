@@ -31,9 +31,10 @@ A writer may instead defer (``HeaderFlags.DEFER``): its reply goes out right
 after the store's own commit and the chunks are queued here for a committer
 thread of their own, which sends everything queued as one ``PutStart`` and,
 while that call is in flight, gathers the next. When no call is in flight,
-the data-plane thread sends that ``PutStart`` itself before its reply (over
-the metadata client's framed socket, where it has one) and the committer
-thread only reads the answer: its wakeup is not on the way to the index. A
+the data-plane thread sends that ``PutStart`` itself right after its reply
+(:meth:`Indexer.flush`; over an idle connection of the metadata client's
+framed socket, where it has one) and the committer thread only reads the
+answer: its wakeup is not on the way to the index. A
 writer's put then costs no index round trip at all, and back-to-back puts
 share calls. What the index
 did is counted per writer until it asks (:meth:`IndexCommitter.sync`). A
@@ -90,6 +91,11 @@ class Indexer(abc.ABC):
     def defer(self, writer: WriterId, keys: Sequence[ChunkKey], sizes: Sequence[int]) -> bool:
         """Queue for a commit after the reply; whether queued (by default never)."""
         return False
+
+    def flush(self) -> None:
+        """Called by the thread that deferred once its reply went out (or
+        failed): it sends the queued commits when no call is in flight."""
+        return None
 
     def sync(self, writer: WriterId, wait_s: float) -> IndexSettled:
         """The writer's deferred outcomes, once settled or after ``wait_s``."""
@@ -154,6 +160,7 @@ MAX_OWED_KEYS = 1 << 16
 a key is dropped from them (counted) and left to the next registration."""
 
 _MIN_DEADLINE_S = 0.01
+_UNFLUSHED_S = 0.05
 
 
 @dataclass(slots=True)
@@ -400,16 +407,22 @@ class IndexCommitter(Indexer):
             self._deferred_keys += len(keys)
             self.stats.deferred += len(keys)
             self._start_thread()
-            batch = None
-            if not self._dsending:
-                # No call in flight: this thread sends it now, the committer
-                # thread reads the answer (its wakeup is not on the way).
-                batch = self._take_deferred()
-                self._dsending = True
-            self._dcond.notify_all()
-        if batch is not None:
-            self._send_deferred(batch)
+            if self._dsending:
+                self._dcond.notify_all()  # for the call after the one in flight
+            # Else this thread sends them after its reply (flush): the
+            # committer's wakeup is not on the way to the index, nor is the
+            # send on the way to the reply (a shm writer's next grants).
         return True
+
+    def flush(self) -> None:
+        """Send what is queued now, from this (data-plane) thread, when no
+        call is in flight; the committer thread reads the answer."""
+        with self._dcond:
+            if self._dsending or not self._deferred or self._closed:
+                return
+            batch = self._take_deferred()
+            self._dsending = True
+        self._send_deferred(batch)
 
     def _send_deferred(self, batch: list[_Request]) -> None:
         """On a data-plane thread, with ``_dsending`` taken: send the call;
@@ -487,7 +500,9 @@ class IndexCommitter(Indexer):
         while True:
             with self._dcond:
                 while not (self._sent or self._closed or (not self._dsending and self._work())):
-                    self._dcond.wait()
+                    # Timed: commits deferred by a thread that never flushed
+                    # them (its reply failed) wait this long at most.
+                    self._dcond.wait(_UNFLUSHED_S)
                 sent, self._sent = self._sent, None
                 if self._closed:
                     if sent is not None:
