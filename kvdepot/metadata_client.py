@@ -28,7 +28,7 @@ import grpc
 
 from kvdepot.endpoints import parse_endpoints, split_endpoint
 from kvdepot.errors import ClientClosed, Unavailable
-from kvdepot.metadata_frames import FrameDown, FrameLink, SentFrame
+from kvdepot.metadata_frames import FrameDown, FrameLink
 from kvdepot.proto.gen import metadata_pb2 as pb
 from kvdepot.proto.gen import metadata_pb2_grpc
 from kvdepot.repeat_log import RepeatLog
@@ -46,10 +46,6 @@ RETRYABLE = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
 )
 _MAX_MESSAGE = 64 << 20
-SEND_WAIT_S = 0.05
-"""Longest :meth:`MetadataClient.send_put_start` waits to send: a request
-fits the socket's buffers, and a service that stopped reading them is not
-waited for by the thread that sends (a store's data-plane thread)."""
 _FRAME_REPLIES: dict[str, Any] = {"Lookup": pb.LookupResponse, "PutStart": pb.PutStartResponse}
 
 
@@ -140,24 +136,6 @@ class MetadataClient:
     ) -> pb.PutStartResponse:
         reply: pb.PutStartResponse = self.call("PutStart", request, timeout_s=timeout_s)
         return reply
-
-    def send_put_start(self, request: pb.PutStartRequest, *, timeout_s: float) -> SentCall | None:
-        """Send a PutStart to the replica in use now, over an idle connection
-        of its framed socket, and return what reads the answer
-        (:meth:`SentCall.result`, on any thread, within ``timeout_s`` of now);
-        ``None`` where there is no such connection (then :meth:`put_start`).
-        Sending waits :data:`SEND_WAIT_S` at most.
-        """
-        idx = self.replicas.current
-        link = self.links[idx] if self.links else None
-        if link is None or self._closed or not link.usable():
-            return None
-        until = time.monotonic() + timeout_s
-        try:
-            sent = link.send("PutStart", request, min(timeout_s, SEND_WAIT_S), idle_only=True)
-        except (FrameDown, grpc.RpcError):
-            return None
-        return None if sent is None else SentCall(self, idx, sent, request, until)
 
     def put_end(self, request: pb.PutEndRequest) -> pb.PutEndResponse:
         reply: pb.PutEndResponse = self.call("PutEnd", request)
@@ -374,46 +352,3 @@ class AsyncMetadataClient:
 
 
 __all__ = ["RETRYABLE", "AsyncMetadataClient", "MetadataClient", "Replicas"]
-
-
-class SentCall:
-    """A PutStart sent by :meth:`MetadataClient.send_put_start`, its answer still to be read."""
-
-    def __init__(
-        self, client: MetadataClient, idx: int, sent: SentFrame, request: Any, until: float
-    ) -> None:
-        self._client, self._idx, self._sent = client, idx, sent
-        self._request, self._until = request, until
-
-    def result(self) -> pb.PutStartResponse:
-        """The answer; where the sent request was not answered, the call made
-        again as :meth:`MetadataClient.put_start` makes it (failover included),
-        within the time left of the send's ``timeout_s``.
-
-        Raises:
-            KVDepotError: No replica answered, or the one that did refused.
-        """
-        client = self._client
-        try:
-            reply: pb.PutStartResponse = self._sent.reply(
-                pb.PutStartResponse, max(self._until - time.monotonic(), 0.001)
-            )
-        except FrameDown:
-            pass  # not answered: gRPC, and the other replicas, may
-        except grpc.RpcError as exc:
-            if exc.code() not in RETRYABLE:
-                where = f"metadata {client.endpoints[self._idx]} PutStart"
-                raise from_grpc(exc, where) from None
-        else:
-            client.replicas.use(self._idx)
-            return reply
-        left = self._until - time.monotonic()
-        if left <= 0:
-            raise Unavailable(
-                f"metadata {client.endpoints[self._idx]}: no answer to PutStart in time"
-            )
-        return client.put_start(self._request, timeout_s=left)
-
-    def abandon(self) -> None:
-        """Leave the answer unread (the client is closing)."""
-        self._sent.abandon()

@@ -93,45 +93,30 @@ class FrameLink:
                 deadline passed (DEADLINE_EXCEEDED).
             FrameDown: The socket failed; the call was not answered.
         """
-        sent = self.send(method, request, timeout_s)
-        assert sent is not None
-        return sent.reply(reply_type, timeout_s)
-
-    def send(
-        self, method: str, request: Any, timeout_s: float, *, idle_only: bool = False
-    ) -> SentFrame | None:
-        """Send ``method`` now; its answer is read with :meth:`SentFrame.reply`
-        (by another thread, if need be). The connection is the call's until then.
-        With ``idle_only``, only over an idle connection (``None`` when there is
-        none): no connection is opened, so no handshake is waited for.
-
-        Raises:
-            FrameError: DEADLINE_EXCEEDED: the request could not be sent in time.
-            FrameDown: The socket failed; nothing was sent.
-        """
-        if idle_only:
-            with self._lock:
-                if not self._idle:
-                    return None
-                sock = self._idle.pop()
-        else:
-            sock = self._checkout(timeout_s)
+        sock = self._checkout(timeout_s)
+        ok = False
         try:
             sock.settimeout(max(timeout_s, 0.001))
-            sock.sendall(
-                frames.pack_request(frames.METHOD_BY_NAME[method], request.SerializeToString())
-            )
+            payload = request.SerializeToString()
+            sock.sendall(frames.pack_request(frames.METHOD_BY_NAME[method], payload))
+            status, error_type, body = self._read_reply(sock)
+            ok = True
         except (TimeoutError, TimedOut):
-            sock.close()
             raise FrameError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
         except (OSError, Unavailable) as exc:
-            sock.close()
             self._down()
             raise FrameDown(str(exc)) from None
-        except BaseException:
-            sock.close()
-            raise
-        return SentFrame(self, sock)
+        finally:
+            if ok:
+                self._checkin(sock)
+            else:
+                sock.close()
+        self.calls += 1
+        if status != grpc.StatusCode.OK:
+            raise FrameError(status, body.decode("utf-8", "replace"), error_type)
+        reply = reply_type()
+        reply.ParseFromString(body)
+        return reply
 
     def close(self) -> None:
         with self._lock:
@@ -193,52 +178,3 @@ class FrameLink:
             raise OSError(f"malformed reply frame (status {status}, {length} bytes)")
         name = recv_exact(sock, name_len).decode("ascii", "replace") if name_len else ""
         return _CODES[status], name, recv_exact(sock, length)
-
-
-class SentFrame:
-    """A request :meth:`FrameLink.send` sent, whose answer is still to be read."""
-
-    def __init__(self, link: FrameLink, sock: socket.socket) -> None:
-        self._link = link
-        self._sock: socket.socket | None = sock
-
-    def reply(self, reply_type: Any, timeout_s: float) -> Any:
-        """The answer, read within ``timeout_s``; the connection goes back to
-        the link (or is closed, after a failure). Read once.
-
-        Raises:
-            FrameError: The service answered a status other than OK, or the
-                deadline passed (DEADLINE_EXCEEDED).
-            FrameDown: The socket failed; the call was not answered.
-        """
-        sock, self._sock = self._sock, None
-        if sock is None:
-            raise FrameDown("the answer was read already")
-        link = self._link
-        ok = False
-        try:
-            sock.settimeout(max(timeout_s, 0.001))
-            status, error_type, body = link._read_reply(sock)
-            ok = True
-        except (TimeoutError, TimedOut):
-            raise FrameError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
-        except (OSError, Unavailable) as exc:
-            link._down()
-            raise FrameDown(str(exc)) from None
-        finally:
-            if ok:
-                link._checkin(sock)
-            else:
-                sock.close()
-        link.calls += 1
-        if status != grpc.StatusCode.OK:
-            raise FrameError(status, body.decode("utf-8", "replace"), error_type)
-        reply = reply_type()
-        reply.ParseFromString(body)
-        return reply
-
-    def abandon(self) -> None:
-        """Close the connection without reading the answer."""
-        sock, self._sock = self._sock, None
-        if sock is not None:
-            sock.close()

@@ -121,10 +121,6 @@ class _StartedIndexer(Indexer):
         t = self.target
         return t is not None and t.defer(writer, keys, sizes)
 
-    def flush(self) -> None:
-        if self.target is not None:
-            self.target.flush()
-
     def sync(self, writer: WriterId, wait_s: float) -> IndexSettled:
         t = self.target
         return t.sync(writer, wait_s) if t is not None else IndexSettled()

@@ -178,11 +178,6 @@ class RequestHandlers:
             codes[i] = code
         return [codes]
 
-    def _flush_deferred(self, header: Header) -> None:
-        """After a deferring writer's reply: its commits leave for the index."""
-        if header.flags & HeaderFlags.DEFER and self._index is not None:
-            self._index.flush()
-
     def _handle_sync(self, conn: socket.socket, header: Header, session: Session) -> None:
         # A deferring writer asks what the index did with its chunks.
         self._watchdog.disarm(conn)  # waiting for the index is the store's work
@@ -268,10 +263,7 @@ class RequestHandlers:
             [session.key(e.key) for e in entries],
             [e.size for e in entries],
         )
-        try:
-            self._reply(conn, [self._put_reply(header, n, tail), statuses, *tail])
-        finally:
-            self._flush_deferred(header)
+        self._reply(conn, [self._put_reply(header, n, tail), statuses, *tail])
 
     def _check_put_sizes(self, entries: list[PutEntry]) -> int:
         limits = self._limits
@@ -384,10 +376,7 @@ class RequestHandlers:
             # puts of a writer take one round trip each.
             refill = session.grant([size for _, size in results])
             tail.append(pack_reserve_reply_entries(refill))
-        try:
-            self._reply(conn, [self._put_reply(header, n, tail, granted), statuses, *tail])
-        finally:
-            self._flush_deferred(header)
+        self._reply(conn, [self._put_reply(header, n, tail, granted), statuses, *tail])
 
     def _handle_get(self, conn: socket.socket, n: int, session: Session) -> None:
         entries = unpack_get_rows(recv_exact(conn, n * GET_ENTRY.size))

@@ -30,13 +30,8 @@ then finds them stored.
 A writer may instead defer (``HeaderFlags.DEFER``): its reply goes out right
 after the store's own commit and the chunks are queued here for a committer
 thread of their own, which sends everything queued as one ``PutStart`` and,
-while that call is in flight, gathers the next. When no call is in flight,
-the data-plane thread sends that ``PutStart`` itself right after its reply
-(:meth:`Indexer.flush`; over an idle connection of the metadata client's
-framed socket, where it has one) and the committer thread only reads the
-answer: its wakeup is not on the way to the index. A
-writer's put then costs no index round trip at all, and back-to-back puts
-share calls. What the index
+while that call is in flight, gathers the next. A writer's put then costs no
+index round trip at all, and back-to-back puts share calls. What the index
 did is counted per writer until it asks (:meth:`IndexCommitter.sync`). A
 deferred commit is tried until ``timeout_s`` after it was queued (a failed
 call is retried after a backoff); what is still not committed then, or what
@@ -92,11 +87,6 @@ class Indexer(abc.ABC):
         """Queue for a commit after the reply; whether queued (by default never)."""
         return False
 
-    def flush(self) -> None:
-        """Called by the thread that deferred once its reply went out (or
-        failed): it sends the queued commits when no call is in flight."""
-        return None
-
     def sync(self, writer: WriterId, wait_s: float) -> IndexSettled:
         """The writer's deferred outcomes, once settled or after ``wait_s``."""
         return IndexSettled()
@@ -113,29 +103,6 @@ class IndexClient(Protocol):
         Raises:
             KVDepotError: No replica answered, or the one that did refused.
         """
-        ...
-
-    def send_put_start(
-        self, request: metadata_pb2.PutStartRequest, *, timeout_s: float
-    ) -> SentPutStart | None:
-        """Send a PutStart now, its answer read later; ``None``: not sent
-        (the caller makes the whole call with :meth:`put_start`)."""
-        ...
-
-
-class SentPutStart(Protocol):
-    """A PutStart sent, its answer to be read (on the committer thread)."""
-
-    def result(self) -> metadata_pb2.PutStartResponse:
-        """The answer (or the call made again, within the send's time).
-
-        Raises:
-            KVDepotError: No replica answered, or the one that did refused.
-        """
-        ...
-
-    def abandon(self) -> None:
-        """Leave the answer unread."""
         ...
 
 
@@ -160,7 +127,6 @@ MAX_OWED_KEYS = 1 << 16
 a key is dropped from them (counted) and left to the next registration."""
 
 _MIN_DEADLINE_S = 0.01
-_UNFLUSHED_S = 0.05
 
 
 @dataclass(slots=True)
@@ -180,15 +146,6 @@ class _Writer:
     new: int = 0
     elsewhere: int = 0
     not_indexed: int = 0
-
-
-@dataclass(slots=True)
-class _Sent:
-    """A deferred call a data-plane thread sent, for the committer to answer."""
-
-    batch: list[_Request]
-    order: dict[ChunkKey, int]
-    call: SentPutStart
 
 
 @dataclass(slots=True)
@@ -263,8 +220,6 @@ class IndexCommitter(Indexer):
         self._deferred_keys = 0  # queued or in flight
         self._writers: OrderedDict[WriterId, _Writer] = OrderedDict()
         self._thread: threading.Thread | None = None
-        self._dsending = False  # a deferred call is being made (sent, or answered)
-        self._sent: _Sent | None = None  # sent by a data-plane thread, to be answered
         # Held but not indexed (key: size), oldest first; under the deferred lock.
         self._owed: OrderedDict[ChunkKey, int] = OrderedDict()
         self._kicked = False  # the service answered since the last owed call
@@ -339,20 +294,20 @@ class IndexCommitter(Indexer):
     def _call(self, batch: list[_Request], deadline_s: float) -> list[list[IndexCode]] | None:
         if self._registered is not None and not self._registered():
             return None
-        order, sizes = _distinct(batch)
+        # One entry per distinct key: a key's bytes are in one reservation at
+        # a time, but a duplicate must not confuse the answer.
+        order: dict[ChunkKey, int] = {}
+        sizes: list[int] = []
+        for request in batch:
+            for key, size in zip(request.keys, request.sizes, strict=True):
+                if key not in order:
+                    order[key] = len(sizes)
+                    sizes.append(size)
         self.stats.requests += len(batch)
-        return self._codes(batch, order, self._put_start(list(order), sizes, deadline_s))
-
-    def _codes(
-        self,
-        batch: list[_Request],
-        order: dict[ChunkKey, int],
-        reply: metadata_pb2.PutStartResponse | None,
-    ) -> list[list[IndexCode]] | None:
-        """Each commit's codes from a PutStart's answer; ``None``: not committed."""
+        reply = self._put_start(list(order), sizes, deadline_s)
         if reply is None:
             return None
-        if not reply.written_committed or len(reply.allocations) != len(order):
+        if not reply.written_committed or len(reply.allocations) != len(sizes):
             # This node is no live node of the index (or the service predates
             # written flags): the writers place the chunks themselves.
             self.stats.failures += 1
@@ -370,7 +325,16 @@ class IndexCommitter(Indexer):
         when no replica answered."""
         self.stats.calls += 1
         try:
-            reply = self._client.put_start(self._request(keys, sizes), timeout_s=deadline_s)
+            reply = self._client.put_start(
+                metadata_pb2.PutStartRequest(
+                    keys=keys,
+                    sizes=sizes,
+                    writer_node_id=self._node_id,
+                    request_id=os.urandom(16),
+                    written=[True] * len(sizes),
+                ),
+                timeout_s=deadline_s,
+            )
         except Exception as exc:  # no replica answered, a closed client: the writers commit
             self.stats.failures += 1
             # The lease reports an outage (rate-limited), and the writers see NOT_INDEXED.
@@ -378,15 +342,6 @@ class IndexCommitter(Indexer):
             return None
         self.answered()
         return reply
-
-    def _request(self, keys: list[ChunkKey], sizes: list[int]) -> metadata_pb2.PutStartRequest:
-        return metadata_pb2.PutStartRequest(
-            keys=keys,
-            sizes=sizes,
-            writer_node_id=self._node_id,
-            request_id=os.urandom(16),
-            written=[True] * len(sizes),
-        )
 
     # -- deferred commits ---------------------------------------------------
     def defer(self, writer: WriterId, keys: Sequence[ChunkKey], sizes: Sequence[int]) -> bool:
@@ -407,52 +362,8 @@ class IndexCommitter(Indexer):
             self._deferred_keys += len(keys)
             self.stats.deferred += len(keys)
             self._start_thread()
-            if self._dsending:
-                self._dcond.notify_all()  # for the call after the one in flight
-            # Else this thread sends them after its reply (flush): the
-            # committer's wakeup is not on the way to the index, nor is the
-            # send on the way to the reply (a shm writer's next grants).
-        return True
-
-    def flush(self) -> None:
-        """Send what is queued now, from this (data-plane) thread, when no
-        call is in flight; the committer thread reads the answer."""
-        with self._dcond:
-            if self._dsending or not self._deferred or self._closed:
-                return
-            batch = self._take_deferred()
-            self._dsending = True
-        self._send_deferred(batch)
-
-    def _send_deferred(self, batch: list[_Request]) -> None:
-        """On a data-plane thread, with ``_dsending`` taken: send the call;
-        the committer thread answers it (or makes it, when it was not sent)."""
-        order, sizes = _distinct(batch)
-        call: SentPutStart | None = None
-        if self._registered is None or self._registered():
-            left = max(r.deadline for r in batch) - time.monotonic()
-            try:
-                call = self._client.send_put_start(
-                    self._request(list(order), sizes), timeout_s=left
-                )
-            except Exception as exc:  # a closed client: the committer makes the call
-                logger.debug("index commit of %d chunks not sent: %s", len(sizes), exc)
-        with self._dcond:
-            if call is not None and not self._closed:
-                self.stats.calls += 1
-                self.stats.requests += len(batch)
-                self._sent = _Sent(batch, order, call)
-                self._dcond.notify_all()
-                return
-            self._dsending = False
-            closed = self._closed
-            if not closed:
-                self._deferred.extendleft(reversed(batch))
             self._dcond.notify_all()
-        if call is not None:
-            call.abandon()
-        if closed:  # the committer has settled what was queued, and ended
-            self._settle(batch, None)
+        return True
 
     def _start_thread(self) -> None:
         """Under the deferred lock: the committer thread, started when first needed."""
@@ -499,53 +410,22 @@ class IndexCommitter(Indexer):
         failed = 0
         while True:
             with self._dcond:
-                while not (self._sent or self._closed or (not self._dsending and self._work())):
-                    # Timed: commits deferred by a thread that never flushed
-                    # them (its reply failed) wait this long at most.
-                    self._dcond.wait(_UNFLUSHED_S)
-                sent, self._sent = self._sent, None
+                while not (self._deferred or self._closed or (self._owed and self._kicked)):
+                    self._dcond.wait()
                 if self._closed:
-                    if sent is not None:
-                        sent.call.abandon()
-                        self._deferred.extendleft(reversed(sent.batch))
                     self._settle(list(self._deferred), None)
                     self._deferred.clear()
                     return
                 owed: list[tuple[ChunkKey, int]] = []
-                if sent is None:
-                    self._dsending = True
-                    if not self._deferred:
-                        self._kicked = False  # set again by this call's answer
-                        owed = list(islice(self._owed.items(), MAX_KEYS_PER_CALL))
-                    else:
-                        batch = self._take_deferred()
-            try:
-                if sent is not None:
-                    failed = self._answer_sent(sent, failed)
-                elif owed:
-                    self._commit_owed(owed)
+                if not self._deferred:
+                    self._kicked = False  # set again by this call's answer
+                    owed = list(islice(self._owed.items(), MAX_KEYS_PER_CALL))
                 else:
-                    failed = self._commit_batch(batch, failed)
-            finally:
-                with self._dcond:
-                    self._dsending = False
-
-    def _work(self) -> bool:
-        """Under the deferred lock: whether a call is to be made."""
-        return bool(self._deferred) or bool(self._owed and self._kicked)
-
-    def _answer_sent(self, sent: _Sent, failed: int) -> int:
-        """Read the answer of a call a data-plane thread sent; as
-        :meth:`_commit_batch` from there."""
-        try:
-            reply = sent.call.result()
-        except Exception as exc:  # no replica answered: tried again after the backoff
-            self.stats.failures += 1
-            logger.debug("index commit of %d chunks failed: %s", len(sent.order), exc)
-            reply = None
-        else:
-            self.answered()
-        return self._after_call(sent.batch, self._codes(sent.batch, sent.order, reply), failed)
+                    batch = self._take_deferred()
+            if owed:
+                self._commit_owed(owed)
+            else:
+                failed = self._commit_batch(batch, failed)
 
     def _commit_batch(self, batch: list[_Request], failed: int) -> int:
         """Send deferred commits (again after a backoff if the call failed,
@@ -556,13 +436,7 @@ class IndexCommitter(Indexer):
         live = self._still_held(live)
         if not live:
             return failed
-        return self._after_call(live, self._call(live, max(r.deadline for r in live) - now), failed)
-
-    def _after_call(
-        self, live: list[_Request], results: list[list[IndexCode]] | None, failed: int
-    ) -> int:
-        """Settle a deferred call's commits, or queue them again after a
-        backoff; returns the calls failed in a row."""
+        results = self._call(live, max(r.deadline for r in live) - now)
         if results is not None:
             self._settle(live, results)
             return 0
@@ -746,16 +620,3 @@ def _split(batch: list[_Request], until: float) -> tuple[list[_Request], list[_R
     for r in batch:
         (yes if r.deadline > until else no).append(r)
     return yes, no
-
-
-def _distinct(batch: list[_Request]) -> tuple[dict[ChunkKey, int], list[int]]:
-    """One entry per distinct key of a call, and its size: a key's bytes are in
-    one reservation at a time, but a duplicate must not confuse the answer."""
-    order: dict[ChunkKey, int] = {}
-    sizes: list[int] = []
-    for request in batch:
-        for key, size in zip(request.keys, request.sizes, strict=True):
-            if key not in order:
-                order[key] = len(sizes)
-                sizes.append(size)
-    return order, sizes

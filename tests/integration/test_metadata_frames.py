@@ -14,7 +14,6 @@ import secrets
 import signal
 import socket
 import struct
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,8 +24,6 @@ import pytest
 from kvdepot.apps.cluster import LocalCluster
 from kvdepot.connector.client import ClientConfig, KVDepotClient
 from kvdepot.errors import Unauthenticated, Unavailable
-from kvdepot.metadata_client import MetadataClient
-from kvdepot.proto.gen import metadata_pb2 as pb
 from kvdepot.rpc.security_config import SecurityConfig
 from kvdepot.wire import frames
 
@@ -98,51 +95,6 @@ def test_junk_on_the_socket_closes_that_connection_only(cluster: LocalCluster) -
         before = _frame_calls(client)
         assert client.lookup([os.urandom(16)]) == 0
         assert _frame_calls(client) == before + 1
-
-
-def test_a_put_start_sent_on_one_thread_is_answered_on_another(cluster: LocalCluster) -> None:
-    """What a store's data-plane thread sends and its committer thread answers:
-    the answer of the call itself, or, where its socket failed, of the call
-    made again over gRPC."""
-    node = cluster.stores[0].info["node_id"]
-    client = MetadataClient(cluster.metadata_address, 5.0)
-    try:
-        keys = [os.urandom(16) for _ in range(3)]
-
-        def request(ks: list[bytes]) -> pb.PutStartRequest:
-            return pb.PutStartRequest(
-                keys=ks, sizes=[CHUNK] * len(ks), writer_node_id=node,
-                request_id=os.urandom(16), written=[True] * len(ks),
-            )  # fmt: skip
-
-        # The port is learned from a gRPC reply: nothing is sent before; and
-        # only over an idle connection, never one opened by the sending thread.
-        assert client.send_put_start(request(keys[:1]), timeout_s=5) is None
-        assert client.lookup(pb.LookupRequest(keys=keys[:1])).hits == 0
-        assert client.links[0].port > 0
-        assert client.send_put_start(request(keys[:1]), timeout_s=5) is None
-        assert client.lookup(pb.LookupRequest(keys=keys[:1])).hits == 0  # over the socket
-        sent = client.send_put_start(request(keys[:2]), timeout_s=5)
-        assert sent is not None
-        answers: list[pb.PutStartResponse] = []
-        reader = threading.Thread(target=lambda: answers.append(sent.result()))
-        reader.start()
-        reader.join(10)
-        (reply,) = answers
-        assert reply.written_committed and len(reply.allocations) == 2
-        assert client.links[0].calls == 2  # the second lookup, then this one
-        assert client.lookup(pb.LookupRequest(keys=keys)).hits == 2
-        assert client.links[0].calls == 3
-        # Its connection fails before the answer is read: made again over gRPC.
-        sent = client.send_put_start(request(keys[2:]), timeout_s=5)
-        assert sent is not None
-        sent._sent._sock.close()  # type: ignore[attr-defined]
-        reply = sent.result()  # whether or not the service had read it first
-        assert len(reply.allocations) == 1 and client.links[0].calls == 3
-        assert not client.links[0].usable()  # gRPC for a while, as after any failure
-        assert client.lookup(pb.LookupRequest(keys=keys)).hits == 3
-    finally:
-        client.close()
 
 
 def test_a_restarted_service_is_found_on_its_new_socket(tmp_path: Path) -> None:

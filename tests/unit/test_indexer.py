@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -57,50 +56,6 @@ class FakeMetadata:
             allocations=[metadata_pb2.Allocation(action=a) for a in actions],
             written_committed=self.committed,
         )
-
-    def send_put_start(
-        self, request: metadata_pb2.PutStartRequest, *, timeout_s: float
-    ) -> Sent | None:
-        return None  # no framed socket: the committer thread makes every call
-
-
-class Sent:
-    """A call sent by :class:`SendingMetadata`: its answer is the fake's ``put_start``."""
-
-    def __init__(self, fake: SendingMetadata, request: Any, timeout_s: float) -> None:
-        self.fake, self.request, self.timeout_s = fake, request, timeout_s
-        self.answered_on = ""
-        self.abandoned = False
-
-    def result(self) -> metadata_pb2.PutStartResponse:
-        self.answered_on = threading.current_thread().name
-        self.fake.answered.append(self)
-        return self.fake.put_start(self.request, timeout_s=self.timeout_s)
-
-    def abandon(self) -> None:
-        self.abandoned = True
-
-
-class SendingMetadata(FakeMetadata):
-    """A fake whose calls can be sent by one thread and answered on another;
-    ``refuse_send``: sending fails (no framed socket, a closed client)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.sent: list[tuple[str, Sent]] = []
-        self.answered: list[Sent] = []
-        self.refuse_send = False
-        self.on_send: Callable[[], None] = lambda: None
-
-    def send_put_start(
-        self, request: metadata_pb2.PutStartRequest, *, timeout_s: float
-    ) -> Sent | None:
-        if self.refuse_send:
-            return None
-        call = Sent(self, request, timeout_s)
-        self.sent.append((threading.current_thread().name, call))
-        self.on_send()
-        return call
 
 
 def test_a_commit_is_one_put_start_with_written_flags_for_the_node() -> None:
@@ -196,13 +151,6 @@ def test_a_key_twice_in_a_batch_is_sent_once() -> None:
 
 # --- deferred commits (HeaderFlags.DEFER) -------------------------------------
 
-
-def defer(ix: IndexCommitter, writer: Any, keys: list[ChunkKey], sizes: list[int]) -> bool:
-    """As the store's data plane defers: then flushes, once its reply went out."""
-    queued = ix.defer(writer, keys, sizes)
-    ix.flush()
-    return queued
-
 W = ("", 7)
 
 
@@ -210,7 +158,7 @@ def test_a_deferred_commit_is_sent_behind_the_answer_and_counted_for_its_writer(
     fake = FakeMetadata()
     fake.elsewhere.add(key(2))
     ix = IndexCommitter("node-a", fake, 5.0)
-    assert defer(ix, W, [key(1), key(2), key(3)], [10, 20, 30])
+    assert ix.defer(W, [key(1), key(2), key(3)], [10, 20, 30])
     got = ix.sync(W, 5.0)
     assert (got.new, got.elsewhere, got.not_indexed, got.pending) == (2, 1, 0, 0)
     (req,) = fake.requests
@@ -220,7 +168,7 @@ def test_a_deferred_commit_is_sent_behind_the_answer_and_counted_for_its_writer(
     again = ix.sync(W, 5.0)
     assert (again.new, again.elsewhere, again.not_indexed, again.pending) == (0, 0, 0, 0)
     # Another writer's outcomes are its own.
-    assert defer(ix, ("tenant-b", 7), [key(4)], [1])
+    assert ix.defer(("tenant-b", 7), [key(4)], [1])
     assert ix.sync(W, 0.01).new == 0
     assert ix.sync(("tenant-b", 7), 5.0).new == 1
 
@@ -229,11 +177,11 @@ def test_deferred_commits_queued_behind_a_call_share_the_next_one() -> None:
     fake = FakeMetadata()
     fake.gate.clear()
     ix = IndexCommitter("node-a", fake, 5.0)
-    assert defer(ix, W, [key(0)], [1])
+    assert ix.defer(W, [key(0)], [1])
     while not fake.requests:  # the first call is in flight, held
         time.sleep(0.001)
     for i in range(1, 9):
-        assert defer(ix, ("", 100 + i), [key(i)], [1])  # none of these waits
+        assert ix.defer(("", 100 + i), [key(i)], [1])  # none of these waits
     held = ix.sync(W, 0.05)
     assert (held.new, held.pending) == (0, 1)
     fake.gate.set()
@@ -243,75 +191,11 @@ def test_deferred_commits_queued_behind_a_call_share_the_next_one() -> None:
     assert sorted(fake.requests[1].keys) == sorted(key(i) for i in range(1, 9))
 
 
-def test_a_deferred_commit_is_sent_by_the_deferring_thread_and_answered_by_the_committer() -> None:
-    fake = SendingMetadata()
-    fake.elsewhere.add(key(2))
-    ix = IndexCommitter("node-a", fake, 5.0)
-    here = threading.current_thread().name
-    assert defer(ix, W, [key(1), key(2)], [10, 20])
-    # Sent by the deferring thread (after its reply, in the store).
-    assert [(on, list(c.request.keys)) for on, c in fake.sent] == [(here, [key(1), key(2)])]
-    got = ix.sync(W, 5.0)
-    assert (got.new, got.elsewhere, got.not_indexed, got.pending) == (1, 1, 0, 0)
-    assert [c.answered_on for c in fake.answered] == ["kvdepot-index"]
-    assert (ix.stats.calls, ix.stats.requests) == (1, 1)
-    # While that call is answered, the next deferrals queue for the committer's next call.
-    fake.gate.clear()
-    assert defer(ix, W, [key(3)], [1])
-    while not fake.answered or len(fake.answered) < 2:
-        time.sleep(0.001)
-    for i in range(4, 7):
-        assert defer(ix, W, [key(i)], [1])  # none of these waits, nor sends
-    assert len(fake.sent) == 2
-    fake.gate.set()
-    got = ix.sync(W, 5.0)
-    assert (got.new, got.not_indexed, got.pending) == (4, 0, 0)
-    assert sorted(fake.requests[-1].keys) == [key(4), key(5), key(6)]
-    assert fake.requests[-1] not in [c.request for _, c in fake.sent]  # the committer's call
-
-
-def test_a_deferred_commit_never_flushed_is_made_by_the_committer() -> None:
-    fake = SendingMetadata()
-    ix = IndexCommitter("node-a", fake, 5.0)
-    assert ix.defer(W, [key(1)], [1])  # its thread never flushes (it died)
-    assert ix.sync(W, 5.0).new == 1
-    assert fake.sent == [] and len(fake.requests) == 1
-
-
-def test_a_deferred_commit_the_thread_cannot_send_is_made_by_the_committer() -> None:
-    fake = SendingMetadata()
-    fake.refuse_send = True
-    ix = IndexCommitter("node-a", fake, 5.0)
-    assert defer(ix, W, [key(1)], [1])
-    assert ix.sync(W, 5.0).new == 1
-    assert fake.sent == [] and len(fake.requests) == 1
-    # A sent call the service does not answer is made again after the backoff.
-    fake.refuse_send, fake.fail = False, True
-    assert defer(ix, W, [key(2)], [1])
-    while len(fake.requests) < 3:  # the sent call, then the committer's own
-        time.sleep(0.001)
-    fake.fail = False
-    got = ix.sync(W, 5.0)
-    assert (got.new, got.not_indexed) == (1, 0)
-    assert len(fake.sent) == 1 and ix.stats.failures >= 1
-
-
-def test_a_commit_sent_as_the_committer_closes_is_abandoned_and_not_indexed() -> None:
-    fake = SendingMetadata()
-    ix = IndexCommitter("node-a", fake, 5.0)
-    fake.on_send = ix.close  # the store stops while the data-plane thread sends
-    assert defer(ix, W, [key(1)], [1])
-    got = ix.sync(W, 5.0)
-    assert (got.new, got.not_indexed, got.pending) == (0, 1, 0)
-    ((_, call),) = fake.sent
-    assert call.abandoned and fake.answered == []
-
-
 def test_a_failed_deferred_call_is_tried_again_within_its_time() -> None:
     fake = FakeMetadata()
     fake.fail = True
     ix = IndexCommitter("node-a", fake, 5.0)
-    assert defer(ix, W, [key(1)], [1])
+    assert ix.defer(W, [key(1)], [1])
     while len(fake.requests) < 2:  # tried, failed, tried again
         time.sleep(0.001)
     fake.fail = False
@@ -325,7 +209,7 @@ def test_a_deferred_commit_not_made_in_its_time_is_counted_not_indexed() -> None
     fake.gate.clear()  # the service does not answer
     ix = IndexCommitter("node-a", fake, 0.3)
     t0 = time.monotonic()
-    assert defer(ix, W, [key(1), key(2)], [1, 1])
+    assert ix.defer(W, [key(1), key(2)], [1, 1])
     # The writer's wait is bounded by the store's too.
     got = ix.sync(W, 10.0)
     assert time.monotonic() - t0 < 1.5
@@ -339,7 +223,7 @@ def test_a_chunk_the_store_no_longer_holds_is_not_sent() -> None:
     fake = FakeMetadata()
     gone = {key(2)}
     ix = IndexCommitter("node-a", fake, 5.0, holds=lambda k: k not in gone)
-    assert defer(ix, W, [key(1), key(2)], [1, 1])
+    assert ix.defer(W, [key(1), key(2)], [1, 1])
     got = ix.sync(W, 5.0)
     assert (got.new, got.not_indexed) == (1, 1)
     assert [list(r.keys) for r in fake.requests] == [[key(1)]]
@@ -352,15 +236,15 @@ def test_deferring_is_refused_when_closed_or_full(monkeypatch: pytest.MonkeyPatc
     fake.gate.clear()
     monkeypatch.setattr(indexer, "MAX_DEFERRED_KEYS", 3)
     ix = IndexCommitter("node-a", fake, 5.0)
-    assert defer(ix, W, [key(1), key(2)], [1, 1])
+    assert ix.defer(W, [key(1), key(2)], [1, 1])
     # Full (queued and in flight): this writer commits synchronously instead.
-    assert not defer(ix, W, [key(3), key(4)], [1, 1])
-    assert defer(ix, W, [key(5)], [1])
+    assert not ix.defer(W, [key(3), key(4)], [1, 1])
+    assert ix.defer(W, [key(5)], [1])
     fake.gate.set()
     assert ix.sync(W, 5.0).new == 3
     ix.close()
-    assert not defer(ix, W, [key(6)], [1])
-    assert defer(ix, W, [], [])  # nothing to queue
+    assert not ix.defer(W, [key(6)], [1])
+    assert ix.defer(W, [], [])  # nothing to queue
 
 
 def test_the_writers_kept_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -370,7 +254,7 @@ def test_the_writers_kept_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     fake = FakeMetadata()
     ix = IndexCommitter("node-a", fake, 5.0)
     for i in range(10):
-        assert defer(ix, ("", i + 1), [key(i)], [1])
+        assert ix.defer(("", i + 1), [key(i)], [1])
     deadline = time.monotonic() + 5
     while ix.stats.calls < 1 or ix._deferred_keys:
         assert time.monotonic() < deadline
@@ -395,7 +279,7 @@ def test_what_was_not_indexed_in_time_is_committed_once_the_service_answers() ->
     fake.fail = True
     gone: set[ChunkKey] = set()
     ix = IndexCommitter("node-a", fake, 0.2, holds=lambda k: k not in gone)
-    assert defer(ix, W, [key(1), key(2)], [10, 20])
+    assert ix.defer(W, [key(1), key(2)], [10, 20])
     got = ix.sync(W, 5.0)
     if got.pending:
         got = got + ix.sync(W, 5.0)
