@@ -55,8 +55,10 @@ async def explain(
     """Per key: its replicas, else its newest departure, if the index knows one."""
     where = await index.probe(keys, client)
     missing = [k for k, w in zip(keys, where, strict=True) if w is None]
-    gone = dict(zip(missing, await index.departures.find(missing), strict=True))
+    # In this order: a sweep records a lost replica's departure before it
+    # deletes the replica, so one of the two reads finds it.
     lost = await index.lost_with_node(missing)
+    gone = dict(zip(missing, await index.departures.find(missing), strict=True))
     for key, (node_id, at) in lost.items():
         known = gone.get(key)
         if known is None or known.at < at:

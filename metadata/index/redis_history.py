@@ -4,8 +4,10 @@ Both live in Redis beside the index, so that every metadata replica answers
 ``Explain`` and ``ListNamespaces`` alike. A chunk of a node whose lease ran
 out is not listed one by one (the reaper records the registration as ended
 in O(1)); until the sweep deletes its replicas, :meth:`lost_with_node` finds
-the ended registration in the chunk's own record; the sweep then records
-those it deletes as departures (up to ``_LOST_PER_STEP`` a step).
+the ended registration in the chunk's own record; the sweep records those it
+is about to delete as departures first (up to ``_LOST_PER_STEP`` a step), so
+that a reader who asks the chunk's record, then the history, finds one or
+the other.
 """
 
 from __future__ import annotations
@@ -41,10 +43,13 @@ class RedisHistory:
         self._history = RedisDepartures(self._db, self._p, tag, config.departures)
         self._departures = self._history
 
-    def _lost_listener(self) -> tuple[LostListener | None, int]:
-        """What the sweep tells of the replicas of ended registrations it deletes."""
-        want = min(self._history.config.per_node, _LOST_PER_STEP)
-        return (self._record_lost if want else None), want
+    def _lost_listener(self) -> tuple[LostListener | None, int, int]:
+        """What the sweep tells of the replicas of ended registrations it
+        deletes: a step's at most, and a registration's in a pass (the
+        history keeps no more)."""
+        keep = self._history.config.per_node
+        want = min(keep, _LOST_PER_STEP)
+        return (self._record_lost if want else None), want, keep
 
     async def _record_lost(self, node_id: str, at: float, keys: list[ChunkKey]) -> None:
         await self._history.record(node_id, keys, "node_lost", "", at)

@@ -310,6 +310,8 @@ class _Pass:
     ended: dict[int, str]  # the registrations known to have ended at its start
     cursors: dict[str, int]  # per server (one on a single server)
     dropped: Counter[int] = field(default_factory=Counter)
+    told: Counter[int] = field(default_factory=Counter)  # replicas told of, per epoch
+    swept_before: dict[int, int] = field(default_factory=dict)  # by earlier passes
 
 
 class Sweeper:
@@ -336,11 +338,14 @@ class Sweeper:
         keys: Sequence[str],
         on_lost: LostListener | None = None,
         lost_per_step: int = 0,
+        lost_per_pass: int = 0,
     ) -> None:
-        # Told (node, ended at in s, keys) of the replicas of ended
-        # registrations deleted, up to lost_per_step a step's script call.
+        # Told (node, ended at in s, keys) of replicas of ended registrations
+        # before they are deleted: up to lost_per_step a step's script call,
+        # while the pass has told of fewer than lost_per_pass of some one.
         self._on_lost = on_lost
         self._lost_per_step = lost_per_step if on_lost is not None else 0
+        self._lost_per_pass = max(lost_per_pass, self._lost_per_step)
         self._db = db
         self._buckets = buckets
         self._last, self._map, self._ended, self._swept, self._lock = keys
@@ -366,6 +371,8 @@ class Sweeper:
         try:
             if self._pass is None:
                 self._pass = _Pass(int(now_ms), ended, await self._start())
+                raw = await self._db.one(("HGETALL", self._swept))
+                self._pass.swept_before = {int(e): int(n) for e, n in raw.items()}
             keep = b"".join(epoch_bytes(int(e)) for e in mapped if int(e) not in ended)
             deleted = 0
             while self._pass.cursors:  # a step at least
@@ -417,22 +424,36 @@ class Sweeper:
             sweep.cursors[server] = cursor
         if not keys:
             return 0
-        argv = [last, keep, *([self._lost_per_step] if self._lost_per_step else [])]
-        if self._db.cluster:
-            calls = [scripts.SWEEP.cmd([k], argv) for k in keys]
-        else:
-            calls = [scripts.SWEEP.cmd(keys, argv)]
+        if self._telling(sweep):
+            want = [last, keep, self._lost_per_step]
+            for lost in await self._db.exec(self._calls(keys, want)):
+                await self._tell_lost(sweep, lost)
         dropped: Counter[int] = Counter()
-        for reply in await self._db.exec(calls):
-            pairs = reply[1] if self._lost_per_step else reply[1:]
-            for epoch, n in zip(pairs[::2], pairs[1::2], strict=True):
+        for reply in await self._db.exec(self._calls(keys, [last, keep])):
+            for epoch, n in zip(reply[1::2], reply[2::2], strict=True):
                 dropped[int.from_bytes(epoch, "big")] += int(n)
-            if self._lost_per_step:
-                await self._tell_lost(sweep, reply[2])
         if dropped:
             await self._db.exec([("HINCRBY", self._swept, e, n) for e, n in dropped.items()])
         sweep.dropped.update(dropped)
         return sum(dropped.values())
+
+    def _telling(self, sweep: _Pass) -> bool:
+        """Whether a step reads the replicas it will delete first, to tell of
+        them: while some ended registration has replicas left and fewer than
+        ``lost_per_pass`` told of."""
+        if not self._lost_per_step:
+            return False
+        for epoch, ended in sweep.ended.items():
+            count = int(ended.split(" ", 2)[1])
+            gone = sweep.swept_before.get(epoch, 0) + sweep.dropped[epoch]
+            if sweep.told[epoch] < self._lost_per_pass and (count < 0 or gone < count):
+                return True
+        return False
+
+    def _calls(self, keys: Sequence[bytes], argv: list[Any]) -> list[scripts.Cmd]:
+        if self._db.cluster:  # a script's keys on one slot
+            return [scripts.SWEEP.cmd([k], argv) for k in keys]
+        return [scripts.SWEEP.cmd(keys, argv)]
 
     async def _tell_lost(self, sweep: _Pass, lost: Sequence[bytes]) -> None:
         assert self._on_lost is not None
@@ -441,6 +462,7 @@ class Sweeper:
             key = ChunkKey(self._buckets.key_of(bucket, fld))
             by_epoch.setdefault(int.from_bytes(raw, "big"), []).append(key)
         for number, keys in by_epoch.items():
+            sweep.told[number] += len(keys)
             parts = sweep.ended.get(number, "").split(" ", 2)
             if len(parts) == 3:  # else replaced, not ended with its node
                 await self._on_lost(parts[2], int(parts[0]) / 1000, keys)

@@ -338,8 +338,9 @@ return out
 # Deletes every replica of an epoch up to the last that is not kept: of an
 # ended registration, or of one forgotten since. {chunks deleted (no replica
 # left), then epoch (6 bytes), replicas deleted, for each epoch that lost some}.
-# With ARGV[3] (a count > 0): {chunks deleted, {those pairs}, {bucket, field,
-# epoch of up to that many deleted replicas}} (the departure history's).
+# With ARGV[3] (a count > 0) it deletes nothing and answers {bucket, field,
+# epoch} of up to that many replicas it would delete: the departure history
+# records them before they go, so that a reader never finds one in neither.
 SWEEP = Script(
     """
 local last, seen = tonumber(ARGV[1]), {}
@@ -368,14 +369,16 @@ for k = 1, #KEYS do
         local r = string.sub(v, i, i + 5)
         if ended(r) then
           dropped[r] = (dropped[r] or 0) + 1
-          if #lost < 3 * want then
+          if want > 0 then
             lost[#lost + 1] = KEYS[k]
             lost[#lost + 1] = h[j]
             lost[#lost + 1] = r
+            if #lost >= 3 * want then return lost end
           end
         else kept = kept .. string.sub(v, i, i + 6) end
       end
-      if #kept == 6 then
+      if want > 0 then  -- read only: told before they go
+      elseif #kept == 6 then
         redis.call('HDEL', KEYS[k], h[j])
         chunks = chunks + 1
       else
@@ -384,14 +387,11 @@ for k = 1, #KEYS do
     end
   end
 end
+if want > 0 then return lost end
 local out = {chunks}
 for r, n in pairs(dropped) do
   out[#out + 1] = r
   out[#out + 1] = n
-end
-if want > 0 then
-  table.remove(out, 1)
-  return {chunks, out, lost}
 end
 return out
 """

@@ -20,9 +20,11 @@ import pytest
 
 from kvdepot.errors import NotFound, StaleRegistration
 from kvdepot.keys import ChunkKey
+from kvdepot.metadata.explain import explain
 from kvdepot.metadata.index import IndexConfig, create_backend
 from kvdepot.metadata.index import redis_scripts as scripts
 from kvdepot.metadata.index.base import MAX_PAGE_CHUNKS, InventoryPage
+from kvdepot.metadata.index.departures import DepartureConfig
 from kvdepot.metadata.index.redis import RedisIndex
 from kvdepot.metadata.index.redis_client import Connection
 from kvdepot.metadata.index.redis_layout import replicas
@@ -223,6 +225,57 @@ def test_a_dead_node_vanishes_at_once_and_is_swept_in_steps(
             r = await index.lookup(shared, "", 0)
             assert r.hits == 2 and [x.node_id for x in r.locations[0].replicas] == ["live"]
             assert (await index.stats(now())).chunks == 101
+        finally:
+            await index.close()
+
+    asyncio.run(go())
+
+
+def test_the_sweep_records_a_lost_chunk_before_it_deletes_it(index_url: str) -> None:
+    """``Explain`` reads a chunk's record, then the history: a sweep between
+    the two must not leave the chunk in neither."""
+    n, keep = 3000, 500
+
+    async def go() -> None:
+        config = IndexConfig(index_url, 1.0, 10.0, departures=DepartureConfig(per_node=keep))
+        index = create_backend(config)
+        assert isinstance(index, RedisIndex)
+        try:
+            dead = random_keys(n, 6)
+            await register(index, "dead", dead, n)
+            await asyncio.sleep(1.2)
+            await index._layout()
+            sweeper = index._sweeper
+            assert sweeper is not None and sweeper._on_lost is not None
+            told: list[ChunkKey] = []
+            tell = sweeper._on_lost
+
+            async def checked(node_id: str, at: float, keys: list[ChunkKey]) -> None:
+                still = await index.lost_with_node(keys)
+                assert set(still) == set(keys), "told of after they were deleted"
+                assert {v[0] for v in still.values()} == {node_id} == {"dead"}
+                told.extend(keys)
+                await tell(node_id, at, keys)
+
+            sweeper._on_lost = checked
+            sweeper.grace_s = 0.0
+            index.sweep_budget_s = 0.0
+            calls = 0
+            await index.expire(now())
+            while await index._r.hlen(index._k_dead) and calls < 10_000:
+                await index.expire(now())
+                calls += 1
+            everything = [key_at(dead, i) for i in range(n)]
+            assert not await index.lost_with_node(everything)
+            # The history keeps its newest per node: told of that many, and
+            # of fewer once the pass had told of a node's worth.
+            assert keep <= len(told) < keep + sweeper._lost_per_step
+            found = await index.departures.find(told[-keep:])
+            assert all(
+                d is not None and (d.node_id, d.reason) == ("dead", "node_lost") for d in found
+            )
+            answers = await explain(index, told[-keep:], "")
+            assert {a.departure.node_id for a in answers} == {"dead"}
         finally:
             await index.close()
 
