@@ -419,7 +419,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
                 allocations, n = await self._index.commit_written(
                     writer, keys, sizes, time.monotonic(), request_id
                 )
-                committed = self._stored(writer, keys, n)
+                committed = await self._stored(writer, keys, n)
             else:
                 allocations = await self._index.put_start(
                     keys, sizes, writer, time.monotonic(), request_id
@@ -458,16 +458,22 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServicer):
         # are here anyway, and never crossed the network).
         done = [keys[i] for i in written]
         n = await self._index.put_end(writer, done, [sizes[i] for i in written])
-        return self._stored(writer, done, n)
+        return await self._stored(writer, done, n)
 
-    def _stored(self, writer: str, keys: Sequence[ChunkKey], committed: int) -> bool:
-        """Whether a commit of written chunks went through (``committed`` of them
-        new replicas); the KV events say so."""
-        if committed and self._events is not None:
-            self._events.stored(writer, keys)
-        # 0 when the writer is no live node (its replicas already listed
-        # would count 0 too: a written key is one its store did not hold).
-        return committed > 0
+    async def _stored(self, writer: str, keys: Sequence[ChunkKey], committed: int) -> bool:
+        """Whether the written chunks are the writer's replicas in the index
+        now (``committed`` of them new ones); the KV events say so."""
+        if committed:
+            if self._events is not None:
+                self._events.stored(writer, keys)
+            return True
+        # None new: the writer is no live node, or this is a retry whose
+        # first attempt committed them (a written key is one its store did
+        # not hold before), which must not read as "not indexed".
+        where = await self._index.probe(keys)
+        return bool(keys) and all(
+            w is not None and any(r.node_id == writer for r in w.replicas) for w in where
+        )
 
     async def PutEnd(
         self, request: metadata_pb2.PutEndRequest, context: grpc.aio.ServicerContext

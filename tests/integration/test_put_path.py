@@ -129,6 +129,11 @@ def test_put_start_checks_its_written_flags(cluster: LocalCluster) -> None:
             with pytest.raises(grpc.RpcError) as err:
                 put_start(**bad)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # A retried commit, its first attempt having committed: still committed.
+        keys = _keys(2)
+        for _ in range(2):
+            reply = put_start(keys=keys, writer_node_id=node, written=[True, True])
+            assert reply.written_committed
         # A writer that is no registered node: nothing of it enters the index.
         keys = _keys(2)
         reply = put_start(keys=keys, writer_node_id="nobody", written=[True, True])
