@@ -29,7 +29,10 @@ the run, as Mooncake's and LMCache's puts include theirs), and gets one
 batch at a time; ``visible`` rows time a put of 1 and of 8 chunks of 256 KiB
 from its start until another process's lookup names them (kvdepot's
 ``lookup``, Mooncake's ``batch_is_exist``, LMCache's ``EXIST``; the raw
-floors: the receiving process). Throughput rows also carry the CPU a batch
+floors: the receiving process); kvdepot's visible rows come twice, putting
+as the vLLM connector does (the index commit right behind the store's
+answer) and, as ``kvdepot-*-sync``, as the client does by default (returning
+once the index has the chunks). Throughput rows also carry the CPU a batch
 took, of this process and of the system's own processes; the put targets
 missed before are printed with the best ratio that CPU allows on this
 machine's cores.
@@ -68,7 +71,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: t
 
 from benchmarks import procs
 from benchmarks.floors import RawShmXxh3, RawTcpXxh3
-from benchmarks.kvsystems import KVDepot, cluster
+from benchmarks.kvsystems import KVDepot, KVDepotSyncIndex, cluster
 from benchmarks.measure import (
     cpu_bounds,
     measure,
@@ -399,6 +402,9 @@ shows each system's fixed cost of a batch."""
 _VISIBLE_PAIRS = [
     ("kvdepot-tcp", "mooncake"),
     ("kvdepot-shm", "mooncake"),
+    ("kvdepot-tcp-sync", "mooncake"),
+    ("kvdepot-shm-sync", "mooncake"),
+    ("kvdepot-tcp-sync", "raw-tcp"),
     ("kvdepot-tcp", "lmcache-lm"),
     ("kvdepot-shm", "lmcache-lm"),
     ("kvdepot-tcp", "raw-tcp"),
@@ -454,21 +460,26 @@ def _run(args: argparse.Namespace, log: Any) -> list[Row]:
         kv_cluster = stack.enter_context(cluster(args.capacity, None))
         node = kv_cluster.stores[0].info["node_id"]
         systems += [KVDepot("tcp", kv_cluster, node), KVDepot("shm", kv_cluster, node)]
+        # Visible rows only: a put that returns once the index has its chunks
+        # (the client's default), as Mooncake's put_from returns.
+        waiting = [KVDepotSyncIndex(t, kv_cluster, node) for t in ("tcp", "shm")]
         # Mooncake's segment: a run's puts (removed after it), the gets' batch, spare.
         segment = max(sizes) * args.batch * (burst + 4) + (256 << 20)
         systems += _peers(args.inside, why, segment, log)
-        for s in systems:
+        for s in systems + waiting:
             stack.callback(s.close)
         log(f"{rounds} rounds x {trials} trials (put runs of {burst} batches), batches of "
             f"{args.batch}, visible {counts} x {args.visible_size} KiB x {vtrials}: "
-            + ", ".join(s.name for s in systems))  # fmt: skip
+            + ", ".join(s.name for s in systems + waiting))  # fmt: skip
         for k in range(rounds):
             log(f"round {k + 1}")
             rows: list[Row] = []
             if "throughput" in timings:
                 rows += measure(systems, sizes, batch_of, trials, burst, log)
             if "visible" in timings:
-                rows += measure_visible(systems, args.visible_size * KiB, counts, vtrials, log)
+                rows += measure_visible(
+                    systems + waiting, args.visible_size * KiB, counts, vtrials, log
+                )
             per_round.append(rows)
     return over_rounds(per_round)
 
