@@ -444,7 +444,8 @@ class Sweeper:
         if not self._lost_per_step:
             return False
         for epoch, ended in sweep.ended.items():
-            count = int(ended.split(" ", 2)[1])
+            parts = ended.split(" ", 2)
+            count = int(parts[1]) if len(parts) > 1 else -1  # -1: unknown
             gone = sweep.swept_before.get(epoch, 0) + sweep.dropped[epoch]
             if sweep.told[epoch] < self._lost_per_pass and (count < 0 or gone < count):
                 return True
